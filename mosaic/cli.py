@@ -1,0 +1,58 @@
+"""The ``mosaic`` command line.
+
+Each area of the package contributes its sub-commands through a module with a
+``register(subparsers)`` function; this file only wires them together so that
+``mosaic --help`` stays fast (heavy imports happen inside the commands).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# Modules that contribute sub-commands, in the order they appear in --help.
+COMMAND_MODULES = (
+    "mosaic.trace.cli",
+    "mosaic.envs.cli",
+    "mosaic.agent.cli",
+    "mosaic.train.cli",
+    "mosaic.capture.cli",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from mosaic import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="mosaic",
+        description="Multi-session agentic RL: harness, Mosaic credit assignment, trainer.",
+    )
+    parser.add_argument("--version", action="version", version=f"mosaic {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:  # an area not built yet in this checkout
+            if exc.name != name:
+                raise
+            continue
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 0
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
