@@ -1,1 +1,33 @@
-"""mosaic.trace."""
+"""The session-graph data model (SPEC §1) and its storage."""
+
+from mosaic.trace.graph import (
+    KIND_CODES,
+    Session,
+    StateRef,
+    TraceError,
+    Trajectory,
+    kind_names,
+    register_kind,
+    validate,
+    validate_all,
+)
+from mosaic.trace.rows import FlatBatch, TrainingRow, flatten, to_rows
+from mosaic.trace.storage import (
+    SCHEMA_VERSION,
+    JsonlWriter,
+    StorageError,
+    TornLineWarning,
+    iter_jsonl,
+    load_trajectories,
+    read_jsonl,
+    read_parquet,
+    write_jsonl,
+    write_parquet,
+)
+
+__all__ = [
+    "KIND_CODES", "Session", "StateRef", "TraceError", "Trajectory", "kind_names", "register_kind",
+    "validate", "validate_all", "FlatBatch", "TrainingRow", "flatten", "to_rows", "SCHEMA_VERSION",
+    "JsonlWriter", "StorageError", "TornLineWarning", "iter_jsonl", "load_trajectories", "read_jsonl",
+    "read_parquet", "write_jsonl", "write_parquet",
+]

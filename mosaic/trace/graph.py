@@ -1,0 +1,363 @@
+"""The session graph: what a multi-session rollout is, token for token.
+
+A trajectory is a DAG of sessions (SPEC §1). Each session stores the exact
+prompt ids the model was fed and the completion ids that followed, with a
+parallel boolean ``loss_mask`` (True = sampled by the policy, trained on;
+template and tool tokens False) and the sampling log-probs (0.0 where the
+mask is False). Edges point from a parent to a child: ``continues``
+(main → compaction → main) and ``forks`` (main → subagent).
+
+States for the information-gain scorer (SPEC §4.4) are *references* rather
+than copies: a :class:`StateRef` names a session and a length ``upto`` into
+that session's ``prompt_ids + completion_ids``. Sessions that share a state
+(a compaction's ``state_before`` is the previous main session's end) name the
+same (session, upto) pair, so the scorer can deduplicate them by key and each
+state is stored once. States that exist in no session's tokens (the "own"
+subagent mode, captured sessions) go in ``Trajectory.states`` and are named by
+index.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Literal
+
+# Session kinds and their integer codes (the estimators take codes).
+# Extensible with :func:`register_kind`; codes are stable once registered.
+KIND_CODES: dict[str, int] = {"main": 0, "compaction": 1, "subagent": 2, "reset": 3}
+EdgeType = Literal["continues", "forks"]
+EDGE_TYPES: tuple[str, ...] = ("continues", "forks")
+
+
+def register_kind(name: str) -> int:
+    """Register a new session kind and return its integer code (idempotent)."""
+    if not name or not isinstance(name, str):
+        raise ValueError(f"session kind must be a non-empty string, got {name!r}")
+    if name not in KIND_CODES:
+        KIND_CODES[name] = max(KIND_CODES.values()) + 1
+    return KIND_CODES[name]
+
+
+def kind_names() -> dict[int, str]:
+    """Map code → kind name (for metric labels)."""
+    return {code: name for name, code in KIND_CODES.items()}
+
+
+class TraceError(ValueError):
+    """A trajectory or session record that breaks the data model; the message names the field."""
+
+
+@dataclass(frozen=True)
+class StateRef:
+    """A context the answer likelihood is measured in.
+
+    Exactly one of the two forms:
+    - ``session`` + ``upto``: the first ``upto`` tokens of that session's
+      ``prompt_ids + completion_ids`` (``upto=None`` means all of them);
+    - ``state``: an index into ``Trajectory.states`` (explicit token ids).
+    """
+
+    session: int | None = None
+    upto: int | None = None
+    state: int | None = None
+
+    def to_dict(self) -> dict[str, int | None]:
+        if self.state is not None:
+            return {"state": self.state}
+        return {"session": self.session, "upto": self.upto}
+
+    @staticmethod
+    def from_dict(d: dict[str, Any] | None) -> "StateRef | None":
+        if d is None:
+            return None
+        if not isinstance(d, dict):
+            raise TraceError(f"state reference must be an object, got {type(d).__name__}")
+        return StateRef(session=d.get("session"), upto=d.get("upto"), state=d.get("state"))
+
+
+@dataclass
+class Session:
+    """One stretch of interaction over one context prefix.
+
+    Attributes:
+        id: index of the session inside its trajectory (``trajectory.sessions[id]``).
+        kind: ``main``, ``compaction``, ``subagent``, ``reset`` or a registered kind.
+        parent: id of the parent session, or None for the root.
+        edge: type of the parent → this edge (``continues`` or ``forks``); None for the root.
+        prompt_ids: the exact token ids the model was fed at the session start.
+        completion_ids: every token after the prompt: sampled tokens and inserted
+            tool / template tokens, in the order the model saw them.
+        loss_mask: (len(completion_ids),) True = sampled by the policy (trained on).
+        logprobs: (len(completion_ids),) sampling log-probs; 0.0 where loss_mask is False.
+        end_reason: why the session ended (``answer``, ``compaction``, ``turn_cap``, ...).
+        is_final: True for the last main session of the trajectory (exactly one).
+        state_before / state_after: the gain scorer's states (SPEC §4.4).
+        num_turns: assistant turns sampled in this session.
+        meta: free-form, JSON-serialisable extras (tool errors, timings, ...).
+    """
+
+    id: int
+    kind: str
+    prompt_ids: list[int]
+    completion_ids: list[int] = field(default_factory=list)
+    loss_mask: list[bool] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    parent: int | None = None
+    edge: str | None = None
+    end_reason: str = ""
+    is_final: bool = False
+    state_before: StateRef | None = None
+    state_after: StateRef | None = None
+    num_turns: int = 0
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def kind_code(self) -> int:
+        return KIND_CODES[self.kind]
+
+    @property
+    def num_trainable(self) -> int:
+        return sum(1 for m in self.loss_mask if m)
+
+    def tokens(self) -> list[int]:
+        """The full context at the session's end: prompt + completion."""
+        return list(self.prompt_ids) + list(self.completion_ids)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "kind": self.kind,
+            "parent": self.parent,
+            "edge": self.edge,
+            "prompt_ids": list(self.prompt_ids),
+            "completion_ids": list(self.completion_ids),
+            "loss_mask": [bool(m) for m in self.loss_mask],
+            "logprobs": [float(x) for x in self.logprobs],
+            "end_reason": self.end_reason,
+            "is_final": self.is_final,
+            "state_before": self.state_before.to_dict() if self.state_before else None,
+            "state_after": self.state_after.to_dict() if self.state_after else None,
+            "num_turns": self.num_turns,
+            "meta": self.meta,
+        }
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> "Session":
+        try:
+            return Session(
+                id=int(d["id"]),
+                kind=str(d["kind"]),
+                parent=None if d.get("parent") is None else int(d["parent"]),
+                edge=d.get("edge"),
+                prompt_ids=[int(t) for t in d["prompt_ids"]],
+                completion_ids=[int(t) for t in d.get("completion_ids", [])],
+                loss_mask=[bool(m) for m in d.get("loss_mask", [])],
+                logprobs=[float(x) for x in d.get("logprobs", [])],
+                end_reason=str(d.get("end_reason", "")),
+                is_final=bool(d.get("is_final", False)),
+                state_before=StateRef.from_dict(d.get("state_before")),
+                state_after=StateRef.from_dict(d.get("state_after")),
+                num_turns=int(d.get("num_turns", 0)),
+                meta=dict(d.get("meta") or {}),
+            )
+        except KeyError as exc:
+            raise TraceError(f"session record is missing field {exc.args[0]!r}") from None
+        except (TypeError, ValueError) as exc:
+            raise TraceError(f"session record has a field of the wrong type: {exc}") from None
+
+
+@dataclass
+class Trajectory:
+    """One rollout of one task: a DAG of sessions and one outcome reward.
+
+    Attributes:
+        id: unique id of the rollout.
+        task_id: the task it solves; group_id: the GRPO comparison set it belongs to.
+        sessions: ``sessions[k].id == k``; parents must come before children.
+        reward: outcome reward in [0, 1]; success: ``reward >= success_threshold``.
+        answer: the extracted final answer (None if none); ground_truth: the gold answer
+            (the gain scorer needs it).
+        end_reason: why the trajectory ended (``answer``, ``session_cap``, ``context_overflow``, ...).
+        states: explicit states referenced by ``StateRef(state=i)``.
+        meta: free-form extras (counters, timings, invalid-action counts, ...).
+    """
+
+    id: str
+    task_id: str
+    group_id: str
+    sessions: list[Session]
+    reward: float = 0.0
+    success: bool = False
+    answer: str | None = None
+    ground_truth: str | None = None
+    end_reason: str = ""
+    states: list[list[int]] = field(default_factory=list)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_sessions(self) -> int:
+        return len(self.sessions)
+
+    def count_kinds(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for s in self.sessions:
+            counts[s.kind] = counts.get(s.kind, 0) + 1
+        return counts
+
+    def final_session(self) -> Session:
+        finals = [s for s in self.sessions if s.is_final]
+        if len(finals) != 1:
+            raise TraceError(f"trajectory {self.id!r}: expected exactly one final session, found {len(finals)}")
+        return finals[0]
+
+    def resolve_state(self, ref: StateRef) -> list[int]:
+        """Token ids of a state reference."""
+        if ref.state is not None:
+            return list(self.states[ref.state])
+        toks = self.sessions[ref.session].tokens()  # type: ignore[index]
+        return toks if ref.upto is None else toks[: ref.upto]
+
+    def state_key(self, ref: StateRef) -> tuple:
+        """A hashable key equal for references to the same tokens of this trajectory."""
+        if ref.state is not None:
+            return ("state", ref.state)
+        s = self.sessions[ref.session]  # type: ignore[index]
+        n = len(s.prompt_ids) + len(s.completion_ids)
+        return ("session", ref.session, n if ref.upto is None else ref.upto)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "task_id": self.task_id,
+            "group_id": self.group_id,
+            "reward": float(self.reward),
+            "success": bool(self.success),
+            "answer": self.answer,
+            "ground_truth": self.ground_truth,
+            "end_reason": self.end_reason,
+            "sessions": [s.to_dict() for s in self.sessions],
+            "states": [list(map(int, st)) for st in self.states],
+            "meta": self.meta,
+        }
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> "Trajectory":
+        if not isinstance(d, dict):
+            raise TraceError(f"trajectory record must be an object, got {type(d).__name__}")
+        try:
+            sessions = d["sessions"]
+            if not isinstance(sessions, list):
+                raise TraceError("trajectory field 'sessions' must be a list")
+            return Trajectory(
+                id=str(d["id"]),
+                task_id=str(d["task_id"]),
+                group_id=str(d["group_id"]),
+                sessions=[Session.from_dict(s) for s in sessions],
+                reward=float(d.get("reward", 0.0)),
+                success=bool(d.get("success", False)),
+                answer=d.get("answer"),
+                ground_truth=d.get("ground_truth"),
+                end_reason=str(d.get("end_reason", "")),
+                states=[[int(t) for t in st] for st in d.get("states", [])],
+                meta=dict(d.get("meta") or {}),
+            )
+        except KeyError as exc:
+            raise TraceError(f"trajectory record is missing field {exc.args[0]!r}") from None
+        except (TypeError, ValueError) as exc:
+            if isinstance(exc, TraceError):
+                raise
+            raise TraceError(f"trajectory record has a field of the wrong type: {exc}") from None
+
+
+def _check_ref(traj: Trajectory, s: Session, name: str, ref: StateRef | None) -> None:
+    where = f"trajectory {traj.id!r} session {s.id} field {name!r}"
+    if ref is None:
+        return
+    if (ref.state is None) == (ref.session is None):
+        raise TraceError(f"{where}: a state reference needs exactly one of 'session' or 'state'")
+    if ref.state is not None:
+        if not 0 <= ref.state < len(traj.states):
+            raise TraceError(f"{where}: state index {ref.state} out of range (have {len(traj.states)})")
+        return
+    if not 0 <= ref.session < len(traj.sessions):  # type: ignore[operator]
+        raise TraceError(f"{where}: session {ref.session} out of range (have {len(traj.sessions)})")
+    tgt = traj.sessions[ref.session]  # type: ignore[index]
+    n = len(tgt.prompt_ids) + len(tgt.completion_ids)
+    if ref.upto is not None and not 0 <= ref.upto <= n:
+        raise TraceError(f"{where}: upto={ref.upto} outside session {ref.session}'s {n} tokens")
+
+
+def validate(traj: Trajectory) -> Trajectory:
+    """Check the data model's invariants; raise :class:`TraceError` naming the broken field.
+
+    - session ids are 0..S-1 in order; kinds are registered; edges valid;
+    - the parent graph is acyclic (every session reaches a root);
+    - exactly one final session, and it is a ``main`` session;
+    - ``loss_mask`` and ``logprobs`` have the length of ``completion_ids``;
+    - state references point inside the trajectory;
+    - reward is finite and in [0, 1].
+    Returns the trajectory so calls can be chained.
+    """
+    tid = traj.id
+    if not traj.sessions:
+        raise TraceError(f"trajectory {tid!r} field 'sessions': no sessions")
+    if not (0.0 <= traj.reward <= 1.0):  # also False for NaN
+        raise TraceError(f"trajectory {tid!r} field 'reward': {traj.reward} is not in [0, 1]")
+    n = len(traj.sessions)
+    for k, s in enumerate(traj.sessions):
+        where = f"trajectory {tid!r} session {k}"
+        if s.id != k:
+            raise TraceError(f"{where} field 'id': expected {k}, got {s.id}")
+        if s.kind not in KIND_CODES:
+            raise TraceError(f"{where} field 'kind': unknown kind {s.kind!r} (known: {sorted(KIND_CODES)})")
+        if len(s.loss_mask) != len(s.completion_ids):
+            raise TraceError(
+                f"{where} field 'loss_mask': length {len(s.loss_mask)} != "
+                f"{len(s.completion_ids)} completion tokens"
+            )
+        if len(s.logprobs) != len(s.completion_ids):
+            raise TraceError(
+                f"{where} field 'logprobs': length {len(s.logprobs)} != "
+                f"{len(s.completion_ids)} completion tokens"
+            )
+        if s.parent is None:
+            if s.edge is not None:
+                raise TraceError(f"{where} field 'edge': a root session has no incoming edge, got {s.edge!r}")
+        else:
+            if not 0 <= s.parent < n:
+                raise TraceError(f"{where} field 'parent': {s.parent} out of range (have {n} sessions)")
+            if s.edge not in EDGE_TYPES:
+                raise TraceError(f"{where} field 'edge': {s.edge!r} is not one of {EDGE_TYPES}")
+    # Acyclic: follow parents from every node; a walk longer than n revisits a node.
+    for k in range(n):
+        seen = set()
+        cur: int | None = k
+        while cur is not None:
+            if cur in seen:
+                raise TraceError(f"trajectory {tid!r} field 'parent': cycle through session {cur}")
+            seen.add(cur)
+            cur = traj.sessions[cur].parent
+    finals = [s.id for s in traj.sessions if s.is_final]
+    if len(finals) != 1:
+        raise TraceError(f"trajectory {tid!r} field 'is_final': expected exactly one final session, found {len(finals)}")
+    if traj.sessions[finals[0]].kind != "main":
+        raise TraceError(
+            f"trajectory {tid!r} field 'is_final': the final session must be 'main', "
+            f"session {finals[0]} is {traj.sessions[finals[0]].kind!r}"
+        )
+    for s in traj.sessions:
+        _check_ref(traj, s, "state_before", s.state_before)
+        _check_ref(traj, s, "state_after", s.state_after)
+    return traj
+
+
+def validate_all(trajs: Iterable[Trajectory]) -> list[Trajectory]:
+    out = []
+    seen: set[str] = set()
+    for t in trajs:
+        validate(t)
+        if t.id in seen:
+            raise TraceError(f"trajectory field 'id': duplicate id {t.id!r}")
+        seen.add(t.id)
+        out.append(t)
+    return out

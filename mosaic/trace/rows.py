@@ -1,0 +1,133 @@
+"""From trajectories to what the estimators and the loss consume.
+
+- :func:`flatten` lays a batch of trajectories out as flat per-trajectory (T,)
+  and per-session (S,) arrays — the inputs of ``mosaic.core.advantages``.
+- :func:`to_rows` makes one training row per session (SPEC §5): the prompt
+  (never trained) and the completion with its ``loss_mask`` and sampling
+  log-probs, copied from the record as-is (token-in, token-out: no decoding).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from mosaic.trace.graph import KIND_CODES, Trajectory
+
+
+@dataclass(frozen=True)
+class FlatBatch:
+    """A batch of trajectories as flat arrays.
+
+    Attributes:
+        rewards: (T,) float; success: (T,) bool; group_ids: (T,) int (dense codes of
+            ``Trajectory.group_id`` in order of first appearance);
+        session_counts: (T,) int, sessions counted per trajectory (kinds chosen by
+            ``count_kinds``);
+        session_traj: (S,) int index into T; kinds: (S,) int kind codes;
+        is_final: (S,) bool; session_index: (S,) int, the session's id in its trajectory.
+    """
+
+    rewards: np.ndarray
+    success: np.ndarray
+    group_ids: np.ndarray
+    session_counts: np.ndarray
+    session_traj: np.ndarray
+    kinds: np.ndarray
+    is_final: np.ndarray
+    session_index: np.ndarray
+    group_names: tuple[str, ...]
+
+
+def flatten(trajs: Sequence[Trajectory], *, count_kinds: Sequence[str] | None = None) -> FlatBatch:
+    """Flatten trajectories; ``count_kinds=None`` counts sessions of every kind (SPEC §4.3)."""
+    group_codes: dict[str, int] = {}
+    rewards, success, groups, counts = [], [], [], []
+    s_traj, s_kind, s_final, s_idx = [], [], [], []
+    for i, t in enumerate(trajs):
+        rewards.append(float(t.reward))
+        success.append(bool(t.success))
+        groups.append(group_codes.setdefault(t.group_id, len(group_codes)))
+        counts.append(
+            len(t.sessions)
+            if count_kinds is None
+            else sum(1 for s in t.sessions if s.kind in count_kinds)
+        )
+        for s in t.sessions:
+            s_traj.append(i)
+            s_kind.append(KIND_CODES[s.kind])
+            s_final.append(bool(s.is_final))
+            s_idx.append(s.id)
+    return FlatBatch(
+        rewards=np.asarray(rewards, dtype=np.float32),
+        success=np.asarray(success, dtype=bool),
+        group_ids=np.asarray(groups, dtype=np.int64),
+        session_counts=np.asarray(counts, dtype=np.int64),
+        session_traj=np.asarray(s_traj, dtype=np.int64),
+        kinds=np.asarray(s_kind, dtype=np.int64),
+        is_final=np.asarray(s_final, dtype=bool),
+        session_index=np.asarray(s_idx, dtype=np.int64),
+        group_names=tuple(group_codes),
+    )
+
+
+@dataclass
+class TrainingRow:
+    """One session as a training example.
+
+    ``loss_mask`` is True on tokens the policy sampled (the only tokens trained on).
+    ``advantage`` is the session's scalar advantage (filled by the trainer).
+    """
+
+    traj_index: int
+    session_index: int
+    kind: str
+    is_final: bool
+    group_id: str
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    loss_mask: list[bool]
+    logprobs: list[float]
+    reward: float
+    advantage: float = 0.0
+
+    @property
+    def input_ids(self) -> list[int]:
+        return self.prompt_ids + self.completion_ids
+
+    @property
+    def num_trainable(self) -> int:
+        return sum(self.loss_mask)
+
+
+def to_rows(trajs: Sequence[Trajectory], advantages: Sequence[float] | None = None) -> list[TrainingRow]:
+    """One row per session, in the order of :func:`flatten` (trajectory-major).
+
+    ``advantages``: optional (S,) per-session advantages in the same order.
+    """
+    rows: list[TrainingRow] = []
+    for i, t in enumerate(trajs):
+        for s in t.sessions:
+            rows.append(
+                TrainingRow(
+                    traj_index=i,
+                    session_index=s.id,
+                    kind=s.kind,
+                    is_final=s.is_final,
+                    group_id=t.group_id,
+                    prompt_ids=list(s.prompt_ids),
+                    completion_ids=list(s.completion_ids),
+                    loss_mask=list(s.loss_mask),
+                    logprobs=list(s.logprobs),
+                    reward=float(t.reward),
+                )
+            )
+    if advantages is not None:
+        adv = [float(a) for a in advantages]
+        if len(adv) != len(rows):
+            raise ValueError(f"advantages has {len(adv)} entries for {len(rows)} sessions")
+        for r, a in zip(rows, adv):
+            r.advantage = a
+    return rows

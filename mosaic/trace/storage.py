@@ -1,0 +1,274 @@
+"""Storage for trajectories: append-only JSONL while rolling out, Parquet for datasets.
+
+JSONL: one trajectory per line, each line self-describing
+(``{"schema": "mosaic.trajectory", "schema_version": 1, "trajectory": {...}}``),
+appended and flushed as each trajectory finishes so a crash loses at most the
+in-flight ones. A torn last line (a crash mid-write) is skipped with a warning;
+a broken line anywhere else, a foreign schema or a newer version is an error
+that names the file and line.
+
+Parquet: one row per trajectory, sessions as a nested list column; the schema
+version is stored in the file's key-value metadata and checked on load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import warnings
+from pathlib import Path
+from typing import Iterable, Iterator
+
+from mosaic.trace.graph import StateRef, TraceError, Trajectory, validate
+
+SCHEMA = "mosaic.trajectory"
+SCHEMA_VERSION = 1
+_PARQUET_META_KEY = b"mosaic.schema"
+
+
+class StorageError(TraceError):
+    """A file that cannot be read as Mosaic trajectories (corrupt, foreign or incompatible)."""
+
+
+class TornLineWarning(UserWarning):
+    """The last line of a JSONL file was incomplete (a crash mid-write) and was skipped."""
+
+
+# --------------------------------------------------------------------------- JSONL
+
+
+class JsonlWriter:
+    """Append trajectories to a JSONL file, one flushed line each (thread-safe).
+
+    ``fsync=True`` also forces each line to disk (durable against power loss,
+    slower); the default flush survives a process crash.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, fsync: bool = False, validate_records: bool = True):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fsync = fsync
+        self._validate = validate_records
+        self._lock = threading.Lock()
+        self._repair_torn_tail()
+        self._fh = open(self.path, "a", encoding="utf-8")
+        self.count = 0
+
+    def _repair_torn_tail(self) -> None:
+        # Appending after a torn line would glue a good record onto garbage. Cut the torn
+        # tail off (keeping its bytes in ``<file>.torn`` for inspection) before appending.
+        if not self.path.exists() or self.path.stat().st_size == 0:
+            return
+        with open(self.path, "rb+") as fh:
+            data = fh.read()
+            if data.endswith(b"\n"):
+                return
+            cut = data.rfind(b"\n") + 1  # 0 when the whole file is one torn line
+            with open(self.path.with_name(self.path.name + ".torn"), "ab") as torn:
+                torn.write(data[cut:] + b"\n")
+            fh.truncate(cut)
+        warnings.warn(
+            f"{self.path}: cut a torn last line ({len(data) - cut} bytes, saved to .torn) before appending",
+            TornLineWarning,
+            stacklevel=3,
+        )
+
+    def write(self, traj: Trajectory) -> None:
+        if self._validate:
+            validate(traj)
+        line = json.dumps(
+            {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "trajectory": traj.to_dict()},
+            separators=(",", ":"),
+        )
+        with self._lock:
+            self._fh.write(line + "\n")
+            self._fh.flush()
+            if self._fsync:
+                os.fsync(self._fh.fileno())
+            self.count += 1
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._fh.closed:
+                self._fh.flush()
+                self._fh.close()
+
+    def __enter__(self) -> "JsonlWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _decode_record(obj: object, where: str) -> Trajectory:
+    if not isinstance(obj, dict) or obj.get("schema") != SCHEMA:
+        raise StorageError(f"{where}: not a Mosaic trajectory record (schema {SCHEMA!r} expected)")
+    version = obj.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise StorageError(
+            f"{where}: schema_version {version!r} is not supported by this Mosaic "
+            f"(reads version {SCHEMA_VERSION})"
+        )
+    try:
+        return validate(Trajectory.from_dict(obj.get("trajectory")))
+    except TraceError as exc:
+        raise StorageError(f"{where}: {exc}") from None
+
+
+def iter_jsonl(path: str | os.PathLike) -> Iterator[Trajectory]:
+    """Yield trajectories from a JSONL file, skipping (with a warning) a torn last line."""
+    path = Path(path)
+    if not path.exists():
+        raise StorageError(f"{path}: no such file")
+    with open(path, "rb") as fh:
+        data = fh.read()
+    lines = data.split(b"\n")
+    # A file written by JsonlWriter ends with "\n", so the last split piece is b"".
+    last = len(lines) - 1
+    while last >= 0 and not lines[last].strip():
+        last -= 1
+    for i, raw in enumerate(lines[: last + 1]):
+        if not raw.strip():
+            continue
+        where = f"{path}:{i + 1}"
+        try:
+            obj = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            # Only the very last line, not terminated by a newline, can be torn by a crash.
+            if i == last and not data.rstrip(b" \t\r").endswith(b"\n"):
+                warnings.warn(f"{where}: skipped a torn last line ({len(raw)} bytes)", TornLineWarning, stacklevel=2)
+                return
+            raise StorageError(f"{where}: corrupted line ({exc})") from None
+        yield _decode_record(obj, where)
+
+
+def read_jsonl(path: str | os.PathLike) -> list[Trajectory]:
+    return list(iter_jsonl(path))
+
+
+def write_jsonl(path: str | os.PathLike, trajs: Iterable[Trajectory]) -> int:
+    with JsonlWriter(path) as w:
+        for t in trajs:
+            w.write(t)
+        return w.count
+
+
+# --------------------------------------------------------------------------- Parquet
+
+
+def _arrow_schema():
+    import pyarrow as pa
+
+    ref = pa.struct([("session", pa.int32()), ("upto", pa.int64()), ("state", pa.int32())])
+    session = pa.struct(
+        [
+            ("id", pa.int32()),
+            ("kind", pa.string()),
+            ("parent", pa.int32()),
+            ("edge", pa.string()),
+            ("prompt_ids", pa.list_(pa.int32())),
+            ("completion_ids", pa.list_(pa.int32())),
+            ("loss_mask", pa.list_(pa.bool_())),
+            ("logprobs", pa.list_(pa.float32())),
+            ("end_reason", pa.string()),
+            ("is_final", pa.bool_()),
+            ("state_before", ref),
+            ("state_after", ref),
+            ("num_turns", pa.int32()),
+            ("meta", pa.string()),
+        ]
+    )
+    return pa.schema(
+        [
+            ("id", pa.string()),
+            ("task_id", pa.string()),
+            ("group_id", pa.string()),
+            ("reward", pa.float64()),
+            ("success", pa.bool_()),
+            ("answer", pa.string()),
+            ("ground_truth", pa.string()),
+            ("end_reason", pa.string()),
+            ("sessions", pa.list_(session)),
+            ("states", pa.list_(pa.list_(pa.int32()))),
+            ("meta", pa.string()),
+        ],
+        metadata={_PARQUET_META_KEY: json.dumps({"schema": SCHEMA, "schema_version": SCHEMA_VERSION}).encode()},
+    )
+
+
+def _ref_row(ref: StateRef | None):
+    if ref is None:
+        return None
+    return {"session": ref.session, "upto": ref.upto, "state": ref.state}
+
+
+def write_parquet(path: str | os.PathLike, trajs: Iterable[Trajectory]) -> int:
+    """Write trajectories to a Parquet file (atomically: temp file, then rename)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = []
+    for t in trajs:
+        validate(t)
+        d = t.to_dict()
+        for s_obj, s in zip(d["sessions"], t.sessions):
+            s_obj["meta"] = json.dumps(s.meta)
+            s_obj["state_before"] = _ref_row(s.state_before)
+            s_obj["state_after"] = _ref_row(s.state_after)
+        d["meta"] = json.dumps(t.meta)
+        rows.append(d)
+    table = pa.Table.from_pylist(rows, schema=_arrow_schema())
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    pq.write_table(table, tmp)
+    os.replace(tmp, path)
+    return len(rows)
+
+
+def read_parquet(path: str | os.PathLike) -> list[Trajectory]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = Path(path)
+    if not path.exists():
+        raise StorageError(f"{path}: no such file")
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowException, OSError) as exc:
+        raise StorageError(f"{path}: not a readable Parquet file ({exc})") from None
+    meta = (table.schema.metadata or {}).get(_PARQUET_META_KEY)
+    if meta is None:
+        raise StorageError(f"{path}: Parquet file carries no Mosaic schema metadata")
+    info = json.loads(meta)
+    if info.get("schema") != SCHEMA or info.get("schema_version") != SCHEMA_VERSION:
+        raise StorageError(
+            f"{path}: schema {info.get('schema')!r} version {info.get('schema_version')!r} is not "
+            f"supported (reads {SCHEMA!r} version {SCHEMA_VERSION})"
+        )
+    out = []
+    for i, d in enumerate(table.to_pylist()):
+        for s in d["sessions"]:
+            s["meta"] = json.loads(s["meta"] or "{}")
+            for key in ("state_before", "state_after"):
+                ref = s[key]
+                if ref is not None:
+                    s[key] = {"state": ref["state"]} if ref["state"] is not None else {
+                        "session": ref["session"], "upto": ref["upto"]}
+        d["meta"] = json.loads(d["meta"] or "{}")
+        try:
+            out.append(validate(Trajectory.from_dict(d)))
+        except TraceError as exc:
+            raise StorageError(f"{path}: row {i}: {exc}") from None
+    return out
+
+
+def load_trajectories(path: str | os.PathLike) -> list[Trajectory]:
+    """Read a ``.jsonl`` or ``.parquet`` file of trajectories (by suffix)."""
+    p = Path(path)
+    if p.suffix == ".parquet":
+        return read_parquet(p)
+    if p.suffix in (".jsonl", ".json"):
+        return read_jsonl(p)
+    raise StorageError(f"{p}: unknown trajectory file type {p.suffix!r} (use .jsonl or .parquet)")
