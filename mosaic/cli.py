@@ -16,6 +16,7 @@ COMMAND_MODULES = (
     "mosaic.trace.cli",
     "mosaic.envs.cli",
     "mosaic.agent.cli",
+    "mosaic.agent.serve_cli",
     "mosaic.train.cli",
     "mosaic.capture.cli",
 )
