@@ -1,0 +1,213 @@
+"""``mosaic data …``: generate, inspect, search, score, export and calibrate the deep-search data.
+
+Every command that reads a split takes ``--split``, ``--preset`` (paper | cpu),
+``--seed``, ``--cache-dir`` and dotted overrides ``--set key=value`` (keys:
+``n_tasks``, ``task_seed``, ``snippet_tokens``, ``snippet_mode``,
+``hop_mix=2:0.5,3:0.5``, ``world.<field>``). Heavy imports stay inside commands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _add_split_args(p: argparse.ArgumentParser, default_split: str = "validation") -> None:
+    p.add_argument("--split", default=default_split, choices=("train", "validation", "test"))
+    p.add_argument("--preset", default="paper", choices=("paper", "cpu"),
+                   help="paper: 1000/300/500 tasks, hops 2-5; cpu: 60-entity worlds, hops 2-3")
+    p.add_argument("--seed", type=int, default=0, help="base seed (world seed = 3*seed + split index)")
+    p.add_argument("--cache-dir", default=None, help="default: $MOSAIC_CACHE or ~/.cache/mosaic")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a split config field, e.g. world.n_entities=300, n_tasks=50")
+
+
+def _parse_value(text: str):
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def split_config_from_args(args: argparse.Namespace):
+    import dataclasses
+
+    from mosaic.envs.splits import split_config
+
+    world_over, top_over = {}, {}
+    for item in args.overrides:
+        if "=" not in item:
+            raise SystemExit(f"--set expects KEY=VALUE, got {item!r}")
+        key, value = item.split("=", 1)
+        if key.startswith("world."):
+            world_over[key[len("world."):]] = _parse_value(value)
+        elif key == "hop_mix":
+            top_over[key] = tuple((int(k), float(w)) for k, w in
+                                  (pair.split(":") for pair in value.split(",")))
+        else:
+            top_over[key] = _parse_value(value)
+    cfg = split_config(args.split, args.preset, seed=args.seed, **world_over)
+    try:
+        return dataclasses.replace(cfg, **top_over)
+    except TypeError as exc:
+        raise SystemExit(f"bad --set key: {exc}") from None
+
+
+def _load(args: argparse.Namespace):
+    from mosaic.envs.splits import load_split
+
+    return load_split(args.split, split_config_from_args(args), args.cache_dir)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import collections
+    import time
+
+    t0 = time.perf_counter()
+    split = _load(args)
+    hops = collections.Counter(t.hops for t in split.tasks)
+    print(f"split={split.name} entities={len(split.world.entities)} documents={len(split.world.documents)} "
+          f"tasks={len(split.tasks)} hops={dict(sorted(hops.items()))} world_seed={split.world.config.seed} "
+          f"index={'built' if split.index.built else 'cached'} ({time.perf_counter() - t0:.2f}s)")
+    if args.recall:
+        from mosaic.envs.deepsearch import retrieval_recall
+
+        r = retrieval_recall(split.index, split.tasks, k=3)
+        print(f"retrieval: gold document in top-3 for {r['recall']:.2%} of {r['hops']} hops "
+              f"(top-1 {r['top1']:.2%})")
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    split = _load(args)
+    if not 0 <= args.index < len(split.tasks):
+        print(f"--index must be in [0, {len(split.tasks)})", file=sys.stderr)
+        return 2
+    t = split.tasks[args.index]
+    if args.json:
+        print(json.dumps(t.to_json(), indent=2))
+        return 0
+    print(f"id:       {t.id}\nhops:     {t.hops} ({t.style})\nquestion: {t.question}\nanswer:   {t.answer}")
+    for i, h in enumerate(t.gold_chain, 1):
+        print(f"  hop {i}: search {h.query!r} -> {h.doc_id} ({h.title}) --{h.relation}--> {h.target}")
+    return 0
+
+
+def cmd_search(args: argparse.Namespace) -> int:
+    from mosaic.envs.search import SearchIndex, format_hits
+
+    split = _load(args)
+    index = split.index
+    if args.snippet_tokens is not None:
+        index = SearchIndex(split.world, args.cache_dir, snippet_tokens=args.snippet_tokens,
+                            snippet_mode=split.config.snippet_mode)
+    print(format_hits(index.search(args.query, args.k)))
+    return 0
+
+
+def cmd_score(args: argparse.Namespace) -> int:
+    from mosaic.envs.rewards import score_answer
+
+    s = score_answer(args.text, args.ground_truth, metric=args.metric)
+    print(json.dumps({"reward": s.reward, "answer": s.answer, "status": s.status}))
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from mosaic.envs.export import export_parquet, load_parquet
+
+    split = _load(args)
+    path = export_parquet(split.tasks, args.out)
+    back = load_parquet(path)
+    if back != split.tasks:
+        print(f"round-trip mismatch in {path}", file=sys.stderr)
+        return 1
+    print(f"wrote {len(split.tasks)} {split.name} tasks to {path} (verl layout; read back OK)")
+    return 0
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    import collections
+
+    from mosaic.envs.export import load_parquet
+
+    tasks = load_parquet(args.path)
+    hops = collections.Counter(t.hops for t in tasks)
+    splits = collections.Counter(t.split for t in tasks)
+    print(f"{args.path}: {len(tasks)} tasks, splits={dict(splits)}, hops={dict(sorted(hops.items()))}")
+    for t in tasks[: args.head]:
+        print(f"  {t.id}: {t.question} -> {t.answer}")
+    return 0
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from mosaic.envs.calibrate import CalibrationConfig, calibration_table, format_table
+    from mosaic.envs.search import SearchIndex
+
+    split = _load(args)
+    index = split.index
+    if args.snippet_tokens is not None:
+        index = SearchIndex(split.world, args.cache_dir, snippet_tokens=args.snippet_tokens,
+                            snippet_mode=split.config.snippet_mode)
+    for budget in args.budget:
+        cfg = CalibrationConfig(context_budget=budget, k=args.k, max_new_tokens=args.max_new_tokens,
+                                tokenizer=args.tokenizer, searches_per_hop=args.searches_per_hop)
+        print(f"\nbudget={budget} tokenizer={args.tokenizer} k={args.k} snippet_tokens="
+              f"{index.snippet_tokens} max_new_tokens={args.max_new_tokens} split={split.name} "
+              f"({args.preset})")
+        print(format_table(calibration_table(index, split.tasks, cfg)))
+    return 0
+
+
+def register(subparsers) -> None:
+    data = subparsers.add_parser("data", help="the offline deep-search data: generate, show, search, "
+                                               "score, export, calibrate")
+    sub = data.add_subparsers(dest="data_command", metavar="SUBCOMMAND")
+    data.set_defaults(func=lambda a: (data.print_help(), 0)[1])
+
+    p = sub.add_parser("generate", help="generate (or load) a split and print its summary")
+    _add_split_args(p, "train")
+    p.add_argument("--recall", action="store_true", help="also measure gold-hop retrieval (top-3)")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("show", help="print one task: question, answer, gold chain")
+    _add_split_args(p)
+    p.add_argument("--index", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_show)
+
+    p = sub.add_parser("search", help="run the search tool on a split's world")
+    _add_split_args(p)
+    p.add_argument("query")
+    p.add_argument("-k", type=int, default=3)
+    p.add_argument("--snippet-tokens", type=int, default=None)
+    p.set_defaults(func=cmd_search)
+
+    p = sub.add_parser("score", help="score a model message against a ground truth")
+    p.add_argument("text", help='the model message, e.g. "<answer>Port Osk</answer>"')
+    p.add_argument("ground_truth")
+    p.add_argument("--metric", choices=("em", "f1"), default="em")
+    p.set_defaults(func=cmd_score)
+
+    p = sub.add_parser("export", help="write a split as verl-layout Parquet (and read it back)")
+    _add_split_args(p, "train")
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("import", help="read a verl-layout Parquet file written by export")
+    p.add_argument("path")
+    p.add_argument("--head", type=int, default=3)
+    p.set_defaults(func=cmd_import)
+
+    p = sub.add_parser("calibrate", help="searches and sessions per hop count under a context budget")
+    _add_split_args(p)
+    p.add_argument("--budget", type=int, nargs="+", default=[512])
+    p.add_argument("-k", type=int, default=3)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--searches-per-hop", type=int, default=1)
+    p.add_argument("--tokenizer", choices=("proxy", "bpe"), default="proxy")
+    p.add_argument("--snippet-tokens", type=int, default=None)
+    p.set_defaults(func=cmd_calibrate)
