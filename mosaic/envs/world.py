@@ -300,11 +300,16 @@ def generate_world(config: WorldConfig) -> World:
             n = rng.choice((1, 2, 2, 3)) if rel.multi else 1
             ent.relations[rel.name] = [e.id for e in rng.sample(pool, min(n, len(pool)))]
     # A capital lies in its own country.
+    capitals: set[str] = set()
     for country in by_type["country"]:
-        own = [c for c in by_type["city"] if c.relations["country"] == [country.id]]
-        capital = rng.choice(own) if own else rng.choice(by_type["city"])
+        free = [c for c in by_type["city"] if c.id not in capitals]
+        own = [c for c in free if c.relations["country"] == [country.id]]
+        if not (own or free):
+            continue  # more countries than cities: this one has no capital
+        capital = rng.choice(own or free)
         capital.relations["country"] = [country.id]
         country.relations["capital"] = [capital.id]
+        capitals.add(capital.id)
 
     by_id = {e.id: e for e in entities}
     documents = [_write_document(rng, config, ent, by_id, entities) for ent in entities]
