@@ -1,0 +1,260 @@
+"""A ``transformers`` causal LM behind the :class:`~mosaic.agent.policy.Policy` protocol.
+
+One :meth:`LocalPolicy.generate` call samples one assistant turn for every
+request, batched with a KV cache:
+
+1. **Prefill.** Prompts are left-padded into one ``(B, L)`` batch with an attention
+   mask and explicit position ids (``cumsum(mask) - 1``), so every row sees exactly
+   the positions it would see alone. Only the last position's logits are computed.
+2. **Decode.** One token per active row per step, fed with the KV cache. A row that
+   samples an end-of-turn id (or reaches its ``max_new_tokens``) is *dropped* from
+   the batch (its cache rows are index-selected away), so finished sessions cost
+   nothing while the rest keep going.
+
+Sampling: temperature, then top-p (nucleus), from a seeded ``torch.Generator``
+owned by the policy (a run is reproducible for the same sequence of calls and
+batch compositions). ``temperature == 0`` is greedy.
+
+Log-probs (``GenResult.logprobs``): the log-probability of each sampled token
+under the **processed distribution actually sampled from** (``log_softmax(logits /
+T)`` restricted to the nucleus and renormalised). At ``T = 1, top_p = 1`` (the
+training default) this is exactly the raw policy's ``log_softmax(logits)``. At
+``T = 0`` the sampler is a point mass; we report the raw ``log_softmax(logits)``
+instead of 0. Every result also carries ``raw_logprobs`` (a :class:`LocalGenResult`):
+the unprocessed model log-probs of the same tokens, what a PPO ratio wants when
+the rollout used a different temperature.
+
+Per-session prefix caching across turns is not implemented (``release`` is a
+no-op): every call re-prefills each prompt in one batched forward pass; see the
+``bench/rollout.py`` figures for what that costs.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+
+from mosaic.agent.policy import GenRequest, GenResult
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LocalGenResult(GenResult):
+    """A :class:`GenResult` that also carries the raw (temperature 1, no top-p) log-probs."""
+
+    raw_logprobs: list[float] | None = None
+
+
+@dataclass(frozen=True)
+class LocalPolicyConfig:
+    """Sampling and batching knobs of :class:`LocalPolicy`."""
+
+    temperature: float = 1.0
+    """Softmax temperature; 0 means greedy decoding."""
+    top_p: float = 1.0
+    """Nucleus sampling mass in (0, 1]; 1 disables it."""
+    max_batch_size: int = 64
+    """Most sequences decoded together; bigger request lists are split into chunks."""
+    stop_token_ids: tuple[int, ...] | None = None
+    """Ids that end a turn (kept in the output); ``None``: the model's eos id(s) and ``<|im_end|>``."""
+    seed: int = 0
+    """Seed of the sampling generator."""
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature: must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size: must be >= 1, got {self.max_batch_size}")
+
+
+def default_stop_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None) -> tuple[int, ...]:
+    """The model's eos id(s) plus ``<|im_end|>`` when the tokenizer has it."""
+    ids: set[int] = set()
+    for cfg in (model.generation_config, model.config):
+        eos = getattr(cfg, "eos_token_id", None)
+        if eos is not None:
+            ids.update([eos] if isinstance(eos, int) else eos)
+    if tokenizer is not None:
+        if tokenizer.eos_token_id is not None:
+            ids.add(tokenizer.eos_token_id)
+        im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        if isinstance(im_end, int) and im_end != tokenizer.unk_token_id and im_end >= 0:
+            ids.add(im_end)
+    if not ids:
+        raise ValueError("no end-of-turn id: pass LocalPolicyConfig(stop_token_ids=...)")
+    return tuple(sorted(ids))
+
+
+def sample_next(logits: torch.Tensor, *, temperature: float, top_p: float,
+                generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sample one token per row.
+
+    Args:
+        logits: (B, V) raw next-token logits.
+    Returns:
+        tokens (B,), sampling log-probs (B,) under the processed distribution,
+        raw log-probs (B,) = ``log_softmax(logits)`` at the sampled tokens.
+    """
+    logits = logits.float()
+    raw = torch.log_softmax(logits, dim=-1)  # (B, V)
+    if temperature == 0:
+        tokens = logits.argmax(dim=-1)
+        raw_lp = raw.gather(1, tokens[:, None]).squeeze(1)
+        return tokens, raw_lp, raw_lp
+    logp = raw if temperature == 1 else torch.log_softmax(logits / temperature, dim=-1)
+    if top_p < 1:
+        sorted_lp, order = logp.sort(dim=-1, descending=True)  # (B, V)
+        cum = sorted_lp.exp().cumsum(dim=-1)
+        # Drop a token when the mass *before* it already reaches top_p (the top one always stays).
+        drop_sorted = (cum - sorted_lp.exp()) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+        logp = torch.log_softmax(logp.masked_fill(drop, float("-inf")), dim=-1)
+    probs = logp.exp()
+    tokens = torch.multinomial(probs, 1, generator=generator).squeeze(1)  # (B,)
+    return (tokens, logp.gather(1, tokens[:, None]).squeeze(1),
+            raw.gather(1, tokens[:, None]).squeeze(1))
+
+
+class LocalPolicy:
+    """Batched KV-cache sampling from an in-process ``transformers`` causal LM."""
+
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None = None,
+                 config: LocalPolicyConfig | None = None, *, device: str | torch.device | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        """Wrap ``model`` (moved to ``device``; fp32 on CPU unless ``dtype`` says otherwise)."""
+        self.config = config or LocalPolicyConfig()
+        self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        if dtype is None and self.device.type == "cpu":
+            dtype = torch.float32
+        self.model = model.to(self.device, dtype=dtype) if dtype is not None else model.to(self.device)
+        self.model.eval()
+        self.stop_ids = tuple(self.config.stop_token_ids or default_stop_ids(model, tokenizer))
+        pad = getattr(model.config, "pad_token_id", None)
+        self.pad_id = pad if pad is not None else self.stop_ids[0]
+        self.max_positions = getattr(model.config, "max_position_embeddings", None)
+        self.generator = torch.Generator(device=self.device).manual_seed(self.config.seed)
+        self._stop = torch.tensor(self.stop_ids, device=self.device)
+
+    # ---------------------------------------------------------------- protocol
+    def generate(self, requests: Sequence[GenRequest]) -> list[GenResult]:
+        """Sample one turn for every request; results in request order, never raises on bad input."""
+        results: list[GenResult | None] = [None] * len(requests)
+        runnable: list[int] = []
+        for i, req in enumerate(requests):
+            problem = self._check(req)
+            if problem is not None:
+                results[i] = LocalGenResult([], [], "error", problem, [])
+            elif req.max_new_tokens <= 0:
+                results[i] = LocalGenResult([], [], "length", None, [])
+            else:
+                runnable.append(i)
+        # Similar lengths together: less padding in each chunk.
+        runnable.sort(key=lambda i: len(requests[i].prompt_ids))
+        step = self.config.max_batch_size
+        for start in range(0, len(runnable), step):
+            idx = runnable[start:start + step]
+            try:
+                chunk = self._generate_batch([requests[i] for i in idx])
+            except Exception as exc:  # e.g. out of memory: fail these rows, keep the rollout alive
+                log.exception("LocalPolicy batch failed")
+                chunk = [LocalGenResult([], [], "error", f"{type(exc).__name__}: {exc}", [])
+                         for _ in idx]
+            for i, res in zip(idx, chunk):
+                results[i] = res
+        return results  # type: ignore[return-value]
+
+    def release(self, session_key: str) -> None:
+        """No per-session state is kept (no prefix cache yet)."""
+
+    # ---------------------------------------------------------------- internals
+    def _check(self, req: GenRequest) -> str | None:
+        if not req.prompt_ids:
+            return "empty prompt_ids"
+        vocab = self.model.get_input_embeddings().num_embeddings
+        bad = [t for t in req.prompt_ids if not 0 <= t < vocab]
+        if bad:
+            return f"prompt_ids out of vocabulary range [0, {vocab}): {bad[:5]}"
+        if self.max_positions is not None and len(req.prompt_ids) >= self.max_positions:
+            return (f"prompt of {len(req.prompt_ids)} tokens does not fit the model's "
+                    f"{self.max_positions} positions")
+        return None
+
+    def _max_new(self, req: GenRequest) -> int:
+        if self.max_positions is None:
+            return req.max_new_tokens
+        return min(req.max_new_tokens, self.max_positions - len(req.prompt_ids))
+
+    @torch.inference_mode()
+    def _generate_batch(self, reqs: list[GenRequest]) -> list[LocalGenResult]:
+        cfg = self.config
+        B = len(reqs)
+        lens = [len(r.prompt_ids) for r in reqs]
+        L = max(lens)
+        input_ids = torch.full((B, L), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((B, L), dtype=torch.long)
+        for b, r in enumerate(reqs):  # left padding
+            input_ids[b, L - lens[b]:] = torch.tensor(r.prompt_ids, dtype=torch.long)
+            mask[b, L - lens[b]:] = 1
+        input_ids, mask = input_ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)  # (B, L)
+
+        cache = DynamicCache(config=self.model.config)
+        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
+                         past_key_values=cache, use_cache=True, logits_to_keep=1)
+        logits = out.logits[:, -1, :]  # (B, V)
+        next_pos = positions[:, -1] + 1  # (B,)
+
+        max_new = torch.tensor([self._max_new(r) for r in reqs], device=self.device)
+        rows = torch.arange(B, device=self.device)  # original row of each active row
+        tokens_out: list[list[torch.Tensor]] = []  # per step: (B_active,) tensors, with rows
+        rows_out: list[torch.Tensor] = []
+        lp_out: list[torch.Tensor] = []
+        raw_out: list[torch.Tensor] = []
+        finish = ["length"] * B
+        step = 0
+        while True:
+            tok, lp, raw = sample_next(logits, temperature=cfg.temperature, top_p=cfg.top_p,
+                                       generator=self.generator)
+            tokens_out.append(tok)
+            rows_out.append(rows)
+            lp_out.append(lp)
+            raw_out.append(raw)
+            step += 1
+            stopped = torch.isin(tok, self._stop)
+            done = stopped | (max_new[rows] <= step)
+            if bool(stopped.any()):
+                for r in rows[stopped].tolist():
+                    finish[r] = "stop"
+            if bool(done.all()):
+                break
+            if bool(done.any()):
+                keep = (~done).nonzero().squeeze(1)  # (B_active',)
+                cache.batch_select_indices(keep)
+                rows, tok, mask, next_pos = rows[keep], tok[keep], mask[keep], next_pos[keep]
+            mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
+            out = self.model(input_ids=tok[:, None], attention_mask=mask,
+                             position_ids=next_pos[:, None], past_key_values=cache, use_cache=True)
+            logits = out.logits[:, -1, :]
+            next_pos = next_pos + 1
+
+        # Gather per-row sequences on the host once.
+        all_rows = torch.cat(rows_out).tolist()
+        all_tok = torch.cat(tokens_out).tolist()
+        all_lp = torch.cat(lp_out).tolist()
+        all_raw = torch.cat(raw_out).tolist()
+        toks: list[list[int]] = [[] for _ in range(B)]
+        lps: list[list[float]] = [[] for _ in range(B)]
+        raws: list[list[float]] = [[] for _ in range(B)]
+        for r, t, a, c in zip(all_rows, all_tok, all_lp, all_raw):
+            toks[r].append(t)
+            lps[r].append(a)
+            raws[r].append(c)
+        return [LocalGenResult(toks[b], lps[b], finish[b], None, raws[b])  # type: ignore[arg-type]
+                for b in range(B)]
