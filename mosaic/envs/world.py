@@ -294,11 +294,17 @@ def generate_world(config: WorldConfig) -> World:
         for rel in RELATIONS:
             if rel.source != ent.type:
                 continue
-            pool = [e for e in by_type[rel.target] if e.id != ent.id]
+            pool = by_type[rel.target]
             if rel.name == "mentor" and rng.random() < 0.3:
                 continue  # not everyone has a mentor
             n = rng.choice((1, 2, 2, 3)) if rel.multi else 1
-            ent.relations[rel.name] = [e.id for e in rng.sample(pool, min(n, len(pool)))]
+            n = min(n, len(pool) - (rel.target == ent.type))
+            picks: list[str] = []
+            while len(picks) < n:  # rejection sampling: O(1) per pick, no pool copies
+                cand = pool[rng.randrange(len(pool))].id
+                if cand != ent.id and cand not in picks:
+                    picks.append(cand)
+            ent.relations[rel.name] = picks
     # A capital lies in its own country.
     capitals: set[str] = set()
     for country in by_type["country"]:
@@ -333,7 +339,7 @@ def _write_document(rng: random.Random, cfg: WorldConfig, ent: Entity,
         if rng.random() < cfg.distractor_density:
             other = entities[rng.randrange(len(entities))]
             if other.id == ent.id:
-                other = entities[(entities.index(ent) + 1) % len(entities)]
+                other = by_id[entities[0].id if other.id != entities[0].id else entities[1].id]
             rest.append(rng.choice(DISTRACTORS).format(s=s, o=other.name, y=rng.randint(1700, 2020)))
         elif extra:
             rest.append(extra.pop(0))

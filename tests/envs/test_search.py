@@ -71,3 +71,12 @@ def test_edge_queries(index):
     assert len(hits) == 5 and all(a.score >= b.score for a, b in zip(hits, hits[1:]))
     text = format_hits(hits)
     assert text.splitlines()[0].startswith("[1] ") and len(text.splitlines()) == 5
+
+
+def test_query_terms_match_bm25s_tokenizer(world, index, tasks):
+    import bm25s
+
+    texts = [d.text for d in world.documents[:100]] + [t.question for t in tasks[:50]] + ["", "The of"]
+    ref = bm25s.tokenize(texts, stopwords="en", stemmer=index._stem, show_progress=False,
+                         return_ids=False)
+    assert [index._terms(t) for t in texts] == [list(r) for r in ref]
