@@ -1,0 +1,492 @@
+"""The agent loop (SPEC §2): batched multi-session rollouts with exact token records.
+
+Many trajectories run at once (all tasks × ``group_size``). Each trajectory has
+at most one session waiting for a turn at a time (a parent waits while its
+subagent works), so a step collects one request per unfinished trajectory, sends
+them all to ``policy.generate`` in one call, then applies each result: append the
+sampled ids (trainable) and whatever the harness inserts (end-of-turn if the
+turn hit its length cap, tool responses, generation headers: not trainable).
+
+Records are token-in, token-out: a session's ``prompt_ids`` are exactly its first
+request's ids; every later request is ``prompt_ids + completion_ids`` at that
+moment. Nothing is decoded and re-encoded, except a compaction summary, whose
+text is put into the *next* session's prompt (that prompt is recorded as fed).
+
+States (SPEC §4.4), all at message boundaries:
+- main: before = its prompt without the generation header; after = its whole
+  context at its end;
+- compaction: before = the previous main's end (the same reference, so the
+  scorer probes it once); after = the next main's ``state_before``;
+- subagent ("merge" mode): before = the parent's context before the assistant
+  turn that called ``delegate``; after = the parent's context right after the
+  result was appended.
+
+Simplifications (ours): one tool call per turn (extra calls in the same message
+are ignored and counted); a compaction turn may exceed ``context_budget`` by the
+instruction and ``summary_max_new_tokens`` (the model's positional limit must
+allow it); subagents do not compact — a subagent that would overflow stops and
+its parent receives an error; a main session that hits its turn cap ends the
+trajectory.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field, fields
+from typing import Callable, Literal, Sequence
+
+from mosaic.agent.chat import ChatFormat
+from mosaic.agent.policy import GenRequest, GenResult, Policy
+from mosaic.agent.tools import TOOL_DOCS, Action, parse_action
+from mosaic.trace.graph import Session, StateRef, Trajectory, validate
+
+Mode = Literal["single", "compaction", "fork", "compaction+fork"]
+MODES = ("single", "compaction", "fork", "compaction+fork")
+
+DEFAULT_SYSTEM_PROMPT = (
+    "You answer questions about a fictional world by searching its encyclopedia.\n"
+    "Tools:\n{tools}\n"
+    "Make one tool call per turn. Each question needs several searches, one per step of its chain; "
+    "search for an entity name plus a relation word. "
+    "When you know the answer, reply with <answer>NAME</answer>, giving the entity's full name."
+)
+DEFAULT_SUBAGENT_PROMPT = (
+    "You are a helper. Answer one sub-question about a fictional world by searching its encyclopedia.\n"
+    "Tools:\n{tools}\n"
+    "Make one tool call per turn. When you know the answer, reply with <answer>NAME</answer>."
+)
+DEFAULT_COMPACTION_PROMPT = (
+    "Your context is full and will be cleared. Write a short summary for yourself: the entities you "
+    "have found so far and the next search to make. Do not call tools."
+)
+DEFAULT_RESUME_TEMPLATE = "{question}\n\nYour notes so far (your earlier context was cleared):\n{summary}"
+
+
+@dataclass(frozen=True)
+class HarnessConfig:
+    """Every setting of the agent loop (validated at construction)."""
+
+    mode: Mode = "compaction"
+    """``single`` (no compaction, no forks: plain GRPO), ``compaction``, ``fork`` or ``compaction+fork``."""
+    context_budget: int = 1024
+    """Tokens a main session's context may reach, counting the next turn's ``max_new_tokens``."""
+    max_new_tokens: int = 128
+    """Cap on sampled tokens per assistant turn (main and subagent sessions)."""
+    summary_max_new_tokens: int = 160
+    """Cap on the summary a compaction session writes."""
+    max_turns: int = 12
+    """Assistant turns per main session; reaching it ends the trajectory (``turn_cap``)."""
+    max_sessions: int = 12
+    """Sessions (all kinds) per trajectory; needing more ends it unanswered (``session_cap``)."""
+    max_total_turns: int = 48
+    """Main + subagent turns per trajectory (``total_turn_cap``)."""
+    subagent_max_turns: int = 6
+    """Assistant turns per subagent session."""
+    subagent_context_budget: int = 0
+    """A subagent's context budget; 0 = ``context_budget``."""
+    max_depth: int = 1
+    """Subagent nesting depth: a session at this depth cannot delegate (error response)."""
+    search_k: int = 3
+    """Hits per search."""
+    max_arg_chars: int = 512
+    """Longest accepted tool argument (characters)."""
+    reward_metric: Literal["em", "f1"] = "em"
+    """Outcome reward: exact match or token F1 (SPEC §3)."""
+    success_threshold: float = 1.0
+    """``success = reward >= success_threshold``."""
+    subagent_states: Literal["merge"] = "merge"
+    """Subagent gain states: the parent's context before/after the call (SPEC §4.4 "merge")."""
+    system_prompt: str = DEFAULT_SYSTEM_PROMPT
+    """Main sessions' system prompt; ``{tools}`` is replaced by the tools of the mode."""
+    subagent_system_prompt: str = DEFAULT_SUBAGENT_PROMPT
+    """Subagent sessions' system prompt; ``{tools}`` as above."""
+    compaction_prompt: str = DEFAULT_COMPACTION_PROMPT
+    """The user turn that asks for the summary."""
+    resume_template: str = DEFAULT_RESUME_TEMPLATE
+    """A post-compaction main session's user message; ``{question}`` and ``{summary}``."""
+
+    def __post_init__(self) -> None:
+        def need(cond: bool, name: str, why: str) -> None:
+            if not cond:
+                raise ValueError(f"HarnessConfig.{name}: {why} (got {getattr(self, name)!r})")
+
+        need(self.mode in MODES, "mode", f"must be one of {MODES}")
+        for name in ("context_budget", "max_new_tokens", "summary_max_new_tokens", "max_turns",
+                     "max_sessions", "max_total_turns", "subagent_max_turns", "search_k", "max_arg_chars"):
+            need(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, name, "must be an int >= 1")
+        need(self.subagent_context_budget >= 0, "subagent_context_budget", "must be >= 0 (0 = context_budget)")
+        need(self.max_depth >= 0, "max_depth", "must be >= 0")
+        need(self.max_new_tokens < self.context_budget, "max_new_tokens", "must be < context_budget")
+        need(self.reward_metric in ("em", "f1"), "reward_metric", "must be 'em' or 'f1'")
+        need(0.0 < self.success_threshold <= 1.0, "success_threshold", "must be in (0, 1]")
+        need(self.subagent_states == "merge", "subagent_states", "only 'merge' is implemented")
+        need("{tools}" in self.system_prompt, "system_prompt", "must contain the {tools} placeholder")
+        need("{tools}" in self.subagent_system_prompt, "subagent_system_prompt", "must contain {tools}")
+        need("{question}" in self.resume_template and "{summary}" in self.resume_template,
+             "resume_template", "must contain {question} and {summary}")
+        if self.compacts:
+            need(self.max_sessions >= 3, "max_sessions", "compaction needs room for main → compaction → main")
+
+    @property
+    def compacts(self) -> bool:
+        return self.mode in ("compaction", "compaction+fork")
+
+    @property
+    def forks(self) -> bool:
+        return self.mode in ("fork", "compaction+fork")
+
+    def tools(self, depth: int = 0) -> tuple[str, ...]:
+        return ("search", "delegate") if self.forks and depth < self.max_depth else ("search",)
+
+    def system_text(self, depth: int = 0) -> str:
+        tmpl = self.system_prompt if depth == 0 else self.subagent_system_prompt
+        # str.replace, not format: prompts may contain JSON braces.
+        return tmpl.replace("{tools}", "\n".join(TOOL_DOCS[t] for t in self.tools(depth)))
+
+    def resume_text(self, question: str, summary: str) -> str:
+        return self.resume_template.replace("{question}", question).replace("{summary}", summary)
+
+    def prompt_texts(self) -> list[str]:
+        """Every fixed text the harness shows the model (for the tokenizer corpus)."""
+        return [self.system_text(0), self.system_text(1), self.compaction_prompt,
+                self.resume_text("", ""), *TOOL_DOCS.values()]
+
+    def replace(self, **overrides) -> "HarnessConfig":
+        names = {f.name for f in fields(self)}
+        bad = sorted(set(overrides) - names)
+        if bad:
+            raise ValueError(f"HarnessConfig has no field(s) {bad}")
+        return HarnessConfig(**{**{n: getattr(self, n) for n in names}, **overrides})
+
+
+class DeepSearchEnv:
+    """Thin adapter over the deep-search environment: a ``Split`` or a ``SearchIndex``."""
+
+    def __init__(self, split_or_index):
+        self.index = getattr(split_or_index, "index", split_or_index)
+        self.tasks = getattr(split_or_index, "tasks", None)
+        if not hasattr(self.index, "search"):
+            raise TypeError(f"DeepSearchEnv needs a Split or SearchIndex, got {type(split_or_index).__name__}")
+
+    def search(self, query: str, k: int) -> str:
+        from mosaic.envs.search import format_hits
+
+        return format_hits(self.index.search(query, k))
+
+
+@dataclass
+class _Live:
+    """A session in progress."""
+
+    session: Session
+    key: str
+    depth: int
+    question: str
+    at_boundary: bool = False  # True when the next request must first append a generation header
+    turn_start: int = 0  # context length before the current turn's header (the pre-turn boundary)
+    fork_boundary: int = 0  # (subagent) parent's pre-turn boundary at the delegate call
+
+    @property
+    def length(self) -> int:
+        return len(self.session.prompt_ids) + len(self.session.completion_ids)
+
+
+@dataclass
+class _Run:
+    """One trajectory in progress."""
+
+    traj: Trajectory
+    task: object
+    sample: int
+    stack: list[_Live] = field(default_factory=list)
+    done: bool = False
+    total_turns: int = 0
+    counters: Counter = field(default_factory=Counter)
+    invalid: Counter = field(default_factory=Counter)
+    tool_calls: Counter = field(default_factory=Counter)
+
+
+class Harness:
+    """Runs trajectories of ``policy`` on ``env``'s tasks; see the module docstring."""
+
+    def __init__(self, policy: Policy, chat: ChatFormat, env, config: HarnessConfig | None = None):
+        self.policy = policy
+        self.chat = chat
+        self.env = env
+        self.config = config or HarnessConfig()
+
+    # ------------------------------------------------------------------ public
+    def run(self, tasks: Sequence, group_size: int = 1, seed: int = 0, *,
+            on_trajectory: Callable[[Trajectory], None] | None = None, progress: bool = False,
+            step: int | str | None = None) -> list[Trajectory]:
+        """Roll out every task ``group_size`` times; returns validated trajectories (task-major)."""
+        if group_size < 1:
+            raise ValueError(f"group_size must be >= 1, got {group_size}")
+        ids = [t.id for t in tasks]
+        if len(set(ids)) != len(ids):
+            raise ValueError("tasks contain duplicate ids; group ids would collide")
+        runs: list[_Run] = []
+        for task in tasks:
+            gid = task.id if step is None else f"{step}/{task.id}"
+            for g in range(group_size):
+                traj = Trajectory(id=f"{gid}/{g}", task_id=task.id, group_id=gid, sessions=[],
+                                  ground_truth=task.answer)
+                run = _Run(traj, task, g)
+                self._open_main(run, task.question, parent=None)
+                runs.append(run)
+        self._seed = seed
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(runs), desc="rollout", unit="traj")
+        pending = list(runs)
+        try:
+            while pending:
+                reqs, owners = [], []
+                for run in pending:
+                    req = self._prepare(run)
+                    if req is not None:
+                        reqs.append(req)
+                        owners.append(run)
+                if reqs:
+                    results = self.policy.generate(reqs)
+                    if len(results) != len(reqs):
+                        raise RuntimeError(f"policy returned {len(results)} results for {len(reqs)} requests")
+                    for run, req, res in zip(owners, reqs, results):
+                        self._apply(run, req, res)
+                still = []
+                for run in pending:
+                    if run.done:
+                        self._finish(run)
+                        if on_trajectory is not None:
+                            on_trajectory(run.traj)
+                        if bar is not None:
+                            bar.update(1)
+                    else:
+                        still.append(run)
+                pending = still
+        finally:
+            if bar is not None:
+                bar.close()
+        return [r.traj for r in runs]
+
+    # ------------------------------------------------------------------ sessions
+    def _new_session(self, run: _Run, kind: str, prompt: list[int], parent: int | None, edge: str | None,
+                     depth: int, question: str) -> _Live:
+        s = Session(id=len(run.traj.sessions), kind=kind, prompt_ids=list(prompt), parent=parent, edge=edge)
+        s.meta["depth"] = depth
+        run.traj.sessions.append(s)
+        live = _Live(s, f"{run.traj.id}/{s.id}", depth, question)
+        run.stack.append(live)
+        return live
+
+    def _open_main(self, run: _Run, user: str, parent: int | None) -> _Live:
+        prompt, boundary = self.chat.initial_prompt(self.config.system_text(0), user)
+        live = self._new_session(run, "main", prompt, parent, None if parent is None else "continues", 0,
+                                 run.task.question)
+        live.session.state_before = StateRef(session=live.session.id, upto=boundary)
+        live.turn_start = boundary
+        return live
+
+    def _close(self, run: _Run, live: _Live, reason: str) -> None:
+        live.session.end_reason = reason
+        if live.session.kind == "main":
+            live.session.state_after = StateRef(session=live.session.id, upto=None)
+        run.stack.remove(live)
+        self.policy.release(live.key)
+
+    def _append(self, run: _Run, live: _Live, ids: list[int], mask: list[bool] | None = None,
+                logprobs: list[float] | None = None) -> None:
+        s = live.session
+        mask = [False] * len(ids) if mask is None else mask
+        s.completion_ids += ids
+        s.loss_mask += mask
+        s.logprobs += [0.0] * len(ids) if logprobs is None else logprobs
+        run.counters["tokens_inserted"] += sum(1 for m in mask if not m)
+
+    def _end_trajectory(self, run: _Run, reason: str, *, reward: float = 0.0, answer: str | None = None) -> None:
+        top = run.stack[-1] if run.stack else None
+        for live in reversed(list(run.stack)):
+            if live.session.kind == "subagent":  # aborted: its result never reached the parent
+                live.session.state_after = StateRef(session=live.session.parent, upto=live.fork_boundary)
+            self._close(run, live, reason if live is top else "aborted")
+        run.traj.end_reason = reason
+        run.traj.reward = float(reward)
+        run.traj.success = reward >= self.config.success_threshold
+        run.traj.answer = answer
+        run.done = True
+
+    # ------------------------------------------------------------------ one step
+    def _prepare(self, run: _Run) -> GenRequest | None:
+        """The next request of ``run``'s active session, after caps and compaction; None if it ended."""
+        cfg = self.config
+        live = run.stack[-1]
+        s = live.session
+        if s.kind == "compaction":
+            max_new = cfg.summary_max_new_tokens
+        else:
+            if run.total_turns >= cfg.max_total_turns:
+                self._end_trajectory(run, "total_turn_cap")
+                return None
+            cap = cfg.max_turns if s.kind == "main" else cfg.subagent_max_turns
+            if s.num_turns >= cap:
+                if s.kind == "subagent":
+                    self._return_to_parent(run, live, None, "turn_cap")
+                    return self._prepare(run)
+                self._end_trajectory(run, "turn_cap")
+                return None
+            max_new = cfg.max_new_tokens
+            budget = cfg.context_budget if s.kind == "main" else (cfg.subagent_context_budget or cfg.context_budget)
+            header = len(self.chat.generation_header_ids) if live.at_boundary else 0
+            if live.length + header + max_new > budget:
+                if s.kind == "subagent":
+                    self._return_to_parent(run, live, None, "context_overflow")
+                    return self._prepare(run)
+                if not cfg.compacts or s.num_turns == 0:
+                    # (a fresh main session that already overflows cannot be helped by compacting)
+                    self._end_trajectory(run, "context_overflow")
+                    return None
+                if len(run.traj.sessions) + 2 > cfg.max_sessions:
+                    self._end_trajectory(run, "session_cap")
+                    return None
+                live = self._start_compaction(run, live)
+                max_new = cfg.summary_max_new_tokens
+            elif live.at_boundary:
+                live.turn_start = live.length
+                self._append(run, live, list(self.chat.generation_header_ids))
+                live.at_boundary = False
+        s = live.session
+        meta = {
+            "task_id": run.task.id, "traj_id": run.traj.id, "sample": run.sample, "seed": self._seed,
+            "kind": s.kind, "session": s.id, "turn": s.num_turns, "depth": live.depth,
+            "question": live.question, "context_budget": cfg.context_budget, "mode": cfg.mode,
+            "tools": list(cfg.tools(live.depth)) if s.kind != "compaction" else [],
+        }
+        return GenRequest(live.key, s.prompt_ids + s.completion_ids, max_new, meta)
+
+    def _start_compaction(self, run: _Run, main: _Live) -> _Live:
+        self._close(run, main, "compaction")
+        prompt = main.session.tokens() + self.chat.user_delta(self.config.compaction_prompt) + list(
+            self.chat.generation_header_ids)
+        live = self._new_session(run, "compaction", prompt, main.session.id, "continues", 0, main.question)
+        live.session.state_before = StateRef(session=main.session.id, upto=None)
+        run.counters["compactions"] += 1
+        return live
+
+    def _apply(self, run: _Run, req: GenRequest, res: GenResult) -> None:
+        cfg = self.config
+        live = run.stack[-1]
+        s = live.session
+        if res.finish_reason == "error":
+            run.traj.meta["error"] = res.error or "policy error"
+            self._end_trajectory(run, "policy_error")
+            return
+        sampled = list(res.token_ids)
+        if len(sampled) > req.max_new_tokens or len(res.logprobs) != len(sampled):
+            raise RuntimeError(
+                f"policy returned {len(sampled)} tokens / {len(res.logprobs)} logprobs for a turn capped "
+                f"at {req.max_new_tokens} tokens (session {req.session_key})")
+        if not all(math.isfinite(x) for x in res.logprobs):
+            raise RuntimeError(f"policy returned non-finite logprobs (session {req.session_key})")
+        s.num_turns += 1
+        if s.kind != "compaction":
+            run.total_turns += 1
+        run.counters["tokens_sampled"] += len(sampled)
+        turn = self.chat.close_turn(sampled)
+        lp = list(res.logprobs) + [0.0] * (len(turn.ids) - len(sampled))
+        self._append(run, live, turn.ids, turn.loss_mask, lp)
+        live.at_boundary = True
+        body = sampled[:-1] if sampled and sampled[-1] == self.chat.im_end_id else sampled
+        text = self.chat.decode(body)
+        if res.finish_reason == "length":
+            run.counters["length_stops"] += 1
+        if s.kind == "compaction":
+            summary = text.replace("<|im_end|>", "").strip()
+            s.end_reason = "summary"
+            run.stack.remove(live)
+            self.policy.release(live.key)
+            new = self._open_main(run, cfg.resume_text(run.task.question, summary), parent=s.id)
+            s.state_after = new.session.state_before
+            return
+        allowed = ("search", "delegate") if cfg.forks else ("search",)
+        action = parse_action(text, allowed, max_arg_chars=cfg.max_arg_chars)
+        if action.kind == "call" and action.name == "delegate" and live.depth >= cfg.max_depth:
+            action = Action("invalid", error="delegate_depth", message=(
+                f"Error (delegate_depth): helpers at depth {live.depth} cannot delegate (limit "
+                f"{cfg.max_depth}); search yourself."))
+        if action.kind == "answer":
+            if s.kind == "subagent":
+                self._return_to_parent(run, live, action.answer or "", "answer")
+                return
+            from mosaic.envs.rewards import score_answer
+
+            score = score_answer(text, run.task.answer, cfg.reward_metric)
+            run.traj.meta["answer_status"] = score.status
+            self._end_trajectory(run, "answer", reward=score.reward, answer=score.answer)
+            return
+        if action.kind == "invalid":
+            run.invalid[action.error] += 1
+            self._append(run, live, self.chat.tool_delta(action.message))
+            return
+        run.tool_calls[action.name] += 1
+        run.counters["extra_tool_calls"] += action.extra_calls
+        if action.name == "search":
+            try:
+                out = self.env.search(action.argument, cfg.search_k)
+            except Exception as exc:  # a tool failure is visible to the model and in metrics
+                run.counters["tool_errors"] += 1
+                out = f"Error (tool_error): search failed: {type(exc).__name__}: {exc}"
+            self._append(run, live, self.chat.tool_delta(out))
+            return
+        # delegate
+        if len(run.traj.sessions) + 1 > cfg.max_sessions:
+            self._end_trajectory(run, "session_cap")
+            return
+        prompt, boundary = self.chat.initial_prompt(cfg.system_text(live.depth + 1), action.argument)
+        child = self._new_session(run, "subagent", prompt, s.id, "forks", live.depth + 1, action.argument)
+        child.session.state_before = StateRef(session=s.id, upto=live.turn_start)
+        child.fork_boundary = live.turn_start
+        child.turn_start = boundary
+        run.counters["forks"] += 1
+
+    def _return_to_parent(self, run: _Run, child: _Live, answer: str | None, reason: str) -> None:
+        self._close(run, child, reason)
+        parent = run.stack[-1]
+        if answer is None:
+            run.counters["subagent_failures"] += 1
+            text = f"Error (subagent_failed): the helper stopped without an answer ({reason})."
+        else:
+            text = answer if answer.strip() else "(the helper gave an empty answer)"
+        self._append(run, parent, self.chat.tool_delta(text))
+        child.session.state_after = StateRef(session=parent.session.id, upto=parent.length)
+
+    def _finish(self, run: _Run) -> None:
+        traj = run.traj
+        mains = [s for s in traj.sessions if s.kind == "main"]
+        mains[-1].is_final = True
+        kinds = Counter(s.kind for s in traj.sessions)
+        traj.meta.update({
+            "mode": self.config.mode,
+            "hops": getattr(run.task, "hops", None),
+            "turns": run.total_turns,
+            "sessions": dict(kinds),
+            "compactions": run.counters["compactions"],
+            "forks": run.counters["forks"],
+            "tool_calls": dict(run.tool_calls),
+            "invalid_actions": dict(run.invalid),
+            "num_invalid": sum(run.invalid.values()),
+            "tokens_sampled": run.counters["tokens_sampled"],
+            "tokens_inserted": run.counters["tokens_inserted"],
+            "length_stops": run.counters["length_stops"],
+            "extra_tool_calls": run.counters["extra_tool_calls"],
+            "subagent_failures": run.counters["subagent_failures"],
+            "tool_errors": run.counters["tool_errors"],
+        })
+        hook = getattr(self.policy, "trajectory_meta", None)
+        if callable(hook):
+            extra = hook(traj.id)
+            if extra:
+                traj.meta["policy"] = extra
+        validate(traj)

@@ -1,0 +1,113 @@
+"""The project tokenizer: a small byte-level BPE with ChatML special tokens.
+
+Byte-level (every byte is in the base alphabet), so any text the model can emit
+round-trips through ``decode``/``encode`` and any byte sequence has ids. Special
+tokens: ``<|endoftext|>`` (pad), ``<|im_start|>``, ``<|im_end|>`` (eos: end of
+turn); the tool/answer tags are added as single, non-special tokens so that
+``decode(..., skip_special_tokens=True)`` keeps them.
+
+Load a saved tokenizer with :func:`load_tokenizer` (``PreTrainedTokenizerFast``),
+never ``AutoTokenizer``: next to a ``qwen2`` model config, ``AutoTokenizer``
+silently builds a different tokenizer from the same files (see the project notes).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable
+
+PAD_TOKEN = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+SPECIAL_TOKENS = (PAD_TOKEN, IM_START, IM_END)
+TAG_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<answer>", "</answer>")
+
+# Plain ChatML, Qwen-style: every role (system, user, assistant, tool) renders the same way.
+# The harness wraps tool output in <tool_response> tags itself (see mosaic.agent.chat).
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int = 2048, *, min_frequency: int = 2):
+    """Train a byte-level BPE on ``texts`` and wrap it as a ``PreTrainedTokenizerFast``.
+
+    ``vocab_size`` includes the 256 byte symbols, the 3 special and 6 tag tokens.
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    n_fixed = 256 + len(SPECIAL_TOKENS) + len(TAG_TOKENS)
+    if vocab_size < n_fixed + 1:
+        raise ValueError(f"vocab_size must be > {n_fixed} (bytes + special + tag tokens), got {vocab_size}")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - len(TAG_TOKENS),  # tags are added after training
+        min_frequency=min_frequency,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator((t for t in texts if t), trainer=trainer)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False, single_word=False) for t in TAG_TOKENS])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=None,
+        eos_token=IM_END,
+        pad_token=PAD_TOKEN,
+        unk_token=None,
+        additional_special_tokens=[IM_START],
+        clean_up_tokenization_spaces=False,
+        model_max_length=1 << 20,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def save_tokenizer(tok, directory: str | Path) -> Path:
+    """Save ``tok`` (files + chat template) to ``directory``."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tok.save_pretrained(str(directory))
+    return directory
+
+
+def load_tokenizer(directory: str | Path):
+    """Load a tokenizer saved by :func:`save_tokenizer` (``PreTrainedTokenizerFast``, not AutoTokenizer)."""
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast.from_pretrained(str(directory))
+    if tok.chat_template is None:
+        tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def corpus_texts(documents: Iterable[str] = (), questions: Iterable[str] = (),
+                 extra: Iterable[str] = ()) -> list[str]:
+    """The training corpus: documents, questions, prompt texts and sample model outputs.
+
+    ``extra`` holds the harness prompts (:meth:`mosaic.agent.harness.HarnessConfig.prompt_texts`)
+    and scripted-expert outputs (:func:`mosaic.agent.expert.sample_texts`), so everything
+    the model sees tokenises compactly.
+    """
+    return [t for t in (*documents, *questions, *extra) if t]
+
+
+def build_project_tokenizer(splits, *, vocab_size: int = 2048, harness_config=None):
+    """Train the project tokenizer on ``splits`` (``Split`` objects: their documents and questions),
+    the harness prompts and the scripted expert's sample outputs."""
+    from mosaic.agent.expert import sample_texts
+    from mosaic.agent.harness import HarnessConfig
+
+    cfg = harness_config or HarnessConfig()
+    docs, questions, extra = [], [], list(cfg.prompt_texts())
+    for sp in splits:
+        docs += [d.text for d in sp.world.documents]
+        questions += [t.question for t in sp.tasks]
+        extra += sample_texts(sp.tasks)
+    return train_tokenizer(corpus_texts(docs, questions, extra), vocab_size=vocab_size)

@@ -1,0 +1,106 @@
+"""Parsing an assistant message into one action, and the tools' specs.
+
+Tool calls are Hermes/Qwen style: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``.
+A complete ``<answer>…</answer>`` pair is the answer action (it wins over a tool
+call in the same message; extraction is :func:`mosaic.envs.rewards.extract_answer`,
+the same rule the reward uses). Everything else that is not exactly one well-formed
+call of an available tool is an *invalid action* with a type (counted in the
+trajectory's metrics) and a message the model reads as the tool response.
+Parsing never raises.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+TOOL_ARGS: dict[str, str] = {"search": "query", "delegate": "question"}
+"""Each tool takes exactly one string argument, named here."""
+
+TOOL_DOCS: dict[str, str] = {
+    "search": '- search(query): the best-matching encyclopedia passages. '
+              'Example: <tool_call>{"name": "search", "arguments": {"query": "NAME relation"}}</tool_call>',
+    "delegate": '- delegate(question): a helper answers a sub-question with its own searches and '
+                'returns its answer. Example: <tool_call>{"name": "delegate", "arguments": '
+                '{"question": "Who is the founder of NAME?"}}</tool_call>',
+}
+
+INVALID_TYPES = (
+    "no_action", "unclosed_tool_call", "malformed_tool_call", "bad_json", "bad_call",
+    "unknown_tool", "bad_arguments", "argument_too_long", "malformed_answer", "delegate_depth",
+)
+
+_CALL_HINT = ('Call a tool with <tool_call>{"name": "search", "arguments": {"query": "..."}}</tool_call> '
+              "or answer with <answer>NAME</answer>.")
+
+
+@dataclass(frozen=True)
+class Action:
+    """What one assistant message asks for.
+
+    ``kind``: ``answer`` (``answer`` holds the extracted text, possibly None when empty),
+    ``call`` (``name`` + ``argument``), or ``invalid`` (``error`` type + ``message``).
+    """
+
+    kind: Literal["answer", "call", "invalid"]
+    name: str = ""
+    argument: str = ""
+    answer: str | None = None
+    error: str = ""
+    message: str = ""
+    extra_calls: int = 0
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def _invalid(error: str, message: str) -> Action:
+    return Action("invalid", error=error, message=f"Error ({error}): {message}")
+
+
+def parse_action(text: str, tools: tuple[str, ...], *, max_arg_chars: int = 512) -> Action:
+    """Parse one assistant message (its text without the end-of-turn token)."""
+    from mosaic.envs.rewards import extract_answer
+
+    answer, status = extract_answer(text)
+    if status in ("ok", "empty"):
+        return Action("answer", answer=answer)
+    start = text.find("<tool_call>")
+    if start < 0:
+        if "</tool_call>" in text:
+            return _invalid("malformed_tool_call", f"found </tool_call> without <tool_call>. {_CALL_HINT}")
+        if status == "malformed":
+            return _invalid("malformed_answer", "the answer needs both tags: <answer>NAME</answer>.")
+        return _invalid("no_action", f"your message had neither a tool call nor an answer. {_CALL_HINT}")
+    body_start = start + len("<tool_call>")
+    end = text.find("</tool_call>", body_start)
+    if end < 0:
+        return _invalid("unclosed_tool_call", f"<tool_call> was not closed with </tool_call>. {_CALL_HINT}")
+    extra = text.count("<tool_call>", end)
+    body = text[body_start:end].strip()
+    try:
+        call = json.loads(body)
+    except (ValueError, RecursionError):
+        return _invalid("bad_json", "the tool call is not valid JSON. It must look like "
+                                    '{"name": "search", "arguments": {"query": "..."}}.')
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        return _invalid("bad_call", 'the tool call must be a JSON object with a string "name" and an '
+                                    '"arguments" object.')
+    name = call["name"]
+    if name not in tools:
+        shown = name if len(name) <= 40 else name[:40] + "..."
+        return _invalid("unknown_tool", f"no tool named {shown!r}; available: {', '.join(tools)}.")
+    args = call.get("arguments", {})
+    key = TOOL_ARGS[name]
+    if not isinstance(args, dict) or set(args) != {key} or not isinstance(args[key], str) or not args[key].strip():
+        return _invalid("bad_arguments", f'{name} takes one non-empty string argument: '
+                                         f'{{"{key}": "..."}}.')
+    value = args[key].strip()
+    if len(value) > max_arg_chars:
+        return _invalid("argument_too_long", f"the {key} has {len(value)} characters; the limit is "
+                                             f"{max_arg_chars}.")
+    return Action("call", name=name, argument=value, extra_calls=extra)
+
+
+def format_call(name: str, argument: str) -> str:
+    """The canonical text of a tool call (what the scripted expert writes)."""
+    return "<tool_call>" + json.dumps({"name": name, "arguments": {TOOL_ARGS[name]: argument}}) + "</tool_call>"
