@@ -1,0 +1,543 @@
+"""Information-gain scorer (SPEC §4.4) and the turn-level IGPO-style variant (§4.7).
+
+``L(c)`` is the rollout policy's mean log-probability per token of the ground
+truth ``y`` when the context ``c`` is followed by the answer probe (the
+assistant turn ``<answer>y</answer>``). A session's gain is
+``g = L(state_after) - L(state_before)``; the final session gets 0 and is
+flagged (its context holds the answer).
+
+How it is made cheap (:func:`score_gains`):
+
+1. **Dedupe.** States are :class:`~mosaic.trace.graph.StateRef` s; references
+   with equal ``Trajectory.state_key`` name the same tokens and are probed once
+   (a chain of k compactions needs 2k + 1 probes).
+2. **One pass per session, probes off its KV cache.** Every state that is a
+   prefix of a session's ``prompt + completion`` is a *cut* of that session.
+   The session (up to its last cut, or all of it when old log-probs are wanted)
+   is encoded once with ``use_cache=True``; each probe then runs only
+   ``1 + len(probe)`` tokens against the cache cropped to the cut: the cut's
+   last token is fed again so that the logits predicting the probe's first
+   token come from the small pass (the cache is cropped to ``cut - 1``).
+3. **Batching.** Sessions are sorted by length and packed into padded batches
+   under a token budget (right padding, attention mask); probes of a batch are
+   sorted by cut length and run in padded batches whose KV caches are gathered
+   from the session caches (left padded so all probes end together, explicit
+   position ids so RoPE sees the true positions).
+4. **Old log-probs for free.** With ``return_logprobs=True`` every session is
+   encoded in full and the same pass yields the log-probs of its completion
+   tokens (what PPO needs as the "old" policy), computed from the last hidden
+   state in chunks so the ``(L, V)`` logits never exist at once.
+
+:func:`score_reference` re-encodes every state + probe from scratch (slow,
+obviously correct; the tests hold the fast path to it within 1e-4).
+
+Limits (say them once): the cache trick needs attention layers whose cache can
+be cut at a position (full attention: Llama, Qwen2/3, SmolLM2). Hybrid models
+with recurrent / linear-attention layers (e.g. Gated DeltaNet in Qwen3.5) or
+sliding windows shorter than the contexts cannot be cropped: use
+``method="reference"`` for them.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Literal, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from mosaic.trace.graph import Session, StateRef, Trajectory
+
+__all__ = [
+    "Probe",
+    "ProbeFn",
+    "PROBE_TEMPLATE",
+    "make_probe_fn",
+    "ScoreStats",
+    "ScoreResult",
+    "TurnScoreResult",
+    "score_gains",
+    "score_reference",
+    "score_turns",
+    "turn_boundaries",
+    "recompute_logprobs_reference",
+]
+
+Probe = tuple[list[int], tuple[int, int]]
+"""``(suffix_ids, (start, end))``: the probe's token ids and the half-open span of y's tokens in them."""
+ProbeFn = Callable[[str], Probe]
+
+PROBE_TEMPLATE = "<|im_start|>assistant\n<answer>{answer}</answer><|im_end|>"
+
+
+def make_probe_fn(tokenizer, template: str = PROBE_TEMPLATE) -> ProbeFn:
+    """A ``probe_fn`` from a fast tokenizer: tokenise the whole probe text once and
+    locate y's tokens with character offsets (SPEC §4.4; never tokenise y alone).
+
+    Tokens overlapping y's character span count as y's tokens. Stand-in for
+    ``mosaic.agent.chat.ChatFormat.answer_probe`` with the same contract.
+    """
+    if template.count("{answer}") != 1:
+        raise ValueError("probe template must contain '{answer}' exactly once")
+    head, _ = template.split("{answer}")
+    cache: dict[str, Probe] = {}
+
+    def probe(answer: str) -> Probe:
+        if answer in cache:
+            return cache[answer]
+        text = template.replace("{answer}", answer)
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids, offs = list(enc["input_ids"]), list(enc["offset_mapping"])
+        a0, a1 = len(head), len(head) + len(answer)
+        inside = [i for i, (s, e) in enumerate(offs) if e > s and s < a1 and e > a0]
+        if not inside:
+            raise ValueError(f"answer {answer!r} has no tokens in the probe (empty answer?)")
+        cache[answer] = (ids, (inside[0], inside[-1] + 1))
+        return cache[answer]
+
+    return probe
+
+
+@dataclass
+class ScoreStats:
+    """Cost counters of one scoring call."""
+
+    num_state_refs: int = 0
+    """State references of non-final sessions (2 per session) before dedupe."""
+    num_unique_states: int = 0
+    """Distinct states after dedupe by ``state_key`` (= probes run)."""
+    num_probes: int = 0
+    sessions_encoded: int = 0
+    """Host sequences encoded (cached path) or 0 (reference path)."""
+    tokens_encoded: int = 0
+    """Tokens run through the model, all passes together (host passes + probe passes)."""
+    probe_tokens: int = 0
+    """Of ``tokens_encoded``, tokens of the probe passes."""
+    forward_calls: int = 0
+    seconds: float = 0.0
+
+    def as_metrics(self, prefix: str = "timing_s/score") -> dict[str, float]:
+        return {
+            prefix: self.seconds,
+            "score/probes": float(self.num_probes),
+            "score/unique_states": float(self.num_unique_states),
+            "score/state_refs": float(self.num_state_refs),
+            "score/tokens_encoded": float(self.tokens_encoded),
+        }
+
+
+@dataclass
+class ScoreResult:
+    """Gains of a batch, aligned with :func:`mosaic.trace.flatten` order (S sessions)."""
+
+    gains: torch.Tensor
+    """(S,) float32 ``L(after) - L(before)``; 0 for final sessions."""
+    is_final: torch.Tensor
+    """(S,) bool; final sessions carry gain 0 and stay out of the statistics."""
+    loglik_before: torch.Tensor
+    """(S,) float32 ``L(state_before)``; NaN for final sessions."""
+    loglik_after: torch.Tensor
+    """(S,) float32 ``L(state_after)``; NaN for final sessions."""
+    stats: ScoreStats
+    old_logprobs: list[torch.Tensor] | None = None
+    """Per session (flatten order): (len(completion_ids),) float32 log-probs of the
+    completion tokens under the scoring model (at ``temperature``); None unless asked."""
+
+
+@dataclass
+class TurnScoreResult:
+    """Turn-level likelihoods (SPEC §4.7), one list per session in flatten order."""
+
+    loglik: list[torch.Tensor]
+    """Per session: (1 + n_turns,) ``L`` at the prompt and after every turn."""
+    gains: list[torch.Tensor]
+    """Per session: (n_turns,) ``L(after turn t) - L(before turn t)``."""
+    stats: ScoreStats = field(default_factory=ScoreStats)
+
+
+# --------------------------------------------------------------------------------------
+# Work description shared by all paths: "hosts" (sequences to encode) with "cuts".
+
+
+@dataclass
+class _Host:
+    tokens: list[int]
+    """The sequence to encode (already truncated to what is needed)."""
+    cuts: list[int]
+    """Distinct state lengths (prefixes of ``tokens``) to probe."""
+    probe: Probe
+    logprob_from: int | None = None
+    """When set: return log-probs of ``tokens[logprob_from:]`` from this pass."""
+
+
+def _probe_for(traj: Trajectory, probe_fn: ProbeFn, cache: dict) -> Probe:
+    if traj.ground_truth is None:
+        raise ValueError(f"trajectory {traj.id!r}: ground_truth is None; the gain scorer needs the gold answer")
+    if traj.ground_truth not in cache:
+        ids, (a, b) = probe_fn(traj.ground_truth)
+        if not 0 <= a < b <= len(ids):
+            raise ValueError(f"probe_fn returned answer span {(a, b)} outside its {len(ids)} tokens")
+        cache[traj.ground_truth] = (list(ids), (int(a), int(b)))
+    return cache[traj.ground_truth]
+
+
+def _state_host(traj: Trajectory, ref: StateRef) -> tuple[tuple, int]:
+    """(host key, cut length) of a state: a session prefix, or an explicit state."""
+    if ref.state is not None:
+        return ("state", ref.state), len(traj.states[ref.state])
+    s = traj.sessions[ref.session]  # type: ignore[index]
+    n = len(s.prompt_ids) + len(s.completion_ids)
+    return ("session", ref.session), n if ref.upto is None else ref.upto
+
+
+def _host_tokens(traj: Trajectory, key: tuple) -> list[int]:
+    return list(traj.states[key[1]]) if key[0] == "state" else traj.sessions[key[1]].tokens()
+
+
+def _plan(trajs: Sequence[Trajectory], probe_fn: ProbeFn, return_logprobs: bool):
+    """Hosts to encode, and for every session the (host index, cut) of its two states."""
+    hosts: list[_Host] = []
+    host_of: dict[tuple, int] = {}  # (traj, host key) -> index in hosts
+    sess_states: list[tuple[tuple[int, int], tuple[int, int]] | None] = []
+    sess_logprob_host: list[int] = []
+    stats = ScoreStats()
+    probes: dict[str, Probe] = {}
+
+    def host(i: int, key: tuple) -> int:
+        if (i, key) not in host_of:
+            toks = _host_tokens(trajs[i], key)
+            host_of[(i, key)] = len(hosts)
+            hosts.append(_Host(tokens=toks, cuts=[], probe=([], (0, 0))))
+        return host_of[(i, key)]
+
+    for i, t in enumerate(trajs):
+        for s in t.sessions:
+            if return_logprobs:
+                h = host(i, ("session", s.id))
+                hosts[h].logprob_from = len(s.prompt_ids)
+                sess_logprob_host.append(h)
+            if s.is_final:
+                sess_states.append(None)
+                continue
+            if s.state_before is None or s.state_after is None:
+                raise ValueError(
+                    f"trajectory {t.id!r} session {s.id} ({s.kind}): a non-final session needs "
+                    "state_before and state_after for the gain scorer"
+                )
+            pair = []
+            for ref in (s.state_before, s.state_after):
+                key, cut = _state_host(t, ref)
+                if cut < 1:
+                    raise ValueError(f"trajectory {t.id!r} session {s.id}: empty state {ref} cannot be probed")
+                h = host(i, key)
+                hosts[h].probe = _probe_for(t, probe_fn, probes)
+                if cut not in hosts[h].cuts:
+                    hosts[h].cuts.append(cut)
+                pair.append((h, cut))
+                stats.num_state_refs += 1
+            sess_states.append((pair[0], pair[1]))
+    for h in hosts:
+        h.cuts.sort()
+        if h.logprob_from is None:  # only the prefix up to the last cut is needed
+            h.tokens = h.tokens[: max(h.cuts)]
+    stats.num_unique_states = sum(len(h.cuts) for h in hosts)
+    return hosts, sess_states, sess_logprob_host, stats
+
+
+# --------------------------------------------------------------------------------------
+# Model helpers.
+
+
+def _model_device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _answer_loglik(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean log-prob of ``targets`` (n,) under ``logits`` (n, V), in fp32."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    return lp.gather(-1, targets.unsqueeze(-1)).squeeze(-1).mean()
+
+
+def _chunked_token_logprobs(hidden: torch.Tensor, targets: torch.Tensor, head, temperature: float,
+                            chunk: int = 1024) -> torch.Tensor:  # fmt: skip
+    """Log-probs of ``targets`` (n,) given final hidden states (n, H), ``chunk`` rows at a time."""
+    out = []
+    for a in range(0, hidden.shape[0], chunk):
+        logits = head(hidden[a : a + chunk]).float() / temperature  # (c, V)
+        out.append(torch.log_softmax(logits, -1).gather(-1, targets[a : a + chunk, None]).squeeze(-1))
+    return torch.cat(out) if out else hidden.new_zeros(0, dtype=torch.float32)
+
+
+def _pack(lengths: Sequence[int], order: Sequence[int], max_tokens: int, max_batch: int) -> list[list[int]]:
+    """Greedy batches of ``order`` (sorted by length) with padded size ≤ max_tokens."""
+    batches: list[list[int]] = []
+    cur: list[int] = []
+    cur_max = 0
+    for j in order:
+        m = max(cur_max, lengths[j])
+        if cur and ((len(cur) + 1) * m > max_tokens or len(cur) >= max_batch):
+            batches.append(cur)
+            cur, m = [], lengths[j]
+        cur.append(j)
+        cur_max = m
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+# --------------------------------------------------------------------------------------
+# Fast path.
+
+
+@torch.no_grad()
+def _run_cached(model, hosts: list[_Host], stats: ScoreStats, *, max_batch_tokens: int, max_batch_size: int,
+                temperature: float) -> tuple[list[dict[int, float]], list[torch.Tensor | None]]:  # fmt: skip
+    dev = _model_device(model)
+    decoder, head = model.get_decoder(), model.get_output_embeddings()
+    L: list[dict[int, float]] = [dict() for _ in hosts]
+    logprobs: list[torch.Tensor | None] = [None] * len(hosts)
+    lengths = [len(h.tokens) for h in hosts]
+    order = sorted(range(len(hosts)), key=lambda j: -lengths[j])
+    for batch in _pack(lengths, order, max_batch_tokens, max_batch_size):
+        Lmax = max(lengths[j] for j in batch)
+        ids = torch.zeros(len(batch), Lmax, dtype=torch.long)
+        att = torch.zeros(len(batch), Lmax, dtype=torch.long)
+        for r, j in enumerate(batch):
+            ids[r, : lengths[j]] = torch.tensor(hosts[j].tokens)
+            att[r, : lengths[j]] = 1
+        out = decoder(input_ids=ids.to(dev), attention_mask=att.to(dev), use_cache=True)
+        stats.forward_calls += 1
+        stats.sessions_encoded += len(batch)
+        stats.tokens_encoded += sum(lengths[j] for j in batch)
+        hid = out.last_hidden_state  # (b, Lmax, H)
+        for r, j in enumerate(batch):
+            a = hosts[j].logprob_from
+            if a is not None:
+                n = lengths[j]
+                tgt = ids[r, a:n].to(dev)
+                logprobs[j] = _chunked_token_logprobs(hid[r, a - 1 : n - 1], tgt, head, temperature).cpu()
+        del hid
+        kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]  # each (b, Hkv, Lmax, D)
+        del out
+        # Probes of this batch: (row, host, cut), sorted by cut length.
+        jobs = [(r, j, c) for r, j in enumerate(batch) for c in hosts[j].cuts]
+        plen = [c - 1 + 1 + len(hosts[j].probe[0]) for (_, j, c) in jobs]
+        porder = sorted(range(len(jobs)), key=lambda q: -plen[q])
+        for pb in _pack(plen, porder, max_batch_tokens, max_batch_size):
+            sel = [jobs[q] for q in pb]
+            n = len(sel)
+            pre = torch.tensor([c - 1 for (_, _, c) in sel])  # cached prefix lengths
+            seqs = [[hosts[j].tokens[c - 1]] + hosts[j].probe[0] for (_, j, c) in sel]
+            Cm, Pm = int(pre.max()), max(len(s) for s in seqs)
+            rows = torch.tensor([r for (r, _, _) in sel], device=dev)
+            # Left-pad the cached prefixes: slot k of row i holds position k - (Cm - pre_i).
+            pos = torch.arange(Cm)[None, :] - (Cm - pre)[:, None]  # (n, Cm)
+            valid = pos >= 0
+            gidx = pos.clamp(min=0).to(dev)
+            cache_data = []
+            for K, V in kv:
+                Kb, Vb = K[rows], V[rows]  # (n, Hkv, Lmax, D)
+                g = gidx[:, None, :, None].expand(-1, Kb.shape[1], -1, Kb.shape[3])
+                cache_data.append((Kb.gather(2, g), Vb.gather(2, g)))
+            from transformers import DynamicCache
+
+            cache = DynamicCache(ddp_cache_data=cache_data)
+            pid = torch.zeros(n, Pm, dtype=torch.long)
+            patt = torch.zeros(n, Cm + Pm, dtype=torch.long)
+            patt[:, :Cm] = valid.long()
+            for i, s in enumerate(seqs):
+                pid[i, : len(s)] = torch.tensor(s)
+                patt[i, Cm : Cm + len(s)] = 1
+            posid = pre[:, None] + torch.arange(Pm)[None, :]  # true positions of the probe tokens
+            logits = model(input_ids=pid.to(dev), attention_mask=patt.to(dev), position_ids=posid.to(dev),
+                           past_key_values=cache, use_cache=True).logits  # (n, Pm, V)  # fmt: skip
+            stats.forward_calls += 1
+            stats.num_probes += n
+            ptoks = sum(len(s) for s in seqs)
+            stats.tokens_encoded += ptoks
+            stats.probe_tokens += ptoks
+            for i, (_, j, c) in enumerate(sel):
+                a, b = hosts[j].probe[1]
+                # seqs[i][t + 1] is predicted by logits[i, t]; y is seqs[i][1 + a : 1 + b].
+                tgt = pid[i, 1 + a : 1 + b].to(dev)
+                L[j][c] = float(_answer_loglik(logits[i, a:b], tgt))
+            del cache, cache_data, logits
+        del kv
+    return L, logprobs
+
+
+# --------------------------------------------------------------------------------------
+# Slow reference.
+
+
+@torch.no_grad()
+def _run_reference(model, hosts: list[_Host], stats: ScoreStats) -> list[dict[int, float]]:
+    dev = _model_device(model)
+    L: list[dict[int, float]] = [dict() for _ in hosts]
+    for j, h in enumerate(hosts):
+        suffix, (a, b) = h.probe
+        for c in h.cuts:
+            seq = torch.tensor([h.tokens[:c] + suffix], device=dev)
+            logits = model(input_ids=seq).logits[0]  # (c + P, V)
+            stats.forward_calls += 1
+            stats.num_probes += 1
+            stats.tokens_encoded += seq.shape[1]
+            stats.probe_tokens += len(suffix)
+            L[j][c] = float(_answer_loglik(logits[c + a - 1 : c + b - 1], seq[0, c + a : c + b]))
+    return L
+
+
+@torch.no_grad()
+def recompute_logprobs_reference(model, session: Session, *, temperature: float = 1.0) -> torch.Tensor:
+    """(len(completion_ids),) log-probs of a session's completion from a plain full forward."""
+    dev = _model_device(model)
+    toks = torch.tensor([session.tokens()], device=dev)
+    p = len(session.prompt_ids)
+    logits = model(input_ids=toks).logits[0].float() / temperature  # (N, V)
+    lp = torch.log_softmax(logits[p - 1 : -1], -1)
+    return lp.gather(-1, toks[0, p:, None]).squeeze(-1).cpu()
+
+
+# --------------------------------------------------------------------------------------
+# Public entry points.
+
+
+def _assemble(trajs, hosts, L, sess_states, stats, logprobs, sess_logprob_host) -> ScoreResult:
+    S = len(sess_states)
+    before = torch.full((S,), float("nan"))
+    after = torch.full((S,), float("nan"))
+    for k, st in enumerate(sess_states):
+        if st is None:
+            continue
+        (hb, cb), (ha, ca) = st
+        before[k], after[k] = L[hb][cb], L[ha][ca]
+    final = torch.tensor([st is None for st in sess_states], dtype=torch.bool)
+    gains = torch.where(final, torch.zeros(S), after - before).to(torch.float32)
+    old = None
+    if logprobs is not None and sess_logprob_host:
+        old = [logprobs[h] for h in sess_logprob_host]
+    return ScoreResult(gains=gains, is_final=final, loglik_before=before, loglik_after=after, stats=stats,
+                       old_logprobs=old)  # fmt: skip
+
+
+def score_gains(
+    trajs: Sequence[Trajectory],
+    model,
+    probe_fn: ProbeFn,
+    *,
+    method: Literal["cached", "reference"] = "cached",
+    return_logprobs: bool = False,
+    temperature: float = 1.0,
+    max_batch_tokens: int = 16384,
+    max_batch_size: int = 64,
+) -> ScoreResult:
+    """Session gains of a batch of trajectories (SPEC §4.4).
+
+    Args:
+        trajs: T trajectories; every non-final session needs ``state_before`` /
+            ``state_after`` and every trajectory with such a session a ``ground_truth``.
+        model: HF causal LM (the rollout policy before the update); put in eval
+            mode by the caller. No gradient is taken.
+        probe_fn: ``answer -> (suffix_ids, (start, end))`` (e.g. ``ChatFormat.answer_probe``).
+        method: ``cached`` (one pass per session, probes off the KV cache) or
+            ``reference`` (every state + probe re-encoded from scratch).
+        return_logprobs: also return every session's completion log-probs
+            (``old_logprobs``) from the same passes (``cached`` only).
+        temperature: divides the logits for ``old_logprobs`` (use the sampling
+            temperature); ``L`` always uses temperature 1.
+        max_batch_tokens / max_batch_size: padded-batch budget.
+
+    Returns:
+        :class:`ScoreResult`, session axis in :func:`mosaic.trace.flatten` order.
+    """
+    if method not in ("cached", "reference"):
+        raise ValueError(f"method must be 'cached' or 'reference', got {method!r}")
+    if return_logprobs and method != "cached":
+        raise ValueError("return_logprobs needs method='cached'")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    t0 = time.perf_counter()
+    hosts, sess_states, sess_lp_host, stats = _plan(trajs, probe_fn, return_logprobs)
+    logprobs = None
+    if method == "cached":
+        L, logprobs = _run_cached(model, hosts, stats, max_batch_tokens=max_batch_tokens,
+                                  max_batch_size=max_batch_size, temperature=temperature)  # fmt: skip
+    else:
+        L = _run_reference(model, hosts, stats)
+    stats.seconds = time.perf_counter() - t0
+    return _assemble(trajs, hosts, L, sess_states, stats, logprobs, sess_lp_host)
+
+
+def score_reference(trajs: Sequence[Trajectory], model, probe_fn: ProbeFn) -> ScoreResult:
+    """Slow reference: every unique state + probe encoded from scratch, one at a time."""
+    return score_gains(trajs, model, probe_fn, method="reference")
+
+
+def turn_boundaries(session: Session) -> list[int]:
+    """State lengths for turn-level probing: the prompt, then the end of every turn.
+
+    A turn is a run of True (sampled) ``loss_mask`` tokens followed by a run of
+    False (inserted: tool response, template) tokens; it ends where the next
+    True run starts, or at the end of the completion. Returns lengths into
+    ``prompt_ids + completion_ids``, increasing, starting with ``len(prompt_ids)``.
+    """
+    p = len(session.prompt_ids)
+    m = [bool(x) for x in session.loss_mask]
+    cuts = [p]
+    seen_true = False
+    for i, x in enumerate(m):
+        if x and seen_true and not m[i - 1]:
+            cuts.append(p + i)
+        seen_true = seen_true or x
+    if seen_true:
+        cuts.append(p + len(m))
+    return cuts
+
+
+def score_turns(
+    trajs: Sequence[Trajectory],
+    model,
+    probe_fn: ProbeFn,
+    *,
+    method: Literal["cached", "reference"] = "reference",
+    include_final: bool = True,
+    max_batch_tokens: int = 16384,
+    max_batch_size: int = 64,
+) -> TurnScoreResult:
+    """Turn-level ``L`` (SPEC §4.7, IGPO-style): one probe at every session's prompt
+    and after every turn. ``method="reference"`` re-encodes each turn's context
+    from scratch, as IGPO does; ``cached`` reuses the session's KV cache.
+    ``include_final=False`` skips final sessions (their gains are unused)."""
+    t0 = time.perf_counter()
+    stats = ScoreStats()
+    probes: dict[str, Probe] = {}
+    hosts: list[_Host] = []
+    where: list[int | None] = []
+    for t in trajs:
+        for s in t.sessions:
+            if s.is_final and not include_final:
+                where.append(None)
+                continue
+            cuts = sorted(set(c for c in turn_boundaries(s) if c >= 1))
+            hosts.append(_Host(tokens=s.tokens()[: max(cuts)], cuts=cuts, probe=_probe_for(t, probe_fn, probes)))
+            where.append(len(hosts) - 1)
+    stats.num_unique_states = stats.num_state_refs = sum(len(h.cuts) for h in hosts)
+    if method == "cached":
+        L, _ = _run_cached(model, hosts, stats, max_batch_tokens=max_batch_tokens, max_batch_size=max_batch_size,
+                           temperature=1.0)  # fmt: skip
+    elif method == "reference":
+        L = _run_reference(model, hosts, stats)
+    else:
+        raise ValueError(f"method must be 'cached' or 'reference', got {method!r}")
+    lls, gains = [], []
+    for w in where:
+        if w is None:
+            lls.append(torch.zeros(0))
+            gains.append(torch.zeros(0))
+            continue
+        v = torch.tensor([L[w][c] for c in hosts[w].cuts])
+        lls.append(v)
+        gains.append(v[1:] - v[:-1])
+    stats.seconds = time.perf_counter() - t0
+    return TurnScoreResult(loglik=lls, gains=gains, stats=stats)
