@@ -104,3 +104,19 @@ def test_name_partition_is_respected():
 def test_config_validation_names_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         WorldConfig(**kwargs)
+
+
+def test_world_and_tasks_identical_across_processes(tmp_path):
+    """No dependence on hash randomisation or process state."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("from mosaic.envs.deepsearch import *; w = generate_world(WorldConfig(seed=3, n_entities=150)); "
+            "t = make_tasks(w, 30, seed=1); print(w.content_hash, [x.id for x in t][-1], t[-1].answer)")
+    outs = set()
+    for hashseed in ("0", "12345"):
+        env = {**os.environ, "PYTHONHASHSEED": hashseed}
+        outs.add(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                                check=True).stdout)
+    assert len(outs) == 1
