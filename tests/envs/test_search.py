@@ -80,3 +80,14 @@ def test_query_terms_match_bm25s_tokenizer(world, index, tasks):
     ref = bm25s.tokenize(texts, stopwords="en", stemmer=index._stem, show_progress=False,
                          return_ids=False)
     assert [index._terms(t) for t in texts] == [list(r) for r in ref]
+
+
+def test_ranking_matches_bm25s_retrieve(index, tasks):
+    """Our top-k over non-zero scores ranks like bm25s's own retrieve (up to exact ties)."""
+    for t in tasks[:60]:
+        for h in t.gold_chain:
+            terms = index._terms(h.query)
+            docs, scores = index.retriever.retrieve([terms], k=5, show_progress=False)
+            ours = index.search(h.query, 5)
+            assert [round(x.score, 4) for x in ours] == [round(float(s), 4) for s in scores[0] if s > 0]
+            assert ours[0].doc_id == index.docs[int(docs[0][0])].id or ours[0].score == ours[1].score
