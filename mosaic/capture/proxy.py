@@ -1,0 +1,542 @@
+"""The recording proxy: an OpenAI-compatible server that forwards to an upstream and records every call.
+
+Put it between an agent harness and its model server (vLLM, SGLang, the
+project's own server). Each call on ``/v1/chat/completions`` or
+``/v1/completions`` (streamed or not) is forwarded with two additions —
+``return_token_ids: true`` (vLLM's flag: ``prompt_token_ids`` on the response,
+``token_ids`` per choice) and ``logprobs`` — and recorded as a
+:class:`~mosaic.capture.records.CallRecord` with the exact prompt and
+completion ids. When the upstream returns no ids the proxy tokenizes with the
+model's tokenizer (``tokenizer=``) and marks the record ``retokenized``.
+
+The rollout a call belongs to comes from the base URL
+(``/rollouts/{id}/v1/...``) or the ``X-Mosaic-Rollout`` header.
+``POST /rollouts/{id}/reward`` attaches the outcome.
+
+Faults: bodies over ``max_body_bytes`` get 413, malformed JSON 400, a wrong
+schema 422 (OpenAI error objects with a message); an upstream that refuses
+connections or times out is retried ``retries`` times with backoff, then
+answered 502 / 504. Upstream errors are passed through and recorded with their
+status. Streams are relayed as they arrive (retries happen only before the
+first byte). The response body is the upstream's, unchanged: it carries the
+extra fields the proxy asked for, which OpenAI clients ignore.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import math
+import os
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fastapi import Request  # module level: FastAPI resolves route annotations by name
+
+from mosaic.capture.records import RECORDS_FILE, CallRecord, RecordWriter, RewardRecord
+
+_FORWARD_PARAMS_SKIP = {"messages", "tools", "prompt"}
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    """Settings of the recording proxy.
+
+    Attributes:
+        upstream: base URL of the model server, with or without the trailing ``/v1``.
+        out_dir: directory the records file (``records.jsonl``) is appended to.
+        host: interface to bind; loopback by default (the proxy has no TLS).
+        port: TCP port.
+        api_key: bearer token clients must send (``Authorization: Bearer ...``); None = open.
+        upstream_api_key: bearer token sent to the upstream; None forwards the client's
+            ``Authorization`` header when ``api_key`` is None, and sends none otherwise.
+        max_body_bytes: largest request body accepted (413 above).
+        timeout_s: upstream read timeout per attempt (504 after the retries).
+        connect_timeout_s: upstream connect timeout per attempt.
+        retries: extra attempts after a connection failure or timeout before 502 / 504.
+        retry_backoff_s: wait before the first retry, doubled each time.
+        request_token_ids: add ``return_token_ids: true`` to forwarded requests (vLLM);
+            turn off for an upstream that rejects unknown fields (then use ``tokenizer``).
+        tokenizer: directory of the model's tokenizer, for upstreams that return no ids.
+        max_connections: size of the shared keep-alive pool to the upstream.
+        fsync: force each record to disk (survives power loss; slower).
+    """
+
+    upstream: str
+    out_dir: str
+    host: str = "127.0.0.1"
+    port: int = 8100
+    api_key: str | None = None
+    upstream_api_key: str | None = None
+    max_body_bytes: int = 32 * 1024 * 1024
+    timeout_s: float = 600.0
+    connect_timeout_s: float = 5.0
+    retries: int = 2
+    retry_backoff_s: float = 0.25
+    request_token_ids: bool = True
+    tokenizer: str | None = None
+    max_connections: int = 256
+    fsync: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.upstream.startswith(("http://", "https://")):
+            raise ValueError(f"upstream: {self.upstream!r} must be an http(s) URL")
+        if not self.out_dir:
+            raise ValueError("out_dir: a directory for the records is required")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port: {self.port} is not a TCP port")
+        if self.max_body_bytes <= 0:
+            raise ValueError(f"max_body_bytes: {self.max_body_bytes} must be positive")
+        if self.timeout_s <= 0 or self.connect_timeout_s <= 0:
+            raise ValueError("timeout_s / connect_timeout_s: must be positive")
+        if self.retries < 0 or self.retries > 10:
+            raise ValueError(f"retries: {self.retries} must be in [0, 10] (retries are bounded)")
+        if self.max_connections < 1:
+            raise ValueError("max_connections: must be at least 1")
+
+    @property
+    def upstream_v1(self) -> str:
+        base = self.upstream.rstrip("/")
+        return base if base.endswith("/v1") else base + "/v1"
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.kind = status, message, kind
+
+
+def _error_body(status: int, message: str, kind: str) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "code": status}}
+
+
+def _validate_request(endpoint: str, body: Any) -> None:
+    if not isinstance(body, dict):
+        raise ApiError(422, f"request body must be a JSON object, got {type(body).__name__}")
+    if body.get("n", 1) not in (1, None):
+        raise ApiError(422, "field 'n': the recording proxy records one choice per call; use n=1")
+    if "stream" in body and not isinstance(body["stream"], bool):
+        raise ApiError(422, "field 'stream' must be a boolean")
+    if endpoint == "chat":
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs:
+            raise ApiError(422, "field 'messages' must be a non-empty list of message objects")
+        for i, m in enumerate(msgs):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise ApiError(422, f"field 'messages[{i}]' must be an object with a string 'role'")
+        tools = body.get("tools")
+        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+            raise ApiError(422, "field 'tools' must be a list of tool objects")
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list):
+            if len(prompt) != 1 or not isinstance(prompt[0], str):
+                raise ApiError(422, "field 'prompt': the recording proxy takes one string prompt per call")
+        elif not isinstance(prompt, str):
+            raise ApiError(422, "field 'prompt' must be a string")
+
+
+def _logprob_list(endpoint: str, lp: Any) -> list[float]:
+    if not isinstance(lp, dict):
+        return []
+    if endpoint == "chat":
+        return [float(c.get("logprob", 0.0)) for c in lp.get("content") or []]
+    return [float(x) if x is not None else 0.0 for x in lp.get("token_logprobs") or []]
+
+
+class _StreamAccumulator:
+    """Collects one streamed response (SSE) into the fields of a call record."""
+
+    def __init__(self, endpoint: str):
+        self.endpoint = endpoint
+        self.buf = b""
+        self.text: list[str] = []
+        self.tool_calls: dict[int, dict[str, Any]] = {}
+        self.ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.prompt_ids: list[int] | None = None
+        self.finish: str | None = None
+        self.done = False
+        self.bad = 0
+
+    def feed(self, data: bytes) -> None:
+        self.buf += data
+        while True:
+            cut = self.buf.find(b"\n\n")
+            if cut < 0:
+                break
+            event, self.buf = self.buf[:cut], self.buf[cut + 2:]
+            for line in event.split(b"\n"):
+                line = line.strip()
+                if line.startswith(b"data:"):
+                    self._event(line[5:].strip())
+
+    def _event(self, payload: bytes) -> None:
+        if payload == b"[DONE]":
+            self.done = True
+            return
+        try:
+            obj = json.loads(payload)
+        except json.JSONDecodeError:
+            self.bad += 1
+            return
+        if self.prompt_ids is None and isinstance(obj.get("prompt_token_ids"), list):
+            self.prompt_ids = obj["prompt_token_ids"]
+        for ch in obj.get("choices") or []:
+            if ch.get("index", 0) != 0:
+                continue
+            if self.prompt_ids is None and isinstance(ch.get("prompt_token_ids"), list):
+                self.prompt_ids = ch["prompt_token_ids"]
+            if isinstance(ch.get("token_ids"), list):
+                self.ids.extend(ch["token_ids"])
+            self.logprobs.extend(_logprob_list(self.endpoint, ch.get("logprobs")))
+            if ch.get("finish_reason"):
+                self.finish = ch["finish_reason"]
+            if self.endpoint == "chat":
+                delta = ch.get("delta") or {}
+                if isinstance(delta.get("content"), str):
+                    self.text.append(delta["content"])
+                for tc in delta.get("tool_calls") or []:
+                    slot = self.tool_calls.setdefault(int(tc.get("index", 0)), {
+                        "id": None, "type": "function", "function": {"name": "", "arguments": ""}})
+                    if tc.get("id"):
+                        slot["id"] = tc["id"]
+                    fn = tc.get("function") or {}
+                    if fn.get("name"):
+                        slot["function"]["name"] += fn["name"]
+                    if fn.get("arguments"):
+                        slot["function"]["arguments"] += fn["arguments"]
+            elif isinstance(ch.get("text"), str):
+                self.text.append(ch["text"])
+
+
+class RecordingProxy:
+    """State of one proxy: config, upstream client, records writer, optional tokenizer."""
+
+    def __init__(self, config: ProxyConfig, *, tokenizer: Any = None):
+        self.cfg = config
+        self.tokenizer = tokenizer
+        if tokenizer is None and config.tokenizer:
+            from mosaic.capture.scripted import load_tokenizer
+
+            self.tokenizer = load_tokenizer(config.tokenizer)
+        self.writer: RecordWriter | None = None
+        self.client = None
+        self._seq = itertools.count()
+        self._run = f"{int(time.time())}-{uuid.uuid4().hex[:6]}"
+        self.in_flight = 0
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    async def start(self) -> None:
+        import httpx
+
+        self.writer = RecordWriter(Path(self.cfg.out_dir) / RECORDS_FILE, fsync=self.cfg.fsync)
+        self.client = httpx.AsyncClient(
+            base_url=self.cfg.upstream_v1,
+            timeout=httpx.Timeout(self.cfg.timeout_s, connect=self.cfg.connect_timeout_s),
+            limits=httpx.Limits(max_connections=self.cfg.max_connections,
+                                max_keepalive_connections=self.cfg.max_connections),
+        )
+
+    async def stop(self) -> None:
+        # uvicorn drains in-flight requests before the lifespan ends; wait a little for relays too.
+        for _ in range(50):
+            if self.in_flight == 0:
+                break
+            await asyncio.sleep(0.1)
+        if self.client is not None:
+            await self.client.aclose()
+        if self.writer is not None:
+            self.writer.close()
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _upstream_headers(self, request) -> dict[str, str]:
+        h = {"content-type": "application/json"}
+        if self.cfg.upstream_api_key:
+            h["authorization"] = f"Bearer {self.cfg.upstream_api_key}"
+        elif self.cfg.api_key is None and request.headers.get("authorization"):
+            h["authorization"] = request.headers["authorization"]
+        return h
+
+    def check_auth(self, request) -> None:
+        if self.cfg.api_key is None:
+            return
+        got = request.headers.get("authorization", "")
+        if got != f"Bearer {self.cfg.api_key}":
+            raise ApiError(401, "missing or wrong bearer token", "authentication_error")
+
+    async def read_json(self, request) -> Any:
+        cl = request.headers.get("content-length")
+        if cl is not None and cl.isdigit() and int(cl) > self.cfg.max_body_bytes:
+            raise ApiError(413, f"request body of {cl} bytes exceeds the limit of {self.cfg.max_body_bytes}")
+        chunks, n = [], 0
+        async for chunk in request.stream():
+            n += len(chunk)
+            if n > self.cfg.max_body_bytes:
+                raise ApiError(413, f"request body exceeds the limit of {self.cfg.max_body_bytes} bytes")
+            chunks.append(chunk)
+        try:
+            return json.loads(b"".join(chunks))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ApiError(400, f"request body is not valid JSON: {exc}") from None
+
+    async def _send(self, method: str, path: str, content: bytes | None, headers: dict[str, str], stream: bool):
+        """Send with bounded retries on connection failures and timeouts; raise ApiError 502/504."""
+        import httpx
+
+        delay = self.cfg.retry_backoff_s
+        last: Exception | None = None
+        for attempt in range(self.cfg.retries + 1):
+            try:
+                req = self.client.build_request(method, path, content=content, headers=headers)
+                return await self.client.send(req, stream=stream)
+            except httpx.TimeoutException as exc:
+                last = exc
+            except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
+                last = exc
+            if attempt < self.cfg.retries:
+                await asyncio.sleep(delay)
+                delay *= 2
+        import httpx as _h
+
+        if isinstance(last, _h.TimeoutException):
+            raise ApiError(504, f"upstream timed out after {self.cfg.retries + 1} attempt(s): "
+                                f"{type(last).__name__}", "upstream_timeout")
+        raise ApiError(502, f"upstream unreachable after {self.cfg.retries + 1} attempt(s): "
+                            f"{type(last).__name__}: {last}", "upstream_error")
+
+    def _retokenize(self, rec: CallRecord) -> None:
+        tok = self.tokenizer
+        if tok is None:
+            rec.error = "no token ids: the upstream returned none and the proxy has no tokenizer"
+            return
+        if rec.endpoint == "chat":
+            msgs = [{**m, "content": m.get("content") or ""} for m in rec.messages]
+            prompt = list(tok.apply_chat_template(msgs, tools=rec.tools or None, add_generation_prompt=True,
+                                                  tokenize=True, return_dict=False))
+            reply = {"role": "assistant", "content": rec.text}
+            full = list(tok.apply_chat_template(msgs + [reply], tools=rec.tools or None, tokenize=True,
+                                                return_dict=False))
+            if full[: len(prompt)] == prompt:
+                comp = full[len(prompt):]
+                # Drop what the template adds after the end-of-turn token (e.g. a newline).
+                eos = tok.eos_token_id
+                if eos is not None and eos in comp:
+                    comp = comp[: comp.index(eos) + 1]
+            else:
+                comp = tok.encode(rec.text, add_special_tokens=False)
+        else:
+            prompt = tok.encode(rec.prompt or "", add_special_tokens=False)
+            comp = tok.encode(rec.text, add_special_tokens=False)
+        rec.prompt_ids, rec.completion_ids, rec.retokenized = prompt, comp, True
+
+    def _finish(self, rec: CallRecord) -> None:
+        if rec.error is None and (not rec.prompt_ids or (not rec.completion_ids and rec.text)):
+            rec.prompt_ids, rec.completion_ids = list(rec.prompt_ids or []), list(rec.completion_ids or [])
+            self._retokenize(rec)
+        rec.t_end = time.time()
+        self.writer.write(rec)
+
+    # -- the call path -------------------------------------------------------------------------
+    async def handle_call(self, request, endpoint: str, rollout_id: str | None):
+        from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+        t_start = time.time()
+        self.check_auth(request)
+        body = await self.read_json(request)
+        _validate_request(endpoint, body)
+        rid = rollout_id if rollout_id is not None else request.headers.get("x-mosaic-rollout", "")
+        seq = next(self._seq)
+        rec = CallRecord(
+            call_id=f"{self._run}-{seq}", rollout_id=rid, seq=seq, endpoint=endpoint,
+            model=str(body.get("model", "")),
+            messages=body.get("messages") or [] if endpoint == "chat" else [],
+            tools=body.get("tools") or [] if endpoint == "chat" else [],
+            prompt=(body["prompt"][0] if isinstance(body.get("prompt"), list) else body.get("prompt"))
+            if endpoint == "completions" else None,
+            request_params={k: v for k, v in body.items() if k not in _FORWARD_PARAMS_SKIP},
+            stream=bool(body.get("stream")), t_start=t_start,
+            headers={k: v for k, v in request.headers.items() if k.startswith("x-mosaic-")},
+        )
+        fwd = dict(body)
+        if self.cfg.request_token_ids:
+            fwd["return_token_ids"] = True
+        if endpoint == "chat":
+            fwd["logprobs"] = True
+        elif fwd.get("logprobs") is None:
+            fwd["logprobs"] = 0
+        content = json.dumps(fwd).encode()
+        headers = self._upstream_headers(request)
+        path = "/chat/completions" if endpoint == "chat" else "/completions"
+        self.in_flight += 1
+        relaying = False
+        try:
+            try:
+                resp = await self._send("POST", path, content, headers, stream=rec.stream)
+            except ApiError as exc:
+                rec.status, rec.error = exc.status, exc.message
+                rec.upstream_s = time.time() - t_start
+                self._finish(rec)
+                raise
+            rec.t_first = time.time()
+            if resp.status_code >= 400 or not rec.stream:
+                data = await resp.aread() if rec.stream else resp.content
+                if rec.stream:
+                    await resp.aclose()
+                rec.upstream_s = time.time() - t_start
+                rec.status = resp.status_code
+                if resp.status_code >= 400:
+                    rec.error = f"upstream returned {resp.status_code}: {data[:500].decode('utf-8', 'replace')}"
+                else:
+                    self._parse_full(rec, data)
+                self._finish(rec)
+                return Response(content=data, status_code=resp.status_code,
+                                media_type=resp.headers.get("content-type", "application/json"))
+            relaying = True
+        finally:
+            if not relaying:
+                self.in_flight -= 1
+
+        acc = _StreamAccumulator(endpoint)
+
+        async def relay():
+            try:
+                async for chunk in resp.aiter_raw():
+                    acc.feed(chunk)
+                    yield chunk
+            except Exception as exc:  # upstream broke mid-stream: the client sees a cut stream
+                rec.error = f"upstream stream failed: {type(exc).__name__}: {exc}"
+            finally:
+                await resp.aclose()
+                rec.upstream_s = time.time() - t_start
+                if rec.error is None and not acc.done and acc.finish is None:
+                    rec.error = "stream ended before the last chunk (client disconnected or upstream cut it)"
+                rec.text = "".join(acc.text)
+                rec.tool_calls = [acc.tool_calls[k] for k in sorted(acc.tool_calls)]
+                rec.finish_reason = acc.finish
+                rec.prompt_ids = acc.prompt_ids or []
+                rec.completion_ids = acc.ids
+                rec.logprobs = acc.logprobs
+                self._finish(rec)
+                self.in_flight -= 1
+
+        return StreamingResponse(relay(), status_code=resp.status_code,
+                                 media_type=resp.headers.get("content-type", "text/event-stream"))
+
+    def _parse_full(self, rec: CallRecord, data: bytes) -> None:
+        try:
+            obj = json.loads(data)
+            ch = (obj.get("choices") or [{}])[0]
+        except (json.JSONDecodeError, AttributeError, IndexError, TypeError) as exc:
+            rec.error = f"upstream response is not a completion object: {exc}"
+            return
+        rec.finish_reason = ch.get("finish_reason")
+        if rec.endpoint == "chat":
+            msg = ch.get("message") or {}
+            c = msg.get("content")
+            rec.text = c if isinstance(c, str) else ""
+            rec.tool_calls = msg.get("tool_calls") or []
+        else:
+            rec.text = ch.get("text") or ""
+        rec.prompt_ids = obj.get("prompt_token_ids") or ch.get("prompt_token_ids") or []
+        rec.completion_ids = ch.get("token_ids") or []
+        rec.logprobs = _logprob_list(rec.endpoint, ch.get("logprobs"))
+
+    async def handle_reward(self, request, rollout_id: str):
+        self.check_auth(request)
+        body = await self.read_json(request)
+        if not isinstance(body, dict):
+            raise ApiError(422, "reward body must be a JSON object")
+        r = body.get("reward")
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r) or not 0 <= r <= 1:
+            raise ApiError(422, f"field 'reward': {r!r} must be a number in [0, 1]")
+        for k in ("ground_truth", "answer", "task_id", "group_id"):
+            if body.get(k) is not None and not isinstance(body[k], str):
+                raise ApiError(422, f"field {k!r} must be a string")
+        meta = body.get("meta") or {}
+        if not isinstance(meta, dict):
+            raise ApiError(422, "field 'meta' must be an object")
+        rec = RewardRecord(rollout_id=rollout_id, reward=float(r), ground_truth=body.get("ground_truth"),
+                           answer=body.get("answer"), task_id=body.get("task_id"), group_id=body.get("group_id"),
+                           t=time.time(), meta=meta)
+        self.writer.write(rec)
+        return {"ok": True, "rollout_id": rollout_id}
+
+    async def handle_get(self, request, path: str):
+        from fastapi.responses import Response
+
+        self.check_auth(request)
+        resp = await self._send("GET", path, None, self._upstream_headers(request), stream=False)
+        return Response(content=resp.content, status_code=resp.status_code,
+                        media_type=resp.headers.get("content-type", "application/json"))
+
+
+def create_proxy_app(config: ProxyConfig, *, tokenizer: Any = None):
+    """The FastAPI app of a recording proxy (records go to ``config.out_dir/records.jsonl``)."""
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+
+    proxy = RecordingProxy(config, tokenizer=tokenizer)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        await proxy.start()
+        try:
+            yield
+        finally:
+            await proxy.stop()
+
+    app = FastAPI(title="mosaic recording proxy", lifespan=lifespan)
+    app.state.proxy = proxy
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError):
+        return JSONResponse(_error_body(exc.status, exc.message, exc.kind), status_code=exc.status)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await proxy.handle_call(request, "chat", None)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await proxy.handle_call(request, "completions", None)
+
+    @app.post("/rollouts/{rollout_id}/v1/chat/completions")
+    async def chat_r(rollout_id: str, request: Request):
+        return await proxy.handle_call(request, "chat", rollout_id)
+
+    @app.post("/rollouts/{rollout_id}/v1/completions")
+    async def completions_r(rollout_id: str, request: Request):
+        return await proxy.handle_call(request, "completions", rollout_id)
+
+    @app.post("/rollouts/{rollout_id}/reward")
+    async def reward(rollout_id: str, request: Request):
+        return await proxy.handle_reward(request, rollout_id)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        return await proxy.handle_get(request, "/models")
+
+    @app.get("/rollouts/{rollout_id}/v1/models")
+    async def models_r(rollout_id: str, request: Request):
+        return await proxy.handle_get(request, "/models")
+
+    @app.get("/healthz")
+    async def health():
+        return {"ok": True, "records": proxy.writer.count if proxy.writer else 0, "in_flight": proxy.in_flight}
+
+    return app
+
+
+def serve(config: ProxyConfig, *, log_level: str = "warning") -> None:
+    """Run the proxy in the foreground until SIGINT / SIGTERM (records are flushed on the way out)."""
+    import uvicorn
+
+    os.makedirs(config.out_dir, exist_ok=True)
+    uvicorn.run(create_proxy_app(config), host=config.host, port=config.port, log_level=log_level,
+                timeout_graceful_shutdown=30)

@@ -1,0 +1,268 @@
+"""Interface call records: what the recording proxy writes, one JSON line per event.
+
+Two record types share one append-only JSONL file (``records.jsonl`` in the
+proxy's output directory), each line self-describing:
+
+- ``{"type": "call", ...}``: one model call that went through the proxy (a
+  :class:`CallRecord`): the rollout it belongs to, the request messages and
+  tools as the harness sent them, the exact prompt and completion token ids
+  (from the upstream, or re-tokenised and marked ``retokenized``), sampling
+  log-probs, finish reason, timings, and an ``error`` for calls that failed.
+- ``{"type": "reward", ...}``: an outcome attached to a rollout by
+  ``POST /rollouts/{id}/reward`` (a :class:`RewardRecord`).
+
+Lines are flushed one by one as calls finish, so a killed proxy loses at most
+the line being written; a torn last line is cut off (kept in ``.torn``) before
+appending and skipped with a warning when reading, exactly as
+``mosaic.trace.storage`` does for trajectories.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import warnings
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Iterator
+
+from mosaic.trace.storage import TornLineWarning
+
+RECORD_SCHEMA = "mosaic.capture"
+RECORD_SCHEMA_VERSION = 1
+RECORDS_FILE = "records.jsonl"
+
+
+class RecordError(ValueError):
+    """A records file or line that cannot be read; the message names the file and line."""
+
+
+@dataclass
+class CallRecord:
+    """One model call seen by the proxy.
+
+    Attributes:
+        call_id: unique id (the proxy's, ``<proxy start>-<seq>``).
+        rollout_id: the rollout (``/rollouts/{id}/v1/...`` or ``X-Mosaic-Rollout``); "" when none.
+        seq: arrival order within one proxy process; ``t_start`` orders across restarts.
+        endpoint: ``chat`` (``/v1/chat/completions``) or ``completions`` (``/v1/completions``).
+        model: the requested model name.
+        messages / tools: the request's chat messages and tool schemas, as sent (chat only).
+        prompt: the request's prompt string (completions only).
+        request_params: the other sampling parameters the client sent (temperature, ...).
+        prompt_ids: exact token ids of the prompt the upstream fed the model.
+        completion_ids: sampled token ids of the first choice.
+        logprobs: (len(completion_ids),) sampling log-probs; empty when the upstream gave none.
+        text: the first choice's text content; tool_calls: its tool calls (OpenAI format).
+        finish_reason: ``stop``, ``length``, ``tool_calls``, ... as the upstream reported.
+        retokenized: True when the ids came from the proxy's tokenizer, not the upstream.
+        stream: whether the client asked for a streamed response.
+        status: HTTP status returned to the client; error: why the call failed (None if it did not).
+        t_start / t_first / t_end: wall-clock times (s since epoch) of arrival, first upstream
+            byte, and completion; upstream_s: time spent waiting on the upstream.
+        headers: the ``X-Mosaic-*`` headers of the request (task / group ids, ...).
+    """
+
+    call_id: str
+    rollout_id: str
+    seq: int
+    endpoint: str
+    model: str = ""
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    tools: list[dict[str, Any]] = field(default_factory=list)
+    prompt: str | None = None
+    request_params: dict[str, Any] = field(default_factory=dict)
+    prompt_ids: list[int] = field(default_factory=list)
+    completion_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    text: str = ""
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    finish_reason: str | None = None
+    retokenized: bool = False
+    stream: bool = False
+    status: int = 200
+    error: str | None = None
+    t_start: float = 0.0
+    t_first: float | None = None
+    t_end: float = 0.0
+    upstream_s: float = 0.0
+    headers: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.status < 400 and bool(self.prompt_ids)
+
+    def tip(self) -> list[int]:
+        """The context after this call: prompt + completion ids."""
+        return list(self.prompt_ids) + list(self.completion_ids)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["type"] = "call"
+        return d
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> "CallRecord":
+        names = {f.name for f in fields(CallRecord)}
+        missing = [k for k in ("call_id", "rollout_id", "seq", "endpoint") if k not in d]
+        if missing:
+            raise RecordError(f"call record is missing field(s) {missing}")
+        return CallRecord(**{k: v for k, v in d.items() if k in names})
+
+
+@dataclass
+class RewardRecord:
+    """An outcome attached to a rollout (the last one posted for a rollout wins).
+
+    Attributes:
+        rollout_id: the rollout; reward: outcome in [0, 1].
+        ground_truth: the gold answer (the information-gain scorer needs it).
+        answer: the extracted final answer, if the caller has one.
+        task_id / group_id: the task and GRPO group; default to the rollout id / task id.
+        t: wall-clock time the reward arrived; meta: free-form extras.
+    """
+
+    rollout_id: str
+    reward: float
+    ground_truth: str | None = None
+    answer: str | None = None
+    task_id: str | None = None
+    group_id: str | None = None
+    t: float = 0.0
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["type"] = "reward"
+        return d
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> "RewardRecord":
+        names = {f.name for f in fields(RewardRecord)}
+        if "rollout_id" not in d or "reward" not in d:
+            raise RecordError("reward record needs 'rollout_id' and 'reward'")
+        return RewardRecord(**{k: v for k, v in d.items() if k in names})
+
+
+class RecordWriter:
+    """Append records to a JSONL file, one flushed line each (thread-safe).
+
+    Opening a file whose last line is torn (a crash mid-write) cuts that line
+    off first, saving its bytes in ``<file>.torn``, so new records never glue
+    onto garbage. ``fsync=True`` also forces each line to disk.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, fsync: bool = False):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fsync = fsync
+        self._lock = threading.Lock()
+        self._repair_torn_tail()
+        self._fh = open(self.path, "a", encoding="utf-8")
+        self.count = 0
+
+    def _repair_torn_tail(self) -> None:
+        if not self.path.exists() or self.path.stat().st_size == 0:
+            return
+        with open(self.path, "rb+") as fh:
+            data = fh.read()
+            if data.endswith(b"\n"):
+                return
+            cut = data.rfind(b"\n") + 1
+            with open(self.path.with_name(self.path.name + ".torn"), "ab") as torn:
+                torn.write(data[cut:] + b"\n")
+            fh.truncate(cut)
+        warnings.warn(f"{self.path}: cut a torn last line ({len(data) - cut} bytes) before appending",
+                      TornLineWarning, stacklevel=3)
+
+    def write(self, record: CallRecord | RewardRecord) -> None:
+        obj = record.to_dict()
+        obj["schema"] = RECORD_SCHEMA
+        obj["schema_version"] = RECORD_SCHEMA_VERSION
+        line = json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+        with self._lock:
+            if self._fh.closed:
+                raise RecordError(f"{self.path}: writer is closed")
+            self._fh.write(line + "\n")
+            self._fh.flush()
+            if self._fsync:
+                os.fsync(self._fh.fileno())
+            self.count += 1
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._fh.closed:
+                self._fh.flush()
+                os.fsync(self._fh.fileno())
+                self._fh.close()
+
+    def __enter__(self) -> "RecordWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _record_files(path: Path) -> list[Path]:
+    if path.is_dir():
+        files = sorted(p for p in path.glob("*.jsonl"))
+        if not files:
+            raise RecordError(f"{path}: no *.jsonl record files in this directory")
+        return files
+    if not path.exists():
+        raise RecordError(f"{path}: no such file or directory")
+    return [path]
+
+
+def iter_records(path: str | os.PathLike) -> Iterator[CallRecord | RewardRecord]:
+    """Yield the records of a file, or of every ``*.jsonl`` file in a directory.
+
+    A torn last line is skipped with a :class:`TornLineWarning`; a broken line
+    anywhere else, a foreign schema or a newer version raises :class:`RecordError`.
+    """
+    for file in _record_files(Path(path)):
+        data = file.read_bytes()
+        lines = data.split(b"\n")
+        last = len(lines) - 1
+        while last >= 0 and not lines[last].strip():
+            last -= 1
+        for i, raw in enumerate(lines[: last + 1]):
+            if not raw.strip():
+                continue
+            where = f"{file}:{i + 1}"
+            try:
+                obj = json.loads(raw.decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+                if i == last and not data.endswith(b"\n"):
+                    warnings.warn(f"{where}: skipped a torn last line ({len(raw)} bytes)",
+                                  TornLineWarning, stacklevel=2)
+                    break
+                raise RecordError(f"{where}: corrupted line ({exc})") from None
+            if not isinstance(obj, dict) or obj.get("schema") != RECORD_SCHEMA:
+                raise RecordError(f"{where}: not a Mosaic capture record (schema {RECORD_SCHEMA!r} expected)")
+            if obj.get("schema_version") != RECORD_SCHEMA_VERSION:
+                raise RecordError(f"{where}: schema_version {obj.get('schema_version')!r} is not supported "
+                                  f"(reads version {RECORD_SCHEMA_VERSION})")
+            kind = obj.get("type")
+            try:
+                if kind == "call":
+                    yield CallRecord.from_dict(obj)
+                elif kind == "reward":
+                    yield RewardRecord.from_dict(obj)
+                else:
+                    raise RecordError(f"unknown record type {kind!r}")
+            except (RecordError, TypeError) as exc:
+                raise RecordError(f"{where}: {exc}") from None
+
+
+def load_records(path: str | os.PathLike) -> tuple[list[CallRecord], dict[str, RewardRecord]]:
+    """All call records (in file order) and the last reward posted per rollout."""
+    calls: list[CallRecord] = []
+    rewards: dict[str, RewardRecord] = {}
+    for rec in iter_records(path):
+        if isinstance(rec, CallRecord):
+            calls.append(rec)
+        else:
+            rewards[rec.rollout_id] = rec
+    return calls, rewards
