@@ -152,8 +152,8 @@ class ChatFormat:
             {"role": "user", "content": "Who founded Varnel Osk?"},
             {"role": "assistant", "content": '<tool_call>{"name": "search", "arguments": {"query": "Varnel Osk founder"}}</tool_call>'},
             {"role": "tool", "content": "[1] Varnel Osk: The founder of Varnel Osk is Ama Rell."},
-            {"role": "assistant", "content": "Checking.\n<tool_call>{\"name\": \"search\", \"arguments\": {\"query\": \"Ama Rell\"}}</tool_call>"},
-            {"role": "tool", "content": "Error: no results."},
+            {"role": "assistant", "content": " Checking.\n<tool_call>{\"name\": \"search\", \"arguments\": {\"query\": \"Ama Rell\"}}</tool_call>\n"},
+            {"role": "tool", "content": "Error: no results.  "},
             {"role": "user", "content": "Summarise your progress."},
             {"role": "assistant", "content": "<answer>Ama Rell</answer>"},
         ]

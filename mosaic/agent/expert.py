@@ -197,9 +197,11 @@ class ExpertPolicy:
         need = budget - req.max_new_tokens - len(req.prompt_ids) + 8  # +8: next header, slack
         if budget <= 0 or need > room or need <= 0:
             return ""
-        if not self._draw(req.meta, "extra_session", self.noise.extra_session):
-            return ""
         reps = -(-need // max(self._filler_ids, 1))
+        while reps > 0 and len(self._encode(_FILLER * reps + "\n" + action)) > req.max_new_tokens - 1:
+            reps -= 1
+        if reps == 0 or not self._draw(req.meta, "extra_session", self.noise.extra_session):
+            return ""
         return _FILLER * reps + "\n"
 
     def _subagent(self, req: GenRequest, task, msgs) -> str:

@@ -458,6 +458,7 @@ class Harness:
             run.counters["subagent_failures"] += 1
             text = f"Error (subagent_failed): the helper stopped without an answer ({reason})."
         else:
+            run.counters["subagent_answers"] += 1
             text = answer if answer.strip() else "(the helper gave an empty answer)"
         self._append(run, parent, self.chat.tool_delta(text))
         child.session.state_after = StateRef(session=parent.session.id, upto=parent.length)
@@ -481,6 +482,7 @@ class Harness:
             "tokens_inserted": run.counters["tokens_inserted"],
             "length_stops": run.counters["length_stops"],
             "extra_tool_calls": run.counters["extra_tool_calls"],
+            "subagent_answers": run.counters["subagent_answers"],
             "subagent_failures": run.counters["subagent_failures"],
             "tool_errors": run.counters["tool_errors"],
         })
