@@ -1,0 +1,164 @@
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from mosaic.train import checkpoint as ck
+from mosaic.train.config import OptimConfig
+from mosaic.train.optim import build_optimizer, build_scheduler, lr_factor
+
+
+class Net(torch.nn.Module):
+    def __init__(self, seed: int):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.l1 = torch.nn.Linear(8, 16)
+        self.drop = torch.nn.Dropout(0.2)  # consumes the global torch RNG: tests its restore
+        self.l2 = torch.nn.Linear(16, 1)
+
+    def forward(self, x):
+        return self.l2(self.drop(torch.tanh(self.l1(x))))
+
+
+def _setup(seed: int, total: int):
+    net = Net(seed)
+    cfg = OptimConfig(lr=1e-2, warmup_steps=3, lr_schedule="cosine", weight_decay=0.01)
+    opt = build_optimizer(net, cfg)
+    return net, opt, build_scheduler(opt, cfg, total)
+
+
+def _step(net, opt, sched, gen: torch.Generator, nprng: np.random.Generator):
+    x = torch.randn(16, 8, generator=gen)
+    noise = torch.from_numpy(nprng.normal(size=(16, 1))).float()
+    y = x.sum(-1, keepdim=True) + 0.1 * noise + random.random()  # python RNG too
+    loss = torch.nn.functional.mse_loss(net(x), y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    sched.step()
+    return float(loss.detach())
+
+
+def _seed_all(s):
+    random.seed(s)
+    np.random.seed(s)
+    torch.manual_seed(s)
+
+
+def test_resume_equals_uninterrupted(tmp_path):
+    total, k = 12, 5
+    _seed_all(1)
+    net, opt, sched = _setup(0, total)
+    gen, nprng = torch.Generator().manual_seed(7), np.random.default_rng(7)
+    losses_full = [_step(net, opt, sched, gen, nprng) for _ in range(total)]
+    ref = {n: p.detach().clone() for n, p in net.named_parameters()}
+
+    _seed_all(1)
+    net2, opt2, sched2 = _setup(0, total)
+    gen2, nprng2 = torch.Generator().manual_seed(7), np.random.default_rng(7)
+    losses = [_step(net2, opt2, sched2, gen2, nprng2) for _ in range(k)]
+    ck.save_checkpoint(tmp_path, k, model=net2, optimizer=opt2, scheduler=sched2,
+                       generators={"data": gen2, "np": nprng2}, state={"cursor": k * 16})
+    # A fresh process: different init, RNGs scrambled; everything must come from the checkpoint.
+    _seed_all(999)
+    net3, opt3, sched3 = _setup(123, total)
+    gen3, nprng3 = torch.Generator().manual_seed(0), np.random.default_rng(0)
+    st = ck.load_checkpoint(ck.resolve_resume("auto", tmp_path), model=net3, optimizer=opt3, scheduler=sched3,
+                            generators={"data": gen3, "np": nprng3})
+    assert st.step == k and st.state == {"cursor": k * 16}
+    losses += [_step(net3, opt3, sched3, gen3, nprng3) for _ in range(total - k)]
+    assert losses == pytest.approx(losses_full, abs=1e-6)
+    for n, p in net3.named_parameters():
+        torch.testing.assert_close(p.detach(), ref[n], atol=1e-6, rtol=0)
+    assert sched3.get_last_lr() == pytest.approx(sched.get_last_lr())
+    # The run moved: the test could fail.
+    assert any(not torch.equal(p.detach(), q.detach()) for p, q in zip(Net(0).parameters(), net3.parameters()))
+
+
+def test_kill_mid_write_keeps_previous_checkpoint(tmp_path, monkeypatch):
+    net, opt, sched = _setup(0, 10)
+    gen = torch.Generator().manual_seed(3)
+    _step(net, opt, sched, gen, np.random.default_rng(0))
+    good = ck.save_checkpoint(tmp_path, 1, model=net, optimizer=opt, scheduler=sched, generators={"g": gen})
+    saved = {n: p.detach().clone() for n, p in net.named_parameters()}
+    _step(net, opt, sched, gen, np.random.default_rng(0))
+
+    real_save = torch.save
+
+    def dying_save(obj, f, *a, **kw):  # write half a file, then "get killed"
+        if str(f).endswith("scheduler.pt"):
+            with open(f, "wb") as fh:
+                fh.write(b"\x80\x02partial")
+            raise KeyboardInterrupt("killed")
+        return real_save(obj, f, *a, **kw)
+
+    monkeypatch.setattr(torch, "save", dying_save)
+    with pytest.raises(KeyboardInterrupt):
+        ck.save_checkpoint(tmp_path, 2, model=net, optimizer=opt, scheduler=sched, generators={"g": gen})
+    monkeypatch.setattr(torch, "save", real_save)
+    assert (tmp_path / "checkpoints" / "ckpt-2.tmp").exists()
+    assert ck.find_latest(tmp_path) == good
+    net2, opt2, sched2 = _setup(5, 10)
+    st = ck.load_checkpoint(ck.find_latest(tmp_path), model=net2, optimizer=opt2, scheduler=sched2,
+                            generators={"g": torch.Generator()})
+    assert st.step == 1
+    for n, p in net2.named_parameters():
+        assert torch.equal(p.detach(), saved[n])
+    # The next save clears the stale tmp dir.
+    ck.save_checkpoint(tmp_path, 2, model=net, optimizer=opt, scheduler=sched)
+    assert not (tmp_path / "checkpoints" / "ckpt-2.tmp").exists()
+    assert ck.find_latest(tmp_path).name == "ckpt-2"
+
+
+def test_corrupt_or_unfinished_dirs_are_ignored(tmp_path):
+    net, opt, sched = _setup(0, 10)
+    a = ck.save_checkpoint(tmp_path, 1, model=net, optimizer=opt, keep_last=5)
+    b = ck.save_checkpoint(tmp_path, 2, model=net, optimizer=opt, keep_last=5)
+    assert ck.find_latest(tmp_path) == b
+    # A truncated file in the newest: its manifest no longer matches -> fall back to the previous one.
+    f = b / "optimizer.pt"
+    f.write_bytes(f.read_bytes()[:10])
+    assert not ck.is_complete(b) and ck.find_latest(tmp_path) == a
+    # A directory renamed without a manifest, and a pointer to a missing dir.
+    (tmp_path / "checkpoints" / "ckpt-9").mkdir()
+    (tmp_path / "checkpoints" / "latest").write_text("ckpt-42")
+    assert ck.find_latest(tmp_path) == a
+    with pytest.raises(FileNotFoundError):
+        ck.load_checkpoint(b, model=net)
+    with pytest.raises(FileNotFoundError):
+        ck.resolve_resume(str(b), tmp_path)
+    assert ck.resolve_resume("never", tmp_path) is None
+
+
+def test_keep_last_prunes(tmp_path):
+    net, opt, _ = _setup(0, 10)
+    for s in range(1, 6):
+        ck.save_checkpoint(tmp_path, s, model=net, optimizer=opt, keep_last=2)
+    assert [s for s, _ in ck.list_checkpoints(tmp_path)] == [4, 5]
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "ckpt-5"
+    manifest = json.loads((tmp_path / "checkpoints" / "ckpt-5" / "COMPLETE").read_text())
+    assert "model/model.safetensors" in manifest["files"]
+
+
+def test_hf_model_and_tokenizer_round_trip(tmp_path, tokenizer):
+    from .conftest import tiny_model
+
+    m = tiny_model(vocab_size=len(tokenizer), seed=0)
+    d = ck.save_checkpoint(tmp_path, 3, model=m, tokenizer=tokenizer)
+    m2 = tiny_model(vocab_size=len(tokenizer), seed=1)
+    ck.load_checkpoint(d, model=m2)
+    for (n, p), (_, q) in zip(m.named_parameters(), m2.named_parameters()):
+        assert torch.equal(p, q), n
+    from transformers import PreTrainedTokenizerFast
+
+    tok2 = PreTrainedTokenizerFast.from_pretrained(d / "model")
+    text = "<|im_start|>assistant\n<answer>Velmora Quint</answer><|im_end|>"
+    assert tok2(text)["input_ids"] == tokenizer(text)["input_ids"]
+
+
+def test_lr_factor():
+    assert [lr_factor(s, warmup_steps=2, total_steps=6, schedule="constant") for s in range(4)] == [0.5, 1, 1, 1]
+    assert lr_factor(2, warmup_steps=2, total_steps=6, schedule="cosine") == 1.0
+    assert lr_factor(6, warmup_steps=2, total_steps=6, schedule="cosine") == pytest.approx(0.0)
