@@ -29,6 +29,7 @@ import itertools
 import json
 import math
 import os
+import sys
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -215,6 +216,38 @@ class _StreamAccumulator:
                 self.text.append(ch["text"])
 
 
+def retokenize(rec: CallRecord, tok: Any) -> None:
+    """Fill a record's token ids with the model's tokenizer (for upstreams that return none).
+
+    Chat: the prompt is the chat template with the generation prompt; the
+    completion is what the template adds for the reply, up to its end-of-turn
+    token. Sets ``retokenized``; without a tokenizer sets ``error`` instead.
+    """
+    if tok is None:
+        rec.error = "no token ids: the upstream returned none and the proxy has no tokenizer"
+        return
+    if rec.endpoint == "chat":
+        msgs = [{**m, "content": m.get("content") or ""} for m in rec.messages]
+        prompt = list(tok.apply_chat_template(msgs, tools=rec.tools or None, add_generation_prompt=True,
+                                              tokenize=True, return_dict=False))
+        reply = {"role": "assistant", "content": rec.text}
+        full = list(tok.apply_chat_template(msgs + [reply], tools=rec.tools or None, tokenize=True,
+                                            return_dict=False))
+        if full[: len(prompt)] == prompt:
+            comp = full[len(prompt):]
+            # Drop what the template adds after the end-of-turn token (e.g. a newline).
+            eos = tok.eos_token_id
+            if eos is not None and eos in comp:
+                comp = comp[: comp.index(eos) + 1]
+        else:
+            comp = tok.encode(rec.text, add_special_tokens=False)
+    else:
+        prompt = tok.encode(rec.prompt or "", add_special_tokens=False)
+        comp = tok.encode(rec.text, add_special_tokens=False)
+    rec.prompt_ids, rec.completion_ids, rec.retokenized = prompt, comp, True
+    rec.error = None
+
+
 class RecordingProxy:
     """State of one proxy: config, upstream client, records writer, optional tokenizer."""
 
@@ -230,6 +263,7 @@ class RecordingProxy:
         self._seq = itertools.count()
         self._run = f"{int(time.time())}-{uuid.uuid4().hex[:6]}"
         self.in_flight = 0
+        self.announce = False
 
     # -- lifecycle -----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -253,6 +287,9 @@ class RecordingProxy:
             await self.client.aclose()
         if self.writer is not None:
             self.writer.close()
+            if self.announce:
+                print(f"mosaic proxy: stopped; {self.writer.count} record(s) flushed to {self.writer.path}",
+                      file=sys.stderr, flush=True)
 
     # -- helpers -------------------------------------------------------------------------------
     def _upstream_headers(self, request) -> dict[str, str]:
@@ -311,29 +348,7 @@ class RecordingProxy:
                             f"{type(last).__name__}: {last}", "upstream_error")
 
     def _retokenize(self, rec: CallRecord) -> None:
-        tok = self.tokenizer
-        if tok is None:
-            rec.error = "no token ids: the upstream returned none and the proxy has no tokenizer"
-            return
-        if rec.endpoint == "chat":
-            msgs = [{**m, "content": m.get("content") or ""} for m in rec.messages]
-            prompt = list(tok.apply_chat_template(msgs, tools=rec.tools or None, add_generation_prompt=True,
-                                                  tokenize=True, return_dict=False))
-            reply = {"role": "assistant", "content": rec.text}
-            full = list(tok.apply_chat_template(msgs + [reply], tools=rec.tools or None, tokenize=True,
-                                                return_dict=False))
-            if full[: len(prompt)] == prompt:
-                comp = full[len(prompt):]
-                # Drop what the template adds after the end-of-turn token (e.g. a newline).
-                eos = tok.eos_token_id
-                if eos is not None and eos in comp:
-                    comp = comp[: comp.index(eos) + 1]
-            else:
-                comp = tok.encode(rec.text, add_special_tokens=False)
-        else:
-            prompt = tok.encode(rec.prompt or "", add_special_tokens=False)
-            comp = tok.encode(rec.text, add_special_tokens=False)
-        rec.prompt_ids, rec.completion_ids, rec.retokenized = prompt, comp, True
+        retokenize(rec, self.tokenizer)
 
     def _finish(self, rec: CallRecord) -> None:
         if rec.error is None and (not rec.prompt_ids or (not rec.completion_ids and rec.text)):
@@ -538,5 +553,7 @@ def serve(config: ProxyConfig, *, log_level: str = "warning") -> None:
     import uvicorn
 
     os.makedirs(config.out_dir, exist_ok=True)
-    uvicorn.run(create_proxy_app(config), host=config.host, port=config.port, log_level=log_level,
+    app = create_proxy_app(config)
+    app.state.proxy.announce = True
+    uvicorn.run(app, host=config.host, port=config.port, log_level=log_level,
                 timeout_graceful_shutdown=30)

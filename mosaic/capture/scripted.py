@@ -267,6 +267,7 @@ def create_scripted_app(tokenizer, config: ScriptedConfig | None = None):
     rnd = Renderer(tokenizer)
     app = FastAPI()
     app.state.calls = []  # every request body, for tests to compare against
+    app.state.log = []  # (prompt ids, completion ids) of every generation: what the "model" saw and produced
 
     async def _delay(request: Request) -> None:
         d = float(request.headers.get("x-scripted-delay", cfg.delay_s))
@@ -292,6 +293,7 @@ def create_scripted_app(tokenizer, config: ScriptedConfig | None = None):
         if max_tokens is not None and len(comp) > int(max_tokens):
             comp, finish, tool_calls = comp[: int(max_tokens)], "length", []
             text = rnd.decode([t for t in comp if t != rnd.im_end])
+        app.state.log.append((prompt_ids, comp))
         want_ids = cfg.token_ids and bool(body.get("return_token_ids"))
         want_lp = cfg.logprobs and bool(body.get("logprobs"))
         lps = [_fake_logprob(i, t) for i, t in enumerate(comp)]
@@ -377,6 +379,7 @@ def create_scripted_app(tokenizer, config: ScriptedConfig | None = None):
         if len(comp) > max_tokens:
             comp, finish = comp[:max_tokens], "length"
             text = rnd.decode(comp)
+        app.state.log.append((prompt_ids, comp))
         want_ids = cfg.token_ids and bool(body.get("return_token_ids"))
         want_lp = cfg.logprobs and body.get("logprobs") is not None
         lps = [_fake_logprob(i, t) for i, t in enumerate(comp)]

@@ -1,0 +1,175 @@
+"""``mosaic proxy``: record an agent harness's model calls and export its session graphs.
+
+    mosaic proxy serve --upstream http://127.0.0.1:8000 --out runs/capture
+    mosaic proxy --upstream URL --out DIR            # same as ``serve``
+    mosaic proxy export --records runs/capture --out sessions.parquet [--tokenizer DIR] [--rule k=v ...]
+    mosaic proxy scripted-upstream --port 8001       # the deterministic test upstream
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import fields
+
+
+def _add_serve_args(p: argparse.ArgumentParser, *, required: bool) -> None:
+    p.add_argument("--upstream", required=required, help="base URL of the model server (vLLM, SGLang, ...)")
+    p.add_argument("--out", help="directory for records.jsonl (required with --upstream)")
+    p.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8100)
+    p.add_argument("--api-key-env", default=None, metavar="VAR",
+                   help="environment variable holding the bearer token clients must send")
+    p.add_argument("--upstream-api-key-env", default=None, metavar="VAR",
+                   help="environment variable holding the bearer token sent to the upstream")
+    p.add_argument("--max-body-mb", type=float, default=32.0, help="largest request body accepted")
+    p.add_argument("--timeout", type=float, default=600.0, help="upstream read timeout per attempt, seconds")
+    p.add_argument("--retries", type=int, default=2, help="bounded retries on upstream connect errors/timeouts")
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="model tokenizer, used when the upstream returns no token ids (records get retokenized)")
+    p.add_argument("--no-token-ids-flag", action="store_true",
+                   help="do not add return_token_ids to forwarded requests (for upstreams that reject it)")
+    p.add_argument("--fsync", action="store_true", help="fsync every record (durable against power loss)")
+    p.add_argument("--log-level", default="warning")
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("proxy", help="recording OpenAI-compatible proxy: capture any harness's sessions",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_serve_args(p, required=False)
+    p.set_defaults(func=_cmd_proxy, _proxy_parser=p)
+    sub = p.add_subparsers(dest="proxy_command", metavar="SUBCOMMAND")
+
+    s = sub.add_parser("serve", help="run the recording proxy in front of an upstream")
+    _add_serve_args(s, required=True)
+    s.set_defaults(func=_cmd_serve)
+
+    e = sub.add_parser("export", help="rebuild session graphs from records and write trajectories")
+    e.add_argument("--records", required=True, help="records directory (or a records .jsonl file)")
+    e.add_argument("--out", required=True, help="output file: .jsonl or .parquet")
+    e.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="re-tokenize calls recorded without token ids (marked retokenized)")
+    e.add_argument("--rule", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a ReconstructionRules field (value parsed as JSON, else a string)")
+    e.set_defaults(func=_cmd_export)
+
+    u = sub.add_parser("scripted-upstream", help="run the deterministic scripted OpenAI-compatible test server")
+    u.add_argument("--host", default="127.0.0.1")
+    u.add_argument("--port", type=int, default=8001)
+    u.add_argument("--tokenizer", default=None, metavar="DIR", help="tokenizer dir (default: build the test one)")
+    u.add_argument("--delay", type=float, default=0.0, help="simulated generation time per request, seconds")
+    u.add_argument("--no-token-ids", action="store_true", help="behave like a server that returns no ids")
+    u.set_defaults(func=_cmd_scripted)
+
+
+def _cmd_proxy(args) -> int:
+    if not args.upstream:
+        args._proxy_parser.print_help()
+        return 0
+    return _cmd_serve(args)
+
+
+def _env(var: str | None) -> str | None:
+    if var is None:
+        return None
+    val = os.environ.get(var)
+    if not val:
+        raise SystemExit(f"error: environment variable {var} is not set")
+    return val
+
+
+def _cmd_serve(args) -> int:
+    from mosaic.capture.proxy import ProxyConfig, serve
+
+    if not args.out:
+        print("error: --out DIR is required", file=sys.stderr)
+        return 2
+    cfg = ProxyConfig(
+        upstream=args.upstream, out_dir=args.out, host=args.host, port=args.port,
+        api_key=_env(args.api_key_env), upstream_api_key=_env(args.upstream_api_key_env),
+        max_body_bytes=int(args.max_body_mb * 1024 * 1024), timeout_s=args.timeout, retries=args.retries,
+        tokenizer=args.tokenizer, request_token_ids=not args.no_token_ids_flag, fsync=args.fsync,
+    )
+    print(f"mosaic proxy: {cfg.host}:{cfg.port} -> {cfg.upstream_v1}; records in {cfg.out_dir}/records.jsonl",
+          file=sys.stderr, flush=True)
+    serve(cfg, log_level=args.log_level)
+    return 0
+
+
+def parse_rules(pairs: list[str]):
+    from mosaic.capture.reconstruct import ReconstructionRules
+
+    names = {f.name for f in fields(ReconstructionRules)}
+    kw = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep:
+            raise SystemExit(f"error: --rule {pair!r}: expected KEY=VALUE")
+        if key not in names:
+            raise SystemExit(f"error: --rule {key!r}: unknown rule (known: {', '.join(sorted(names))})")
+        try:
+            val = json.loads(raw)
+        except json.JSONDecodeError:
+            val = raw
+        kw[key] = tuple(val) if isinstance(val, list) else val
+    try:
+        return ReconstructionRules(**kw)
+    except (TypeError, ValueError) as exc:
+        raise SystemExit(f"error: --rule: {exc}") from None
+
+
+def export(records: str, out: str, *, tokenizer: str | None = None, rules=None) -> dict:
+    """Records → trajectories file; returns a summary dict (rollouts, sessions by kind, skipped)."""
+    import warnings
+
+    from mosaic.capture.proxy import retokenize
+    from mosaic.capture.reconstruct import reconstruct
+    from mosaic.capture.records import load_records
+    from mosaic.trace.storage import write_jsonl, write_parquet
+
+    calls, rewards = load_records(records)
+    fixed = 0
+    if tokenizer:
+        from mosaic.capture.scripted import load_tokenizer
+
+        tok = load_tokenizer(tokenizer)
+        for c in calls:
+            if c.error and c.error.startswith("no token ids"):
+                retokenize(c, tok)
+                fixed += 1
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trajs = reconstruct(calls, rewards, rules)
+    if out.endswith(".parquet"):
+        write_parquet(out, trajs)
+    elif out.endswith(".jsonl"):
+        write_jsonl(out, trajs)
+    else:
+        raise SystemExit(f"error: --out {out!r}: use a .jsonl or .parquet file")
+    kinds: dict[str, int] = {}
+    for t in trajs:
+        for k, n in t.count_kinds().items():
+            kinds[k] = kinds.get(k, 0) + n
+    return {"calls": len(calls), "rollouts": len(trajs), "sessions": kinds, "retokenized_now": fixed,
+            "warnings": [str(w.message) for w in caught], "out": out}
+
+
+def _cmd_export(args) -> int:
+    summary = export(args.records, args.out, tokenizer=args.tokenizer, rules=parse_rules(args.rule))
+    for w in summary.pop("warnings"):
+        print(f"warning: {w}", file=sys.stderr)
+    print(json.dumps(summary))
+    return 0
+
+
+def _cmd_scripted(args) -> int:
+    import uvicorn
+
+    from mosaic.capture.scripted import ScriptedConfig, build_tokenizer, create_scripted_app, load_tokenizer
+
+    tok = load_tokenizer(args.tokenizer) if args.tokenizer else build_tokenizer()
+    app = create_scripted_app(tok, ScriptedConfig(token_ids=not args.no_token_ids, delay_s=args.delay))
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0

@@ -1,0 +1,265 @@
+"""The recording proxy with the official openai client, and its behaviour under bad input and faults."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from mosaic.capture.records import RECORDS_FILE, CallRecord, RecordWriter, load_records
+from mosaic.capture.serving import ServerThread
+from mosaic.cli import main as mosaic_main
+from mosaic.trace import TornLineWarning, load_trajectories
+
+REPO = Path(__file__).resolve().parents[2]
+MSGS = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Where is the river?"}]
+
+
+def _client(url, rollout="r1", **kw):
+    return openai.OpenAI(base_url=f"{url}/rollouts/{rollout}/v1", api_key="sk-test", max_retries=0, **kw)
+
+
+def _calls(out_dir):
+    calls, rewards = load_records(out_dir)
+    return calls, rewards
+
+
+def test_chat_nonstream_records_exact_ids(upstream, make_proxy):
+    px = make_proxy(upstream.url)
+    r = _client(px.url).chat.completions.create(model="scripted", messages=MSGS)
+    assert r.choices[0].message.content.startswith("Echo")
+    px.stop()
+    (rec,), _ = _calls(px.out_dir)
+    prompt, comp = upstream.app.state.log[-1]
+    assert rec.rollout_id == "r1" and rec.endpoint == "chat" and not rec.stream
+    assert rec.prompt_ids == prompt and rec.completion_ids == comp
+    assert len(rec.logprobs) == len(comp) and all(lp < 0 for lp in rec.logprobs)
+    assert rec.messages == MSGS and rec.finish_reason == "stop" and not rec.retokenized
+    assert rec.text == r.choices[0].message.content
+    assert rec.t_start <= rec.t_first <= rec.t_end
+    # The proxy asked the upstream for ids and log-probs on the client's behalf.
+    fwd = upstream.app.state.calls[-1]
+    assert fwd["return_token_ids"] is True and fwd["logprobs"] is True
+
+
+def test_chat_streaming_with_tool_calls(upstream, make_proxy):
+    px = make_proxy(upstream.url)
+    tools = [{"type": "function", "function": {"name": "task", "parameters": {"type": "object"}}},
+             {"type": "function", "function": {"name": "ls", "parameters": {"type": "object"}}}]
+    stream = _client(px.url, "rs").chat.completions.create(
+        model="scripted", messages=[{"role": "user", "content": "Research the river."}], tools=tools, stream=True)
+    got = {}
+    for ch in stream:
+        for tc in ch.choices[0].delta.tool_calls or [] if ch.choices else []:
+            got.setdefault(tc.index, "")
+            got[tc.index] += tc.function.arguments or ""
+    assert len(got) == 2 and all("SUBTASK" in json.loads(a)["description"] for a in got.values())
+    px.stop()
+    (rec,), _ = _calls(px.out_dir)
+    prompt, comp = upstream.app.state.log[-1]
+    assert rec.stream and rec.prompt_ids == prompt and rec.completion_ids == comp
+    assert len(rec.logprobs) == len(comp) and rec.finish_reason == "tool_calls"
+    assert [tc["function"]["name"] for tc in rec.tool_calls] == ["task", "task"]
+    assert rec.tools == tools
+
+
+def test_completions_and_header_rollout_id(upstream, make_proxy):
+    px = make_proxy(upstream.url)
+    c = openai.OpenAI(base_url=f"{px.url}/v1", api_key="x", max_retries=0,
+                      default_headers={"X-Mosaic-Rollout": "hdr-7", "X-Mosaic-Task": "t9"})
+    r = c.completions.create(model="scripted", prompt="Once upon a time", max_tokens=5)
+    assert r.choices[0].finish_reason == "length"
+    s = c.completions.create(model="scripted", prompt="Once upon a time", max_tokens=50, stream=True)
+    text = "".join(ch.choices[0].text for ch in s)
+    assert text.startswith(" echo")
+    px.stop()
+    recs, _ = _calls(px.out_dir)
+    assert [r.rollout_id for r in recs] == ["hdr-7", "hdr-7"]
+    assert recs[0].headers["x-mosaic-task"] == "t9"
+    for rec, (prompt, comp) in zip(recs, upstream.app.state.log[-2:]):
+        assert rec.endpoint == "completions" and rec.prompt == "Once upon a time"
+        assert rec.prompt_ids == prompt and rec.completion_ids == comp and len(rec.logprobs) == len(comp)
+    assert len(recs[0].completion_ids) == 5
+
+
+def test_reward_and_export_cli(upstream, make_proxy, tmp_path, capsys):
+    px = make_proxy(upstream.url)
+    _client(px.url, "ro").chat.completions.create(model="scripted", messages=MSGS)
+    r = httpx.post(f"{px.url}/rollouts/ro/reward", json={"reward": 1.0, "ground_truth": "north", "task_id": "q1"})
+    assert r.status_code == 200
+    bad = httpx.post(f"{px.url}/rollouts/ro/reward", json={"reward": 3})
+    assert bad.status_code == 422 and "reward" in bad.json()["error"]["message"]
+    px.stop()
+    out = tmp_path / "s.parquet"
+    assert mosaic_main(["proxy", "export", "--records", px.out_dir, "--out", str(out)]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["rollouts"] == 1 and summary["sessions"] == {"main": 1}
+    (t,) = load_trajectories(out)
+    assert t.id == "ro" and t.task_id == "q1" and t.reward == 1.0 and t.success and t.ground_truth == "north"
+
+
+def test_retokenized_when_upstream_gives_no_ids(scripted_app_factory, make_proxy, tok, tmp_path, capsys):
+    app = scripted_app_factory(token_ids=False)
+    with ServerThread(app) as up:
+        px = make_proxy(up.url, tokenizer_obj=tok)
+        _client(px.url).chat.completions.create(model="scripted", messages=MSGS)
+        px.stop()
+        (rec,), _ = _calls(px.out_dir)
+        prompt, comp = app.state.log[-1]
+        assert rec.retokenized and rec.prompt_ids == prompt and rec.completion_ids == comp
+        # Without a tokenizer the record says why it has no ids, and export can fix it later.
+        px2 = make_proxy(up.url)
+        _client(px2.url, "late").chat.completions.create(model="scripted", messages=MSGS)
+        px2.stop()
+        (rec2,), _ = _calls(px2.out_dir)
+        assert rec2.error.startswith("no token ids") and rec2.prompt_ids == []
+    out = tmp_path / "late.jsonl"
+    assert mosaic_main(["proxy", "export", "--records", px2.out_dir, "--out", str(out),
+                        "--tokenizer", str(Path(tok.name_or_path)), "--rule", "include_unrewarded=true"]) == 0
+    (t,) = load_trajectories(out)
+    assert t.sessions[0].prompt_ids == prompt and t.sessions[0].meta["retokenized"] is True
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def test_bad_requests_get_clear_4xx(upstream, make_proxy):
+    os.environ["MOSAIC_TEST_PROXY_KEY"] = "s3cret"
+    px = make_proxy(upstream.url, api_key="s3cret", max_body_bytes=4096)
+    url = f"{px.url}/v1/chat/completions"
+    auth = {"Authorization": "Bearer s3cret"}
+    assert httpx.post(url, json={"model": "m", "messages": MSGS}).status_code == 401
+    assert httpx.post(url, json={"model": "m", "messages": MSGS}, headers={"Authorization": "Bearer no"}).status_code == 401
+    ok = httpx.post(url, json={"model": "m", "messages": MSGS}, headers=auth)
+    assert ok.status_code == 200
+    r = httpx.post(url, content=b"{not json", headers={**auth, "content-type": "application/json"})
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    r = httpx.post(url, json={"model": "m"}, headers=auth)
+    assert r.status_code == 422 and "messages" in r.json()["error"]["message"]
+    r = httpx.post(url, json={"model": "m", "messages": [{"content": "no role"}]}, headers=auth)
+    assert r.status_code == 422 and "messages[0]" in r.json()["error"]["message"]
+    r = httpx.post(url, json={"model": "m", "messages": MSGS, "n": 2}, headers=auth)
+    assert r.status_code == 422 and "'n'" in r.json()["error"]["message"]
+    r = httpx.post(url, json={"model": "m", "messages": [{"role": "user", "content": "x" * 5000}]}, headers=auth)
+    assert r.status_code == 413 and "limit" in r.json()["error"]["message"]
+    r = httpx.post(f"{px.url}/v1/completions", json={"model": "m", "prompt": ["a", "b"]}, headers=auth)
+    assert r.status_code == 422
+    # The official client surfaces the messages too.
+    with pytest.raises(openai.AuthenticationError):
+        _client(px.url).chat.completions.create(model="m", messages=MSGS)
+    px.stop()
+    recs, _ = _calls(px.out_dir)
+    assert len(recs) == 1  # only the accepted call was forwarded and recorded
+
+
+def _free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def test_upstream_down_is_502_after_bounded_retries(make_proxy):
+    px = make_proxy(f"http://127.0.0.1:{_free_port()}", retries=2, retry_backoff_s=0.1)
+    t0 = time.time()
+    r = httpx.post(f"{px.url}/v1/chat/completions", json={"model": "m", "messages": MSGS})
+    dt = time.time() - t0
+    assert r.status_code == 502 and "after 3 attempt(s)" in r.json()["error"]["message"]
+    assert 0.3 <= dt < 10  # waited 0.1 + 0.2 between attempts, then gave up
+    px.stop()
+    (rec,), _ = _calls(px.out_dir)
+    assert rec.status == 502 and "unreachable" in rec.error and not rec.ok
+
+
+def test_upstream_timeout_is_504(scripted_app_factory, make_proxy):
+    with ServerThread(scripted_app_factory(delay_s=2.0)) as slow:
+        px = make_proxy(slow.url, timeout_s=0.3, retries=1, retry_backoff_s=0.05)
+        t0 = time.time()
+        r = httpx.post(f"{px.url}/v1/chat/completions", json={"model": "m", "messages": MSGS}, timeout=30)
+        assert r.status_code == 504 and "timed out" in r.json()["error"]["message"]
+        assert time.time() - t0 < 2.0
+        px.stop()
+    (rec,), _ = _calls(px.out_dir)
+    assert rec.status == 504
+
+
+# --------------------------------------------------------------------------- durability
+
+
+def test_torn_last_line_is_skipped_and_repaired(upstream, make_proxy, tmp_path):
+    out = str(tmp_path / "torn")
+    px = make_proxy(upstream.url, out_dir=out)
+    _client(px.url).chat.completions.create(model="scripted", messages=MSGS)
+    px.stop()
+    path = Path(out) / RECORDS_FILE
+    with open(path, "ab") as fh:
+        fh.write(b'{"type": "call", "schema": "mosaic.capt')  # a crash mid-write
+    with pytest.warns(TornLineWarning):
+        calls, _ = load_records(out)
+    assert len(calls) == 1
+    # A restarted proxy cuts the torn tail off (kept in .torn) and appends after it.
+    with pytest.warns(TornLineWarning):
+        px2 = make_proxy(upstream.url, out_dir=out)
+    _client(px2.url).chat.completions.create(model="scripted", messages=MSGS)
+    px2.stop()
+    calls, _ = load_records(out)
+    assert len(calls) == 2 and (Path(out) / (RECORDS_FILE + ".torn")).exists()
+
+
+def test_cli_proxy_flushes_on_sigterm_and_loses_nothing_on_sigkill(upstream, tmp_path):
+    out = tmp_path / "cli"
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+
+    def start():
+        p = subprocess.Popen([sys.executable, "-m", "mosaic.cli", "proxy", "serve", "--upstream", upstream.url,
+                              "--out", str(out), "--port", str(port)], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        for _ in range(300):
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/healthz").status_code == 200:
+                    return p
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        p.kill()
+        raise AssertionError(p.stdout.read().decode())
+
+    p = start()
+    c = _client(f"http://127.0.0.1:{port}", "cli")
+    for _ in range(5):
+        c.chat.completions.create(model="scripted", messages=MSGS)
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(30) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal after a graceful stop
+    log = p.stdout.read().decode()
+    p.stdout.close()
+    assert "5 record(s) flushed" in log, log
+    assert len(load_records(out)[0]) == 5
+    p = start()
+    for _ in range(3):
+        c.chat.completions.create(model="scripted", messages=MSGS)
+    p.kill()  # no shutdown at all: every answered call was already flushed
+    p.wait(30)
+    p.stdout.close()
+    assert len(load_records(out)[0]) == 8
+
+
+def test_record_writer_roundtrip(tmp_path):
+    with RecordWriter(tmp_path / "r.jsonl") as w:
+        w.write(CallRecord(call_id="a", rollout_id="r", seq=0, endpoint="chat", prompt_ids=[1], completion_ids=[2]))
+    (rec,), rewards = load_records(tmp_path / "r.jsonl")
+    assert rec.tip() == [1, 2] and rewards == {}
+    (tmp_path / "bad.jsonl").write_text('{"schema": "other"}\n')
+    from mosaic.capture.records import RecordError
+
+    with pytest.raises(RecordError, match="not a Mosaic capture record"):
+        load_records(tmp_path / "bad.jsonl")
