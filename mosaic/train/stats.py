@@ -1,0 +1,253 @@
+"""Accuracy with confidence intervals, and paired comparisons of two runs.
+
+The paper reports no seeds or intervals (SPEC §8); this project does. Outcomes
+are per question, possibly several samples (or seeds) per question: an array
+``(Q,)`` or ``(Q, R)``, with NaN for missing samples. Questions are the unit of
+resampling (samples of one question are not independent), so:
+
+- :func:`accuracy_ci`: Wilson interval when each question has one sample,
+  otherwise a bootstrap over questions;
+- :func:`paired_bootstrap`: CI of ``acc(A) - acc(B)`` on the **same** questions,
+  resampling questions and keeping each question's pair together (much tighter
+  than two independent intervals, because question difficulty cancels);
+- :func:`compare_outcome_files`: the same from two outcome files.
+
+Everything is seeded (``numpy.random.default_rng(seed)``) and vectorised; the
+bootstrap runs in chunks to bound memory.
+
+Outcome files (JSONL, one record per question sample): an id field
+(``question_id``, ``task_id`` or ``id``) and an outcome field (``correct``,
+``success``, ``reward`` or ``score``; booleans count as 0/1). A JSON object
+``{question_id: outcome or [outcomes]}`` is accepted too.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+
+__all__ = ["wilson_ci", "accuracy_ci", "AccuracyCI", "paired_bootstrap", "PairedComparison",
+           "load_outcomes", "align_outcomes", "compare_outcome_files", "format_comparison"]  # fmt: skip
+
+ID_KEYS = ("question_id", "task_id", "id")
+VALUE_KEYS = ("correct", "success", "reward", "score")
+
+
+def _z(ci: float) -> float:
+    from statistics import NormalDist
+
+    if not 0 < ci < 1:
+        raise ValueError(f"ci must be in (0, 1), got {ci}")
+    return NormalDist().inv_cdf(0.5 + ci / 2)
+
+
+def wilson_ci(successes: float, n: int, *, ci: float = 0.95) -> tuple[float, float]:
+    """Wilson score interval of a binomial proportion (``n = 0`` gives (0, 1))."""
+    if n <= 0:
+        return 0.0, 1.0
+    z = _z(ci)
+    p = successes / n
+    den = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / den
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
+    lo = 0.0 if successes <= 0 else max(0.0, centre - half)  # exact ends at 0/n and n/n
+    hi = 1.0 if successes >= n else min(1.0, centre + half)
+    return lo, hi
+
+
+def _as_matrix(x) -> np.ndarray:
+    a = np.asarray(x, dtype=np.float64)
+    if a.ndim == 1:
+        a = a[:, None]
+    if a.ndim != 2:
+        raise ValueError(f"outcomes must be (Q,) or (Q, R), got shape {a.shape}")
+    if a.shape[0] == 0:
+        raise ValueError("outcomes are empty (no questions)")
+    if np.isnan(a).all(axis=1).any():
+        raise ValueError("every question needs at least one non-NaN outcome")
+    return a
+
+
+def _per_question(a: np.ndarray) -> np.ndarray:
+    return np.nanmean(a, axis=1)  # (Q,)
+
+
+def _bootstrap_means(values: np.ndarray, n_boot: int, seed: int, chunk: int = 2000) -> np.ndarray:
+    """(n_boot,) means of ``values`` (Q,) over question resamples with replacement."""
+    rng = np.random.default_rng(seed)
+    q = values.shape[0]
+    out = np.empty(n_boot)
+    for a in range(0, n_boot, chunk):
+        b = min(n_boot, a + chunk)
+        idx = rng.integers(0, q, size=(b - a, q))  # (chunk, Q)
+        out[a:b] = values[idx].mean(axis=1)
+    return out
+
+
+@dataclass(frozen=True)
+class AccuracyCI:
+    accuracy: float
+    lo: float
+    hi: float
+    n_questions: int
+    n_samples: int
+    method: str
+
+
+def accuracy_ci(outcomes, *, ci: float = 0.95, method: Literal["auto", "wilson", "bootstrap"] = "auto",
+                n_boot: int = 10000, seed: int = 0) -> AccuracyCI:  # fmt: skip
+    """Accuracy (mean of per-question means) with a ``ci`` interval.
+
+    ``auto``: Wilson with one sample per question, else a question bootstrap
+    (percentile). Wilson on several samples per question would treat them as
+    independent and be too narrow, so it is refused.
+    """
+    a = _as_matrix(outcomes)
+    per_q = _per_question(a)
+    n_samples = int((~np.isnan(a)).sum())
+    one = a.shape[1] == 1
+    if method == "auto":
+        method = "wilson" if one else "bootstrap"
+    acc = float(per_q.mean())
+    if method == "wilson":
+        if not one:
+            raise ValueError("wilson needs one sample per question; use method='bootstrap'")
+        lo, hi = wilson_ci(float(per_q.sum()), len(per_q), ci=ci)
+    elif method == "bootstrap":
+        boot = _bootstrap_means(per_q, n_boot, seed)
+        lo, hi = np.quantile(boot, [(1 - ci) / 2, (1 + ci) / 2])
+    else:
+        raise ValueError(f"method must be auto, wilson or bootstrap, got {method!r}")
+    return AccuracyCI(acc, float(lo), float(hi), len(per_q), n_samples, method)
+
+
+@dataclass(frozen=True)
+class PairedComparison:
+    """``A - B`` on the same questions."""
+
+    acc_a: float
+    acc_b: float
+    diff: float
+    """``acc_a - acc_b`` (means of per-question means)."""
+    lo: float
+    hi: float
+    p_value: float
+    """Two-sided bootstrap p-value of ``diff = 0``: ``2 * min(P(d* <= 0), P(d* >= 0))``, capped at 1."""
+    n_questions: int
+    n_boot: int
+    ci: float
+    wins: int
+    """Questions where A's per-question mean is higher."""
+    losses: int
+    ties: int
+
+
+def paired_bootstrap(a, b, *, ci: float = 0.95, n_boot: int = 10000, seed: int = 0) -> PairedComparison:
+    """Paired bootstrap CI of the accuracy difference between two runs on the same questions.
+
+    Args:
+        a, b: ``(Q,)`` or ``(Q, R)`` outcomes, row q of both = the same question
+            (R may differ between a and b; NaN marks a missing sample).
+    """
+    A, B = _as_matrix(a), _as_matrix(b)
+    if A.shape[0] != B.shape[0]:
+        raise ValueError(f"paired outcomes need the same questions: {A.shape[0]} vs {B.shape[0]} rows")
+    qa, qb = _per_question(A), _per_question(B)
+    d = qa - qb  # (Q,) per-question difference; resampling d keeps pairs together
+    boot = _bootstrap_means(d, n_boot, seed)
+    lo, hi = np.quantile(boot, [(1 - ci) / 2, (1 + ci) / 2])
+    p = min(1.0, 2 * min(float((boot <= 0).mean()), float((boot >= 0).mean())))
+    return PairedComparison(acc_a=float(qa.mean()), acc_b=float(qb.mean()), diff=float(d.mean()), lo=float(lo),
+                            hi=float(hi), p_value=p, n_questions=len(d), n_boot=n_boot, ci=ci,
+                            wins=int((d > 0).sum()), losses=int((d < 0).sum()), ties=int((d == 0).sum()))  # fmt: skip
+
+
+def _num(v, where: str) -> float:
+    if isinstance(v, bool):
+        return float(v)
+    if isinstance(v, (int, float)) and math.isfinite(v):
+        return float(v)
+    raise ValueError(f"{where}: outcome must be a boolean or a finite number, got {v!r}")
+
+
+def load_outcomes(path: str | Path) -> dict[str, list[float]]:
+    """Per-question outcome lists from a JSONL (one record per sample) or JSON-object file."""
+    p = Path(path)
+    text = p.read_text()
+    out: dict[str, list[float]] = {}
+    stripped = text.lstrip()
+    if stripped.startswith("{") and "\n{" not in stripped.strip():
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError:
+            obj = None
+        if isinstance(obj, dict) and not any(k in obj for k in ID_KEYS):
+            for q, v in obj.items():
+                vals = v if isinstance(v, list) else [v]
+                out[str(q)] = [_num(x, f"{p} question {q!r}") for x in vals]
+            if not out:
+                raise ValueError(f"{p}: no outcomes")
+            return out
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{p}:{n}"
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{where}: not JSON ({exc.msg})") from None
+        qid = next((rec[k] for k in ID_KEYS if k in rec), None)
+        key = next((k for k in VALUE_KEYS if k in rec), None)
+        if qid is None or key is None:
+            raise ValueError(f"{where}: a record needs an id ({'/'.join(ID_KEYS)}) and an outcome ({'/'.join(VALUE_KEYS)})")
+        out.setdefault(str(qid), []).append(_num(rec[key], where))
+    if not out:
+        raise ValueError(f"{p}: no outcomes")
+    return out
+
+
+def align_outcomes(a: dict[str, list[float]], b: dict[str, list[float]], *,
+                   on_mismatch: Literal["error", "intersect"] = "error") -> tuple[list[str], np.ndarray, np.ndarray]:  # fmt: skip
+    """Common question ids (sorted) and the two NaN-padded ``(Q, R)`` matrices."""
+    ka, kb = set(a), set(b)
+    if ka != kb:
+        only_a, only_b = sorted(ka - kb), sorted(kb - ka)
+        msg = (f"the two outcome sets cover different questions: {len(only_a)} only in A (e.g. {only_a[:3]}), "
+               f"{len(only_b)} only in B (e.g. {only_b[:3]})")  # fmt: skip
+        if on_mismatch == "error":
+            raise ValueError(msg + "; pass on_mismatch='intersect' to compare the common ones")
+    ids = sorted(ka & kb)
+    if not ids:
+        raise ValueError("no question in common")
+
+    def mat(d):
+        r = max(len(d[q]) for q in ids)
+        m = np.full((len(ids), r), np.nan)
+        for i, q in enumerate(ids):
+            m[i, : len(d[q])] = d[q]
+        return m
+
+    return ids, mat(a), mat(b)
+
+
+def compare_outcome_files(path_a, path_b, *, ci: float = 0.95, n_boot: int = 10000, seed: int = 0,
+                          on_mismatch: Literal["error", "intersect"] = "error") -> PairedComparison:  # fmt: skip
+    """:func:`paired_bootstrap` of two outcome files, aligned by question id."""
+    _, A, B = align_outcomes(load_outcomes(path_a), load_outcomes(path_b), on_mismatch=on_mismatch)
+    return paired_bootstrap(A, B, ci=ci, n_boot=n_boot, seed=seed)
+
+
+def format_comparison(c: PairedComparison, name_a: str = "A", name_b: str = "B") -> str:
+    pct = lambda x: f"{100 * x:.2f}"  # noqa: E731
+    return "\n".join([
+        f"questions: {c.n_questions}   bootstrap resamples: {c.n_boot}",
+        f"accuracy {name_a}: {pct(c.acc_a)} %   {name_b}: {pct(c.acc_b)} %",
+        f"difference ({name_a} - {name_b}): {pct(c.diff)} points, {int(100 * c.ci)}% CI "
+        f"[{pct(c.lo)}, {pct(c.hi)}], bootstrap p = {c.p_value:.4f}",
+        f"per question: {name_a} better {c.wins}, {name_b} better {c.losses}, tied {c.ties}",
+    ])  # fmt: skip
