@@ -15,6 +15,7 @@ would be unreachable.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -32,9 +33,6 @@ _TOKEN = re.compile(r"(?u)\b\w\w+\b")  # bm25s's default token pattern
 DEFAULT_SNIPPET_TOKENS = 24
 
 
-_STOPWORDS: frozenset[str] = frozenset()
-
-
 def default_cache_dir() -> Path:
     """``$MOSAIC_CACHE`` if set, else ``~/.cache/mosaic``."""
     env = os.environ.get("MOSAIC_CACHE")
@@ -49,6 +47,7 @@ class SearchHit:
     score: float
 
 
+@functools.lru_cache(maxsize=1)
 def _stopwords() -> frozenset[str]:
     from bm25s.stopwords import STOPWORDS_EN
 
@@ -83,8 +82,7 @@ class SearchIndex:
         self.snippet_mode = snippet_mode
         self.docs = world.documents
         self._stem = _stemmer()
-        global _STOPWORDS
-        _STOPWORDS = _STOPWORDS or _stopwords()
+        self._stopwords = _stopwords()
         self.key = hashlib.sha256(
             f"bm25s/{INDEX_FORMAT}/stopwords=en/stemmer=english/{world.content_hash}".encode()
         ).hexdigest()[:24]
@@ -116,7 +114,7 @@ class SearchIndex:
     def _terms(self, text: str) -> list[str]:
         """Same terms as ``bm25s.tokenize(stopwords="en", stemmer=...)`` (tested), without its
         per-call progress-bar overhead, which dominated query time."""
-        words = [w for w in _TOKEN.findall(text.lower()) if w not in _STOPWORDS]
+        words = [w for w in _TOKEN.findall(text.lower()) if w not in self._stopwords]
         return self._stem.stemWords(words) if words else []
 
     def search(self, query: str, k: int = 3) -> list[SearchHit]:
