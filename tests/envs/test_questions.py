@@ -73,3 +73,17 @@ def test_bad_hop_mix():
     w = generate_world(WorldConfig(seed=2, n_entities=60))
     with pytest.raises(ValueError, match="hop_mix"):
         make_tasks(w, 5, hop_mix={0: 1.0})
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 10_000), n_entities=st.integers(30, 90))
+def test_unique_answers_on_random_worlds(seed, n_entities):
+    w = generate_world(WorldConfig(seed=seed, n_entities=n_entities))
+    for t in make_tasks(w, 20, hop_mix={2: 1, 3: 1, 4: 1}, seed=seed):
+        start = w.by_name[t.start].id
+        assert answer_set(w, start, [h.relation_name for h in t.gold_chain]) == {w.by_name[t.answer].id}
+        assert t.answer not in {t.start, *(h.title for h in t.gold_chain)}
