@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
@@ -41,6 +41,16 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from mosaic.agent.policy import GenRequest, GenResult
 
 log = logging.getLogger(__name__)
+
+StepCallback = Callable[[list[int], list[int], list[float]], None]
+
+
+@dataclass(frozen=True)
+class _Sampling:
+    temperature: float
+    top_p: float
+    stop: torch.Tensor  # (K,) end-of-turn ids
+    generator: torch.Generator
 
 
 @dataclass
@@ -145,6 +155,22 @@ class LocalPolicy:
     # ---------------------------------------------------------------- protocol
     def generate(self, requests: Sequence[GenRequest]) -> list[GenResult]:
         """Sample one turn for every request; results in request order, never raises on bad input."""
+        return self.generate_with(requests)
+
+    def generate_with(self, requests: Sequence[GenRequest], *, temperature: float | None = None,
+                      top_p: float | None = None, stop_token_ids: Sequence[int] | None = None,
+                      generator: torch.Generator | None = None,
+                      on_step: StepCallback | None = None) -> list[GenResult]:
+        """:meth:`generate` with per-call sampling overrides (what the server uses).
+
+        ``on_step(indices, tokens, logprobs)`` is called after every decode step with the
+        request indices that got a token, the tokens and their sampling log-probs (streaming).
+        """
+        sampling = _Sampling(
+            self.config.temperature if temperature is None else temperature,
+            self.config.top_p if top_p is None else top_p,
+            self._stop if stop_token_ids is None else torch.tensor(list(stop_token_ids), dtype=torch.long, device=self.device),
+            generator or self.generator)
         results: list[GenResult | None] = [None] * len(requests)
         runnable: list[int] = []
         for i, req in enumerate(requests):
@@ -161,7 +187,9 @@ class LocalPolicy:
         for start in range(0, len(runnable), step):
             idx = runnable[start:start + step]
             try:
-                chunk = self._generate_batch([requests[i] for i in idx])
+                cb = None if on_step is None else (
+                    lambda rows, toks, lps, idx=idx: on_step([idx[r] for r in rows], toks, lps))
+                chunk = self._generate_batch([requests[i] for i in idx], sampling, cb)
             except Exception as exc:  # e.g. out of memory: fail these rows, keep the rollout alive
                 log.exception("LocalPolicy batch failed")
                 chunk = [LocalGenResult([], [], "error", f"{type(exc).__name__}: {exc}", [])
@@ -192,8 +220,8 @@ class LocalPolicy:
         return min(req.max_new_tokens, self.max_positions - len(req.prompt_ids))
 
     @torch.inference_mode()
-    def _generate_batch(self, reqs: list[GenRequest]) -> list[LocalGenResult]:
-        cfg = self.config
+    def _generate_batch(self, reqs: list[GenRequest], sampling: "_Sampling",
+                        on_step: StepCallback | None = None) -> list[LocalGenResult]:
         B = len(reqs)
         lens = [len(r.prompt_ids) for r in reqs]
         L = max(lens)
@@ -220,14 +248,16 @@ class LocalPolicy:
         finish = ["length"] * B
         step = 0
         while True:
-            tok, lp, raw = sample_next(logits, temperature=cfg.temperature, top_p=cfg.top_p,
-                                       generator=self.generator)
+            tok, lp, raw = sample_next(logits, temperature=sampling.temperature,
+                                       top_p=sampling.top_p, generator=sampling.generator)
+            if on_step is not None:
+                on_step(rows.tolist(), tok.tolist(), lp.tolist())
             tokens_out.append(tok)
             rows_out.append(rows)
             lp_out.append(lp)
             raw_out.append(raw)
             step += 1
-            stopped = torch.isin(tok, self._stop)
+            stopped = torch.isin(tok, sampling.stop)
             done = stopped | (max_new[rows] <= step)
             if bool(stopped.any()):
                 for r in rows[stopped].tolist():

