@@ -125,7 +125,8 @@ class FuzzPolicy:
             name = r.choice(["search", "delegate"])
             return "<tool_call>" + json.dumps({"name": name, "arguments": args}) + "</tool_call>"
         if kind == "huge_argument":
-            return "<tool_call>" + json.dumps({"name": "search", "arguments": {"query": "ab " * 300}}) + "</tool_call>"
+            query = r.choice(["ab " * 300, " word" * 16, "Ruo Ces " * 12])  # over any turn cap / over max_arg_chars
+            return "<tool_call>" + json.dumps({"name": "search", "arguments": {"query": query}}) + "</tool_call>"
         if kind == "nested_tags":
             return r.choice(["<tool_call><tool_call>" + call + "</tool_call></tool_call>",
                              "<tool_call>" + call + "<tool_call></tool_call>",
