@@ -71,7 +71,7 @@ def _segment_mean_std(
     count = torch.zeros(n_seg, dtype=_F64, device=x.device).index_add_(0, seg, torch.ones_like(x))
     total = torch.zeros(n_seg, dtype=_F64, device=x.device).index_add_(0, seg, x)
     mean = total / count.clamp(min=1.0)
-    sq = torch.zeros(n_seg, dtype=_F64, device=x.device).index_add_(0, seg, (x - mean[seg]) ** 2)
+    sq = torch.zeros(n_seg, dtype=_F64, device=x.device).index_add_(0, seg, (x - mean.index_select(0, seg)) ** 2)
     var = torch.where(count > 1, sq / (count - 1).clamp(min=1.0), torch.zeros_like(sq))
     return count, mean, var.sqrt()
 
@@ -102,10 +102,10 @@ def grpo(rewards, group_ids, *, norm_by_std: bool = True, eps: float = 1e-6) -> 
     _, inv = torch.unique(g, return_inverse=True)
     n_groups = int(inv.max()) + 1
     count, mean, std = _segment_mean_std(r, inv, n_groups)
-    adv = r - mean[inv]  # §4.1 numerator
+    adv = r - mean.index_select(0, inv)  # §4.1 numerator
     if norm_by_std:
-        adv = adv / (std[inv] + eps)  # §4.1, ddof = 1
-    adv = torch.where(count[inv] > 1, adv, torch.zeros_like(adv))  # singleton → 0 (choice)
+        adv = adv / (std.index_select(0, inv) + eps)  # §4.1, ddof = 1
+    adv = torch.where(count.index_select(0, inv) > 1, adv, torch.zeros_like(adv))  # singleton → 0 (choice)
     return adv.to(out_dtype)
 
 
@@ -136,13 +136,13 @@ def centred_ranks(values, segment_ids) -> torch.Tensor:
     _, seg = torch.unique(s, return_inverse=True)
     # Lexicographic sort: stable by value, then stable by segment.
     o1 = torch.sort(v, stable=True).indices
-    o2 = torch.sort(seg[o1], stable=True).indices
-    order = o1[o2]  # (N,) positions sorted by (segment, value)
-    seg_s, v_s = seg[order], v[order]
+    o2 = torch.sort(seg.index_select(0, o1), stable=True).indices
+    order = o1.index_select(0, o2)  # (N,) positions sorted by (segment, value)
+    seg_s, v_s = seg.index_select(0, order), v.index_select(0, order)
     n_seg = int(seg.max()) + 1
     m = torch.bincount(seg, minlength=n_seg)  # (n_seg,) subgroup sizes
     start = torch.cumsum(m, 0) - m  # first sorted position of each segment
-    pos = torch.arange(n, device=v.device) - start[seg_s]  # 0-based rank within segment
+    pos = torch.arange(n, device=v.device) - start.index_select(0, seg_s)  # 0-based rank within segment
     # Runs of equal (segment, value) share the average of their positions.
     new_run = torch.ones(n, dtype=torch.bool, device=v.device)
     new_run[1:] = (seg_s[1:] != seg_s[:-1]) | (v_s[1:] != v_s[:-1])
@@ -150,12 +150,10 @@ def centred_ranks(values, segment_ids) -> torch.Tensor:
     n_run = int(run[-1]) + 1
     run_sum = torch.zeros(n_run, dtype=_F64).index_add_(0, run, pos.to(_F64))
     run_len = torch.bincount(run, minlength=n_run).to(_F64)
-    r_avg = run_sum[run] / run_len[run] + 1.0  # R ∈ [1, m]
-    m_s = m[seg_s].to(_F64)
+    r_avg = run_sum.index_select(0, run) / run_len.index_select(0, run) + 1.0  # R ∈ [1, m]
+    m_s = m.index_select(0, seg_s).to(_F64)
     u_s = torch.where(m_s > 1, 2.0 * (r_avg - 1.0) / (m_s - 1.0).clamp(min=1.0) - 1.0, torch.zeros_like(r_avg))
-    u = torch.empty_like(u_s)
-    u[order] = u_s
-    return u
+    return torch.empty_like(u_s).scatter_(0, order, u_s)  # back to input order
 
 
 # --------------------------------------------------------------------------- §4.3 Â
@@ -202,8 +200,8 @@ def session_aware(
     u = centred_ranks(n, inv * 2 + ok.long())  # (T,) rank within (group, outcome)
     n_ok = torch.zeros(n_groups, dtype=torch.long).index_add_(0, inv, ok.long())
     size = torch.bincount(inv, minlength=n_groups)
-    all_ok = (n_ok == size)[inv]
-    all_fail = (n_ok == 0)[inv]
+    all_ok = (n_ok == size).index_select(0, inv)
+    all_fail = (n_ok == 0).index_select(0, inv)
     mixed = ~(all_ok | all_fail)
     adv = torch.where(mixed, a * (1.0 - rho * u), torch.zeros_like(a))  # mixed: multiplier in [1-ρ, 1+ρ]
     adv = torch.where(all_ok, -delta * u, adv)  # all-success fallback, zero-mean
@@ -242,8 +240,8 @@ def normalized_session_gains(gains, kinds, is_final, *, eps: float = 1e-6) -> to
     # Finals go to an extra dump segment so they never touch a kind's statistics.
     seg = torch.where(live, inv, torch.full_like(inv, n_kinds))
     count, mean, std = _segment_mean_std(gn, seg, n_kinds + 1)
-    z = (gn - mean[seg]) / (std[seg] + eps)  # §4.4 z-score, ddof = 1
-    z = torch.where(live & (count[seg] >= 2), z, torch.zeros_like(z))
+    z = (gn - mean.index_select(0, seg)) / (std.index_select(0, seg) + eps)  # §4.4 z-score, ddof = 1
+    z = torch.where(live & (count.index_select(0, seg) >= 2), z, torch.zeros_like(z))
     return z.to(out_dtype)
 
 
@@ -264,7 +262,7 @@ def broadcast(traj_adv, session_traj) -> torch.Tensor:
     idx = _as_tensor(session_traj, "session_traj").long()
     if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= a.shape[0]):
         raise ValueError(f"session_traj must index into {a.shape[0]} trajectories")
-    return a[idx]
+    return a.index_select(0, idx)
 
 
 def mosaic(
@@ -376,17 +374,16 @@ def turn_level(
         # positions (at most the longest trajectory's turn count), vectorised over
         # trajectories: at step j every turn adds gamma^j z of the turn j later.
         order = torch.sort(tt, stable=True).indices  # chronological within trajectory
-        tt_s, z_s = tt[order], z[order]
+        tt_s, z_s = tt.index_select(0, order), z.index_select(0, order)
         n_t = torch.bincount(tt_s, minlength=a_hat.shape[0])
         start = torch.cumsum(n_t, 0) - n_t
-        pos = torch.arange(tt_s.shape[0]) - start[tt_s]
-        remaining = n_t[tt_s] - pos - 1  # turns after this one
+        pos = torch.arange(tt_s.shape[0]) - start.index_select(0, tt_s)
+        remaining = n_t.index_select(0, tt_s) - pos - 1  # turns after this one
         acc = z_s.clone()
         for j in range(1, int(remaining.max()) + 1):
             has = remaining >= j
             idx = torch.nonzero(has).squeeze(1)
             acc[idx] += gamma**j * z_s[idx + j]
-        shaped = torch.empty_like(acc)
-        shaped[order] = acc
+        shaped = torch.empty_like(acc).scatter_(0, order, acc)
     out = broadcast(a_hat.to(_F64), tt) + lam * shaped
     return out.to(a_hat.dtype)

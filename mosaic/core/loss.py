@@ -57,7 +57,9 @@ def token_weights(row_token_counts, row_traj, *, mode: LossAgg = "trajectory-tok
     n = torch.as_tensor(row_token_counts).to(torch.float64)
     tr = torch.as_tensor(row_traj)
     if n.dim() != 1 or tr.shape != n.shape:
-        raise ValueError(f"row_token_counts and row_traj must be 1-D of equal length, got {tuple(n.shape)}, {tuple(tr.shape)}")
+        raise ValueError(
+            f"row_token_counts and row_traj must be 1-D of equal length, got {tuple(n.shape)}, {tuple(tr.shape)}"
+        )
     has = n > 0
     zero = torch.zeros_like(n)
     if mode == "token-mean":

@@ -41,7 +41,8 @@ def test_aggregation_modes_hand_computed(mode, expected):
 
 
 def test_token_weights_values_and_validation():
-    torch.testing.assert_close(token_weights(torch.tensor([2, 1, 1]), ROW_TRAJ, mode="token-mean"), torch.full((3,), 0.25))
+    w = token_weights(torch.tensor([2, 1, 1]), ROW_TRAJ, mode="token-mean")
+    torch.testing.assert_close(w, torch.full((3,), 0.25))
     torch.testing.assert_close(
         token_weights(torch.tensor([2, 1, 1]), ROW_TRAJ, mode="session-token-mean"), torch.tensor([1 / 6, 1 / 3, 1 / 3])
     )
