@@ -29,7 +29,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -53,32 +52,23 @@ def _load_peers():
     return mod
 
 
-@pytest.fixture(scope="session")
-def verl():
-    """Callable ``verl(cases) -> outputs``: runs the cases through verl_runner.py in the verl venv."""
-    try:
-        py = _load_peers().ensure_verl_venv()
-    except Exception as exc:  # noqa: BLE001 - any build failure is reported the same way
-        msg = f"verl peer venv unavailable: {exc}"
-        if os.environ.get("CI"):
-            pytest.fail(msg)
-        pytest.skip(msg)
+def _run_runner(py: Path, cases: dict[str, dict]) -> dict[str, dict]:
+    flat = {f"{c}:{k}": np.asarray(v) for c, fields in cases.items() for k, v in fields.items()}
+    with tempfile.TemporaryDirectory() as tmp:
+        src, dst = Path(tmp) / "in.npz", Path(tmp) / "out.npz"
+        np.savez(src, **flat)
+        res = subprocess.run([str(py), str(RUNNER), str(src), str(dst)], capture_output=True, text=True)
+        assert res.returncode == 0, f"verl runner failed:\n{res.stderr[-4000:]}"
+        out: dict[str, dict] = {}
+        with np.load(dst) as data:
+            for key in data.files:
+                case, field = key.split(":", 1)
+                out.setdefault(case, {})[field] = data[key]
+    return out
 
-    def run(cases: dict[str, dict]) -> dict[str, dict]:
-        flat = {f"{c}:{k}": np.asarray(v) for c, fields in cases.items() for k, v in fields.items()}
-        with tempfile.TemporaryDirectory() as tmp:
-            src, dst = Path(tmp) / "in.npz", Path(tmp) / "out.npz"
-            np.savez(src, **flat)
-            res = subprocess.run([str(py), str(RUNNER), str(src), str(dst)], capture_output=True, text=True)
-            assert res.returncode == 0, f"verl runner failed:\n{res.stderr[-4000:]}"
-            out: dict[str, dict] = {}
-            with np.load(dst) as data:
-                for key in data.files:
-                    case, field = key.split(":", 1)
-                    out.setdefault(case, {})[field] = data[key]
-        return out
 
-    return run
+# --------------------------------------------------------------------------- cases
+# Deterministic builders; every case goes to verl in ONE subprocess (importing verl takes seconds).
 
 
 def _random_groups(rng: np.random.Generator, n_groups: int, *, min_size: int) -> np.ndarray:
@@ -88,49 +78,28 @@ def _random_groups(rng: np.random.Generator, n_groups: int, *, min_size: int) ->
     return g[rng.permutation(g.size)]  # groups interleaved
 
 
-def _grpo_cases(rng):
-    cases, ours = {}, {}
+def grpo_cases() -> dict[str, dict]:
+    rng = np.random.default_rng(0)
+    cases = {}
     for i in range(12):
         g = _random_groups(rng, int(rng.integers(1, 20)), min_size=2)
         binary = i % 2 == 0
         r = (rng.integers(0, 2, g.size) if binary else rng.random(g.size)).astype(np.float32)
         if i == 4:  # a constant-reward group
             r[g == g[0]] = 1.0
-        norm = i % 3 != 2
         width = 7
-        lengths = rng.integers(1, width + 1, g.size)
-        cases[f"c{i}"] = dict(op="grpo", rewards=r, index=g, lengths=lengths, width=width, eps=1e-6, norm_by_std=norm)
-        ours[f"c{i}"] = grpo(torch.from_numpy(r), torch.from_numpy(g), norm_by_std=norm, eps=1e-6)
-    return cases, ours
+        cases[f"grpo{i}"] = dict(op="grpo", rewards=r, index=g, lengths=rng.integers(1, width + 1, g.size),
+                                 width=width, eps=1e-6, norm_by_std=i % 3 != 2)  # fmt: skip
+    cases["singleton"] = dict(op="grpo", rewards=np.array([0.7, 1.0, 0.0], dtype=np.float32),
+                              index=np.array([5, 9, 9]), lengths=np.array([2, 2, 2]), width=2, eps=1e-6,
+                              norm_by_std=True)  # fmt: skip
+    return cases
 
 
-def test_grpo_matches_verl_on_groups_of_two_or_more(verl):
-    cases, ours = _grpo_cases(np.random.default_rng(0))
-    out = verl(cases)
-    for name, case in cases.items():
-        mask = np.arange(case["width"])[None, :] < case["lengths"][:, None]
-        ref = out[name]["advantages"]  # (B, L)
-        ours_mat = ours[name].numpy()[:, None] * mask
-        np.testing.assert_allclose(ours_mat, ref, rtol=1e-5, atol=1e-5, err_msg=name)
-        assert not np.allclose(ref, 0) or np.allclose(ours[name].numpy(), 0)  # the comparison is not vacuous
-
-
-def test_singleton_group_convention_differs_from_verl(verl):
-    """SPEC §4.1 choice: a singleton gets 0; verl returns the raw score (mean 0, std 1)."""
-    r = np.array([0.7, 1.0, 0.0], dtype=np.float32)
-    g = np.array([5, 9, 9])
-    out = verl({"s": dict(op="grpo", rewards=r, index=g, lengths=np.array([2, 2, 2]), width=2, eps=1e-6,
-                          norm_by_std=True)})  # fmt: skip
-    ref = out["s"]["scalar"]
-    ours = grpo(torch.from_numpy(r), torch.from_numpy(g)).numpy()
-    np.testing.assert_allclose(ref[0], 0.7 / (1 + 1e-6), rtol=1e-6)
-    assert ours[0] == 0.0
-    np.testing.assert_allclose(ours[1:], ref[1:], rtol=1e-5)
-
-
-def test_broadcast_matches_verl_multi_trajectory_advantage(verl):
+def multi_cases() -> dict[str, dict]:
+    """verl's multi-output rows plus, under ``ours:``, our per-trajectory view of the same batch."""
     rng = np.random.default_rng(1)
-    cases, ours = {}, {}
+    cases = {}
     for i in range(6):
         g = _random_groups(rng, int(rng.integers(1, 10)), min_size=2)  # (T,) group of each trajectory
         t = g.size
@@ -144,21 +113,16 @@ def test_broadcast_matches_verl_multi_trajectory_advantage(verl):
         is_last = position == n_sess[session_traj] - 1
         row_reward = np.where(is_last, r[session_traj], rng.random(session_traj.size)).astype(np.float32)
         width = 5
-        lengths = rng.integers(1, width + 1, session_traj.size)
-        norm = i != 3
-        cases[f"m{i}"] = dict(op="multi_traj", rewards=row_reward, group=g[session_traj], traj=session_traj,
-                              position=position, lengths=lengths, width=width, norm_by_std=norm)  # fmt: skip
-        a = grpo(torch.from_numpy(r), torch.from_numpy(g), norm_by_std=norm)
-        ours[f"m{i}"] = (broadcast(a, torch.from_numpy(session_traj)).numpy(), lengths, width)
-    out = verl(cases)
-    for name, (adv, lengths, width) in ours.items():
-        mask = np.arange(width)[None, :] < lengths[:, None]
-        np.testing.assert_allclose(adv[:, None] * mask, out[name]["advantages"], rtol=1e-5, atol=1e-5, err_msg=name)
+        cases[f"multi{i}"] = dict(op="multi_traj", rewards=row_reward, group=g[session_traj], traj=session_traj,
+                                  position=position, lengths=rng.integers(1, width + 1, session_traj.size),
+                                  width=width, norm_by_std=i != 3, ours_rewards=r, ours_groups=g)  # fmt: skip
+    return cases
 
 
-@pytest.mark.parametrize(("ours_mode", "verl_mode"), [("token-mean", "token-mean"),
-                                                      ("session-token-mean", "seq-mean-token-mean")])  # fmt: skip
-def test_policy_loss_matches_verl(verl, ours_mode, verl_mode):
+LOSS_MODES = {"token-mean": "token-mean", "session-token-mean": "seq-mean-token-mean"}
+
+
+def loss_cases() -> dict[str, dict]:
     rng = np.random.default_rng(2)
     b, l = 6, 9
     mask = rng.random((b, l)) < 0.7
@@ -168,19 +132,77 @@ def test_policy_loss_matches_verl(verl, ours_mode, verl_mode):
     new = (old + rng.normal(0, 0.4, (b, l))).astype(np.float32)  # ratios well outside [0.8, 1.28]
     ref = (old + rng.normal(0, 0.2, (b, l))).astype(np.float32)
     adv_row = rng.normal(0, 1, b).astype(np.float32)
-    adv = np.repeat(adv_row[:, None], l, axis=1)
-    kl_coef = 0.05
-    out = verl({"p": dict(op="policy_loss", log_prob=new, old_log_prob=old, ref_log_prob=ref, mask=mask,
-                          advantages=adv, mode=verl_mode, clip_low=0.2, clip_high=0.28, clip_ratio_c=3.0,
-                          kl_coef=kl_coef)})["p"]  # fmt: skip
-    logp = torch.from_numpy(new).requires_grad_(True)
-    m = torch.from_numpy(mask)
-    w = token_weights(m.sum(-1), torch.arange(b), mode=ours_mode)
-    res = policy_loss(logp, torch.from_numpy(old), torch.from_numpy(adv_row), m, w, clip_low=0.2, clip_high=0.28,
-                      clip_ratio_c=3.0, ref_logprobs=torch.from_numpy(ref), kl_coef=kl_coef)  # fmt: skip
+    return {
+        f"loss-{ours}": dict(op="policy_loss", log_prob=new, old_log_prob=old, ref_log_prob=ref, mask=mask,
+                             advantages=np.repeat(adv_row[:, None], l, axis=1), adv_row=adv_row, mode=theirs,
+                             clip_low=0.2, clip_high=0.28, clip_ratio_c=3.0, kl_coef=0.05)  # fmt: skip
+        for ours, theirs in LOSS_MODES.items()
+    }
+
+
+@pytest.fixture(scope="session")
+def verl_out():
+    """verl's outputs for every case above, from one run of verl_runner.py in the verl venv."""
+    try:
+        py = _load_peers().ensure_verl_venv()
+    except Exception as exc:  # noqa: BLE001 - any build failure is reported the same way
+        msg = f"verl peer venv unavailable: {exc}"
+        if os.environ.get("CI"):
+            pytest.fail(msg)
+        pytest.skip(msg)
+    cases = {**grpo_cases(), **multi_cases(), **loss_cases()}
+    return _run_runner(py, {name: {k: v for k, v in c.items() if not k.startswith("ours")}
+                            for name, c in cases.items()})  # fmt: skip
+
+
+# --------------------------------------------------------------------------- tests
+
+
+def test_grpo_matches_verl_on_groups_of_two_or_more(verl_out):
+    for name, case in grpo_cases().items():
+        if name == "singleton":
+            continue
+        ours = grpo(torch.from_numpy(case["rewards"]), torch.from_numpy(case["index"]), norm_by_std=case["norm_by_std"],
+                    eps=case["eps"]).numpy()  # fmt: skip
+        mask = np.arange(case["width"])[None, :] < case["lengths"][:, None]
+        ref = verl_out[name]["advantages"]  # (B, L)
+        np.testing.assert_allclose(ours[:, None] * mask, ref, rtol=1e-5, atol=1e-5, err_msg=name)
+        assert np.abs(ours).max() > 0.1 or name == "grpo4"  # not a vacuous comparison
+
+
+def test_singleton_group_convention_differs_from_verl(verl_out):
+    """SPEC §4.1 choice: a singleton gets 0; verl returns the raw score (mean 0, std 1)."""
+    case = grpo_cases()["singleton"]
+    ref = verl_out["singleton"]["scalar"]
+    ours = grpo(torch.from_numpy(case["rewards"]), torch.from_numpy(case["index"])).numpy()
+    np.testing.assert_allclose(ref[0], 0.7 / (1 + 1e-6), rtol=1e-6)
+    assert ours[0] == 0.0
+    np.testing.assert_allclose(ours[1:], ref[1:], rtol=1e-5)
+
+
+def test_broadcast_matches_verl_multi_trajectory_advantage(verl_out):
+    for name, case in multi_cases().items():
+        a = grpo(torch.from_numpy(case["ours_rewards"]), torch.from_numpy(case["ours_groups"]),
+                 norm_by_std=case["norm_by_std"])  # fmt: skip
+        ours = broadcast(a, torch.from_numpy(case["traj"])).numpy()  # (S,)
+        mask = np.arange(case["width"])[None, :] < case["lengths"][:, None]
+        np.testing.assert_allclose(ours[:, None] * mask, verl_out[name]["advantages"], rtol=1e-5, atol=1e-5,
+                                   err_msg=name)  # fmt: skip
+
+
+@pytest.mark.parametrize("ours_mode", list(LOSS_MODES))
+def test_policy_loss_matches_verl(verl_out, ours_mode):
+    c = loss_cases()[f"loss-{ours_mode}"]
+    out = verl_out[f"loss-{ours_mode}"]
+    logp = torch.from_numpy(c["log_prob"]).requires_grad_(True)
+    m = torch.from_numpy(c["mask"])
+    w = token_weights(m.sum(-1), torch.arange(m.shape[0]), mode=ours_mode)
+    res = policy_loss(logp, torch.from_numpy(c["old_log_prob"]), torch.from_numpy(c["adv_row"]), m, w,
+                      clip_low=0.2, clip_high=0.28, clip_ratio_c=3.0, ref_logprobs=torch.from_numpy(c["ref_log_prob"]),
+                      kl_coef=c["kl_coef"])  # fmt: skip
     res.loss.backward()
-    np.testing.assert_allclose(float(res.pg_loss.detach()), out["pg_loss"], rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(float(res.kl_loss.detach()), out["kl_loss"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(res.pg_loss.item(), out["pg_loss"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(res.kl_loss.item(), out["kl_loss"], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(logp.grad.numpy(), out["grad"], rtol=1e-4, atol=1e-6)
     assert 0.0 < float(out["clipfrac"]) < 1.0  # clipping really happened on some tokens
     if ours_mode == "token-mean":  # metrics are token means only in this mode
