@@ -273,8 +273,10 @@ class RecordingProxy:
         self.client = httpx.AsyncClient(
             base_url=self.cfg.upstream_v1,
             timeout=httpx.Timeout(self.cfg.timeout_s, connect=self.cfg.connect_timeout_s),
+            # Idle upstream connections expire before a typical server's 5 s keep-alive does, so
+            # the proxy never sends on a connection the upstream is closing.
             limits=httpx.Limits(max_connections=self.cfg.max_connections,
-                                max_keepalive_connections=self.cfg.max_connections),
+                                max_keepalive_connections=self.cfg.max_connections, keepalive_expiry=2.0),
         )
 
     async def stop(self) -> None:
@@ -311,12 +313,17 @@ class RecordingProxy:
         cl = request.headers.get("content-length")
         if cl is not None and cl.isdigit() and int(cl) > self.cfg.max_body_bytes:
             raise ApiError(413, f"request body of {cl} bytes exceeds the limit of {self.cfg.max_body_bytes}")
+        from starlette.requests import ClientDisconnect
+
         chunks, n = [], 0
-        async for chunk in request.stream():
-            n += len(chunk)
-            if n > self.cfg.max_body_bytes:
-                raise ApiError(413, f"request body exceeds the limit of {self.cfg.max_body_bytes} bytes")
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                n += len(chunk)
+                if n > self.cfg.max_body_bytes:
+                    raise ApiError(413, f"request body exceeds the limit of {self.cfg.max_body_bytes} bytes")
+                chunks.append(chunk)
+        except ClientDisconnect:
+            raise ApiError(400, "client disconnected while sending the request") from None
         try:
             return json.loads(b"".join(chunks))
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -556,4 +563,4 @@ def serve(config: ProxyConfig, *, log_level: str = "warning") -> None:
     app = create_proxy_app(config)
     app.state.proxy.announce = True
     uvicorn.run(app, host=config.host, port=config.port, log_level=log_level,
-                timeout_graceful_shutdown=30)
+                timeout_graceful_shutdown=30, timeout_keep_alive=75, backlog=2048)

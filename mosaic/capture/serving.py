@@ -21,7 +21,10 @@ class ServerThread:
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
         self.host, self.port = self.sock.getsockname()[:2]
-        config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=10, lifespan="on")
+        # A keep-alive longer than clients' idle expiry (httpx: 5 s), so a client never reuses a
+        # connection the server is closing at the same moment (a POST cannot be retried safely).
+        config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=10, lifespan="on",
+                                timeout_keep_alive=75, backlog=2048)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
