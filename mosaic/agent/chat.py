@@ -50,12 +50,19 @@ class ChatFormat:
 
     Args:
         tokenizer: a fast HF tokenizer with a ChatML chat template.
-        tool_role: the role tool responses are rendered with (``"tool"`` or ``"user"``).
+        tool_role: the role tool responses are rendered with: ``"tool"``, ``"user"`` or ``"auto"``
+            (``"tool"`` for the project template, ``"user"`` for any other, e.g. SmolLM2's).
         check: run :meth:`check_prefix_preservation` at construction.
     """
 
-    def __init__(self, tokenizer, *, tool_role: str = "tool", check: bool = True):
+    def __init__(self, tokenizer, *, tool_role: str = "auto", check: bool = True):
         self.tokenizer = tokenizer
+        if tool_role == "auto":
+            from mosaic.agent.tokenizer import CHAT_TEMPLATE
+
+            tool_role = "tool" if tokenizer.chat_template == CHAT_TEMPLATE else "user"
+        if tool_role not in ("tool", "user"):
+            raise ValueError(f"tool_role must be 'tool', 'user' or 'auto', got {tool_role!r}")
         self.tool_role = tool_role
         ids = tokenizer.convert_tokens_to_ids([IM_START, IM_END])
         unk = getattr(tokenizer, "unk_token_id", None)
