@@ -43,7 +43,7 @@ _F64 = torch.float64
 
 def _as_tensor(x, name: str, *, dtype: torch.dtype | None = None) -> torch.Tensor:
     """1-D tensor from a tensor / numpy array / sequence; fails loud on other ranks."""
-    t = torch.from_numpy(np.asarray(x)) if not isinstance(x, torch.Tensor) else x
+    t = x if isinstance(x, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(x))
     t = t.detach()
     if t.dim() != 1:
         raise ValueError(f"{name} must be 1-D, got shape {tuple(t.shape)}")
