@@ -36,7 +36,7 @@ def test_broken_template_fails_loudly(tok, broken, where):
     tok2 = train_tokenizer(CORPUS, vocab_size=400)
     tok2.chat_template = broken
     with pytest.raises(PrefixPreservationError) as err:
-        ChatFormat(tok2)
+        ChatFormat(tok2, tool_role="tool")
     msg = str(err.value)
     assert "first differing position" in msg and "deltas:" in msg and "template:" in msg
     assert where in msg
@@ -49,6 +49,15 @@ def test_trimming_template_is_caught_by_whitespace_sample(tok):
               {"role": "assistant", "content": "  padded  "}]
     with pytest.raises(PrefixPreservationError, match="message 2"):
         ChatFormat(tok2, check=False).check_prefix_preservation(sample)
+
+
+def test_tool_role_auto(tok):
+    assert ChatFormat(tok).tool_role == "tool"  # the project template
+    tok2 = train_tokenizer(CORPUS, vocab_size=400)
+    tok2.chat_template = CHAT_TEMPLATE.replace("{%- for", "{#- other #}{%- for")
+    assert ChatFormat(tok2).tool_role == "user"  # any other template: tool output as a user turn
+    with pytest.raises(ValueError, match="tool_role"):
+        ChatFormat(tok, tool_role="function")
 
 
 def test_close_turn_inserts_end_of_turn_only_when_missing(tok):
