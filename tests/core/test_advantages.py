@@ -22,7 +22,7 @@ from mosaic.core.advantages import (
 )
 from mosaic.core.estimators import ESTIMATORS, AdvantageBatch, get_estimator
 
-SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 # --------------------------------------------------------------------------- loop reference
 # Deliberately naive: Python loops over groups / sessions, straight from SPEC §4.
