@@ -33,13 +33,13 @@ def solve(split, chat, mode, noise, *, group=1, seed=0, **cfg):
         split.tasks, group_size=group, seed=seed)
 
 
-@pytest.mark.parametrize("mode, budget", [("compaction", 360), ("fork", 1024), ("compaction+fork", 500)])
+@pytest.mark.parametrize("mode, budget", [("compaction", 360), ("fork", 1024), ("compaction+fork", 390)])
 def test_noise_off_solves_validation(splits, chat, mode, budget):
     trajs = solve(splits["validation"], chat, mode, ExpertNoise.off(), context_budget=budget, max_new_tokens=64)
     rate = sum(t.success for t in trajs) / len(trajs)
     assert rate >= 0.99, (mode, rate, Counter(t.end_reason for t in trajs))
-    if mode == "compaction":
-        assert sum(t.meta["compactions"] > 0 for t in trajs) > len(trajs) / 2  # the budget bites
+    if "compaction" in mode:
+        assert sum(t.meta["compactions"] > 0 for t in trajs) > len(trajs) / 3  # the budget bites
     if "fork" in mode:
         assert all(t.meta["forks"] == t.meta["hops"] for t in trajs)  # one subagent per hop
     assert all(t.meta["num_invalid"] == 0 for t in trajs)

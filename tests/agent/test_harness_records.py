@@ -129,6 +129,27 @@ def test_fork_graph_and_merge_states(split, chat):
         assert t.success
 
 
+def test_compaction_plus_fork_graph(split, chat):
+    trajs, _ = rollout(split, chat, "compaction+fork", noise=ExpertNoise.off(), context_budget=380)
+    assert any(t.meta["compactions"] for t in trajs) and all(t.meta["forks"] for t in trajs)
+    for t in trajs:
+        mains = [s for s in t.sessions if s.kind == "main"]
+        assert mains[-1].is_final and sum(s.is_final for s in t.sessions) == 1
+        for s in t.sessions:
+            parent = None if s.parent is None else t.sessions[s.parent]
+            if s.kind == "subagent":
+                assert parent.kind == "main" and s.edge == "forks"
+                assert s.state_before.session == s.state_after.session == parent.id
+            elif s.kind == "compaction":
+                assert parent.kind == "main" and s.edge == "continues" and parent.end_reason == "compaction"
+                assert t.state_key(s.state_before) == t.state_key(parent.state_after)
+            else:
+                assert s.parent is None or (parent.kind == "compaction" and s.edge == "continues")
+                if parent is not None:
+                    assert t.state_key(parent.state_after) == t.state_key(s.state_before)
+        assert t.success
+
+
 def test_ids_groups_ground_truth_and_streaming(split, chat, tmp_path):
     tasks = split.tasks[:5]
     policy = ExpertPolicy(chat.tokenizer, tasks, ExpertNoise.off())
