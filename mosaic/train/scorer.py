@@ -116,6 +116,10 @@ class ScoreStats:
     """Of ``tokens_encoded``, tokens of the probe passes."""
     forward_calls: int = 0
     seconds: float = 0.0
+    host_seconds: float = 0.0
+    """Of ``seconds``, time in the session passes (cached path)."""
+    probe_seconds: float = 0.0
+    """Of ``seconds``, time in the probe passes incl. gathering their caches (cached path)."""
 
     def as_metrics(self, prefix: str = "timing_s/score") -> dict[str, float]:
         return {
@@ -269,14 +273,18 @@ def _chunked_token_logprobs(hidden: torch.Tensor, targets: torch.Tensor, head, t
     return torch.cat(out) if out else hidden.new_zeros(0, dtype=torch.float32)
 
 
-def _pack(lengths: Sequence[int], order: Sequence[int], max_tokens: int, max_batch: int) -> list[list[int]]:
-    """Greedy batches of ``order`` (sorted by length) with padded size ≤ max_tokens."""
+def _pack(lengths: Sequence[int], order: Sequence[int], max_tokens: int, max_batch: int,
+          pad_tolerance: float = 0.25) -> list[list[int]]:  # fmt: skip
+    """Greedy batches of ``order`` (sorted by decreasing length): padded size ≤ ``max_tokens``, at most
+    ``max_batch`` items, and no item shorter than ``(1 - pad_tolerance)`` of its batch's longest
+    (padding is pure waste on CPU and costly on GPU)."""
     batches: list[list[int]] = []
     cur: list[int] = []
     cur_max = 0
     for j in order:
         m = max(cur_max, lengths[j])
-        if cur and ((len(cur) + 1) * m > max_tokens or len(cur) >= max_batch):
+        if cur and ((len(cur) + 1) * m > max_tokens or len(cur) >= max_batch
+                    or lengths[j] < (1.0 - pad_tolerance) * cur_max):  # fmt: skip
             batches.append(cur)
             cur, m = [], lengths[j]
         cur.append(j)
@@ -306,7 +314,10 @@ def _run_cached(model, hosts: list[_Host], stats: ScoreStats, *, max_batch_token
         for r, j in enumerate(batch):
             ids[r, : lengths[j]] = torch.tensor(hosts[j].tokens)
             att[r, : lengths[j]] = 1
-        out = decoder(input_ids=ids.to(dev), attention_mask=att.to(dev), use_cache=True)
+        t0 = time.perf_counter()
+        # Without padding, no mask: lets the attention take its causal fast path.
+        mask = None if all(lengths[j] == Lmax for j in batch) else att.to(dev)
+        out = decoder(input_ids=ids.to(dev), attention_mask=mask, use_cache=True)
         stats.forward_calls += 1
         stats.sessions_encoded += len(batch)
         stats.tokens_encoded += sum(lengths[j] for j in batch)
@@ -320,6 +331,8 @@ def _run_cached(model, hosts: list[_Host], stats: ScoreStats, *, max_batch_token
         del hid
         kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]  # each (b, Hkv, Lmax, D)
         del out
+        t1 = time.perf_counter()
+        stats.host_seconds += t1 - t0
         # Probes of this batch: (row, host, cut), sorted by cut length.
         jobs = [(r, j, c) for r, j in enumerate(batch) for c in hosts[j].cuts]
         plen = [c - 1 + 1 + len(hosts[j].probe[0]) for (_, j, c) in jobs]
@@ -364,6 +377,7 @@ def _run_cached(model, hosts: list[_Host], stats: ScoreStats, *, max_batch_token
                 L[j][c] = float(_answer_loglik(logits[i, a:b], tgt))
             del cache, cache_data, logits
         del kv
+        stats.probe_seconds += time.perf_counter() - t1
     return L, logprobs
 
 
