@@ -32,7 +32,9 @@ How it is made cheap (:func:`score_gains`):
 obviously correct; the tests hold the fast path to it within 1e-4).
 
 Limits (say them once): the cache trick needs attention layers whose cache can
-be cut at a position (full attention: Llama, Qwen2/3, SmolLM2). Hybrid models
+be cut at a position (full attention: Llama, Qwen2/3, SmolLM2), and the fused
+old-log-prob path applies the output embedding to the decoder's last hidden
+state (models with logit soft-capping or scaling would need their own head). Hybrid models
 with recurrent / linear-attention layers (e.g. Gated DeltaNet in Qwen3.5) or
 sliding windows shorter than the contexts cannot be cropped: use
 ``method="reference"`` for them.
