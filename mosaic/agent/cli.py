@@ -147,9 +147,14 @@ def _run(args: argparse.Namespace) -> int:
                                                  temperature=args.temperature, top_p=args.top_p,
                                                  stop_token_ids=(chat.im_end_id,)))
     harness = Harness(policy, chat, DeepSearchEnv(split), cfg)
-    with JsonlWriter(args.out) as writer:
-        trajs = harness.run(tasks, group_size=args.group_size, seed=args.seed, on_trajectory=writer.write,
-                            progress=not args.no_progress)
+    try:
+        with JsonlWriter(args.out) as writer:
+            trajs = harness.run(tasks, group_size=args.group_size, seed=args.seed, on_trajectory=writer.write,
+                                progress=not args.no_progress)
+    finally:
+        close = getattr(policy, "close", None)
+        if callable(close):
+            close()
     print(summary_table(trajs))
     print(f"wrote {len(trajs)} trajectories to {args.out}")
     return 0

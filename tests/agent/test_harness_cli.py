@@ -49,3 +49,23 @@ def test_rollout_local_model(tmp_path):
     assert len(trajs) == 4
     # an untrained model emits garbage: every turn is counted, nothing crashes
     assert all(t.meta["turns"] >= 1 for t in trajs)
+
+
+@pytest.mark.slow  # an in-process server over a tiny model
+def test_rollout_openai_policy(tmp_path):
+    pytest.importorskip("mosaic.agent.server")
+    from mosaic.agent.models.testing import tiny_model
+    from mosaic.agent.server import create_app, serve_in_thread
+    from mosaic.agent.tokenizer import save_tokenizer
+
+    model, tok = tiny_model(seed=0)
+    save_tokenizer(tok, tmp_path / "tok")
+    out = tmp_path / "api.jsonl"
+    with serve_in_thread(create_app(model, tok, batch_window_s=0.02)) as url:
+        assert main(["rollout", "--policy", "openai", "--base-url", url, "--tokenizer", str(tmp_path / "tok"),
+                     "--preset", "cpu", "--n-tasks", "2", "--group-size", "2", "--mode", "fork",
+                     "--context-budget", "600", "--max-new-tokens", "16", "--set", "max_total_turns=3",
+                     "--cache-dir", str(tmp_path / "cache"), "--out", str(out), "--no-progress"]) == 0
+    trajs = read_jsonl(out)
+    assert len(trajs) == 4 and all(t.end_reason != "policy_error" for t in trajs)
+    assert all(t.meta["tokens_sampled"] > 0 for t in trajs)
