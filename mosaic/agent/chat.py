@@ -69,6 +69,8 @@ class ChatFormat:
         if any(i is None or (unk is not None and i == unk) for i in ids):
             raise ValueError(f"tokenizer lacks the ChatML tokens {IM_START} / {IM_END}")
         self.im_start_id, self.im_end_id = ids
+        self._specials = sorted({t for t in (*getattr(tokenizer, "all_special_tokens", ()), IM_START, IM_END,
+                                              "<|endoftext|>") if t.startswith("<|")}, key=len, reverse=True)
         self.newline_ids = self.encode("\n")
         self.generation_header_ids: list[int] = self.encode(f"{IM_START}assistant\n")
         if check:
@@ -90,6 +92,16 @@ class ChatFormat:
         """The template's ids for a whole conversation (used for first prompts and the check)."""
         return self.encode(self.render_text(messages, add_generation_prompt=add_generation_prompt))
 
+    def sanitize(self, text: str) -> str:
+        """Defuse special-token strings in inserted text (tool output, a subagent's answer, a
+        summary): ``<|im_end|>`` inside a tool response would otherwise tokenise as a real
+        end-of-turn and forge a message boundary. ``<|x|>`` becomes ``< |x|>``."""
+        if "<|" not in text:
+            return text
+        for tok in self._specials:
+            text = text.replace(tok, "< |" + tok[2:])
+        return text
+
     def tool_message(self, content: str) -> dict:
         return {"role": self.tool_role, "content": f"<tool_response>\n{content}\n</tool_response>"}
 
@@ -97,7 +109,7 @@ class ChatFormat:
     def initial_prompt(self, system: str, user: str) -> tuple[list[int], int]:
         """``(prompt_ids, boundary)``: system + user + generation header; ``boundary`` is the
         length before the header (the session's ``state_before``)."""
-        msgs = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+        msgs = [{"role": "system", "content": system}, {"role": "user", "content": self.sanitize(user)}]
         ids = self.template_ids(msgs, add_generation_prompt=True)
         h = len(self.generation_header_ids)
         if ids[-h:] != self.generation_header_ids:
@@ -120,8 +132,9 @@ class ChatFormat:
         return Turn(ids, mask)
 
     def message_delta(self, role: str, content: str) -> list[int]:
-        """Ids of one whole message, boundary to boundary (``<|im_start|>role\\n…<|im_end|>\\n``)."""
-        return self.encode(f"{IM_START}{role}\n{content}{IM_END}\n")
+        """Ids of one whole message, boundary to boundary (``<|im_start|>role\\n…<|im_end|>\\n``);
+        the content is :meth:`sanitize`-d."""
+        return self.encode(f"{IM_START}{role}\n{self.sanitize(content)}{IM_END}\n")
 
     def tool_delta(self, content: str) -> list[int]:
         m = self.tool_message(content)

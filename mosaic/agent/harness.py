@@ -361,7 +361,9 @@ class Harness:
         meta = {
             "task_id": run.task.id, "traj_id": run.traj.id, "sample": run.sample, "seed": self._seed,
             "kind": s.kind, "session": s.id, "turn": s.num_turns, "depth": live.depth,
-            "question": live.question, "context_budget": cfg.context_budget, "mode": cfg.mode,
+            "question": live.question, "mode": cfg.mode,
+            "context_budget": cfg.context_budget if s.kind != "subagent" else (
+                cfg.subagent_context_budget or cfg.context_budget),
             "tools": list(cfg.tools(live.depth)) if s.kind != "compaction" else [],
         }
         return GenRequest(live.key, s.prompt_ids + s.completion_ids, max_new, meta)
@@ -403,7 +405,7 @@ class Harness:
         if res.finish_reason == "length":
             run.counters["length_stops"] += 1
         if s.kind == "compaction":
-            summary = text.replace("<|im_end|>", "").strip()
+            summary = text.replace("<|im_end|>", "").strip()  # (other specials: sanitised in the prompt)
             s.end_reason = "summary"
             run.stack.remove(live)
             self.policy.release(live.key)
