@@ -188,7 +188,8 @@ class _Server:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.default_max_tokens = default_max_tokens
-        self.policy = LocalPolicy(model, tokenizer, LocalPolicyConfig(max_batch_size=max_batch_size),
+        self.policy = LocalPolicy(model, tokenizer, LocalPolicyConfig(max_batch_size=max_batch_size,
+                                                                      prefix_cache=False),
                                   device=device)
         self.vocab = model.get_input_embeddings().num_embeddings
         self.max_positions = getattr(model.config, "max_position_embeddings", None)

@@ -42,7 +42,7 @@ def test_is_a_policy(model_tok):
 
 def test_greedy_batched_equals_unbatched_and_hf_generate(model_tok, prompts):
     model, tok = model_tok
-    pol = LocalPolicy(model, tok, LocalPolicyConfig(temperature=0))
+    pol = LocalPolicy(model, tok, LocalPolicyConfig(temperature=0, prefix_cache=False))
     reqs = _reqs(prompts, [16, 5, 16, 9, 12])
     batched = pol.generate(reqs)
     assert len({len(p) for p in prompts}) > 1
@@ -147,3 +147,48 @@ def test_sample_next_processing():
 def test_config_validation(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         LocalPolicyConfig(**bad)
+
+
+def _next_turn(req, res, extra):
+    return GenRequest(req.session_key, req.prompt_ids + res.token_ids + extra, req.max_new_tokens)
+
+
+def test_prefix_cache_turns_equal_fresh_prefill(model_tok, prompts):
+    """Three turns per session (tool tokens inserted between them), a new session joining
+    mid-way and one whose context is rewritten: cached results equal a cache-free policy's."""
+    model, tok = model_tok
+    cached = LocalPolicy(model, tok, LocalPolicyConfig(temperature=0))
+    fresh = LocalPolicy(model, tok, LocalPolicyConfig(temperature=0, prefix_cache=False))
+    tool = tok("<|im_end|>\n<|im_start|>tool\nresult: Oranthi<|im_end|>\n<|im_start|>assistant\n",
+               add_special_tokens=False)["input_ids"]
+    reqs = _reqs(prompts[:3], [6, 3, 8])
+    for turn in range(3):
+        a, b = cached.generate(reqs), fresh.generate(reqs)
+        for x, y in zip(a, b):
+            assert x.token_ids == y.token_ids
+            assert x.logprobs == pytest.approx(y.logprobs, abs=1e-4)
+        reqs = [_next_turn(r, x, tool[: 3 + turn]) for r, x in zip(reqs, a)]
+        if turn == 0:  # a new session, and a session whose context was rewritten
+            reqs.append(GenRequest("new", prompts[3], 5))
+            reqs[1] = GenRequest(reqs[1].session_key, prompts[4], 5)
+    st = cached.cache_stats
+    assert st["hits"] >= 5 and st["reused_tokens"] > st["prefilled_tokens"] / 2
+    assert st["misses"] >= 4  # three first turns, the new session, the rewritten one
+
+
+def test_prefix_cache_release_eviction_and_weight_change(model_tok, prompts):
+    model, tok = model_tok
+    pol = LocalPolicy(model, tok, LocalPolicyConfig(temperature=0, prefix_cache_tokens=60))
+    out = pol.generate(_reqs(prompts[:2], 4))
+    assert set(pol._cache) <= {"s0", "s1"} and pol._cached_tokens <= 60
+    pol.release("s0")
+    pol.release("never-seen")
+    assert "s0" not in pol._cache
+    pol.generate(_reqs(prompts, 4))
+    assert pol._cached_tokens <= 60 and pol.cache_stats["evictions"] >= 1
+    with torch.no_grad():  # an optimizer step: in-place update -> every cached prefix is stale
+        p = next(model.parameters())
+        p.add_(0.0)
+    nxt = [_next_turn(r, x, []) for r, x in zip(_reqs(prompts[:2], 4), out)]
+    pol.generate(nxt)
+    assert pol.cache_stats["invalidations"] == 1

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from collections import OrderedDict
 from typing import Callable, Sequence
 
 import torch
@@ -74,6 +75,11 @@ class LocalPolicyConfig:
     """Ids that end a turn (kept in the output); ``None``: the model's eos id(s) and ``<|im_end|>``."""
     seed: int = 0
     """Seed of the sampling generator."""
+    prefix_cache: bool = True
+    """Keep each session's KV cache between turns and prefill only the new suffix (the
+    harness extends a session's context turn by turn); ``release`` frees it."""
+    prefix_cache_tokens: int = 1 << 20
+    """Most tokens kept across all cached sessions (least recently used evicted first)."""
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -82,6 +88,8 @@ class LocalPolicyConfig:
             raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size: must be >= 1, got {self.max_batch_size}")
+        if self.prefix_cache_tokens < 0:
+            raise ValueError(f"prefix_cache_tokens: must be >= 0, got {self.prefix_cache_tokens}")
 
 
 def default_stop_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None) -> tuple[int, ...]:
@@ -132,6 +140,15 @@ def sample_next(logits: torch.Tensor, *, temperature: float, top_p: float,
             raw.gather(1, tokens[:, None]).squeeze(1))
 
 
+class _Entry:
+    """A session's cached KV: ``kv[layer] = (keys, values)``, each (H_kv, T, D), for ``ids`` (T,)."""
+
+    __slots__ = ("ids", "kv")
+
+    def __init__(self, ids: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.ids, self.kv = ids, kv
+
+
 class LocalPolicy:
     """Batched KV-cache sampling from an in-process ``transformers`` causal LM."""
 
@@ -151,6 +168,11 @@ class LocalPolicy:
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
         self.generator = torch.Generator(device=self.device).manual_seed(self.config.seed)
         self._stop = torch.tensor(self.stop_ids, device=self.device)
+        self._cache: OrderedDict[str, _Entry] = OrderedDict()  # LRU, oldest first
+        self._cached_tokens = 0
+        self._weights_version = self._version()
+        self.cache_stats = {"hits": 0, "misses": 0, "reused_tokens": 0, "prefilled_tokens": 0,
+                            "evictions": 0, "invalidations": 0}
 
     # ---------------------------------------------------------------- protocol
     def generate(self, requests: Sequence[GenRequest]) -> list[GenResult]:
@@ -169,10 +191,13 @@ class LocalPolicy:
         sampling = _Sampling(
             self.config.temperature if temperature is None else temperature,
             self.config.top_p if top_p is None else top_p,
-            self._stop if stop_token_ids is None else torch.tensor(list(stop_token_ids), dtype=torch.long, device=self.device),
+            self._stop if stop_token_ids is None
+            else torch.tensor(list(stop_token_ids), dtype=torch.long, device=self.device),
             generator or self.generator)
+        self._check_weights()
         results: list[GenResult | None] = [None] * len(requests)
         runnable: list[int] = []
+        prefixes: dict[int, tuple[_Entry, int] | None] = {}
         for i, req in enumerate(requests):
             problem = self._check(req)
             if problem is not None:
@@ -181,17 +206,21 @@ class LocalPolicy:
                 results[i] = LocalGenResult([], [], "length", None, [])
             else:
                 runnable.append(i)
-        # Similar lengths together: less padding in each chunk.
-        runnable.sort(key=lambda i: len(requests[i].prompt_ids))
+                prefixes[i] = self._lookup(req)
+        # Similar amounts of new work together: less padding in each chunk.
+        runnable.sort(key=lambda i: len(requests[i].prompt_ids) - (prefixes[i][1] if prefixes[i] else 0))
         step = self.config.max_batch_size
         for start in range(0, len(runnable), step):
             idx = runnable[start:start + step]
             try:
                 cb = None if on_step is None else (
                     lambda rows, toks, lps, idx=idx: on_step([idx[r] for r in rows], toks, lps))
-                chunk = self._generate_batch([requests[i] for i in idx], sampling, cb)
+                chunk = self._generate_batch([requests[i] for i in idx], sampling, cb,
+                                             [prefixes[i] for i in idx])
             except Exception as exc:  # e.g. out of memory: fail these rows, keep the rollout alive
                 log.exception("LocalPolicy batch failed")
+                for i in idx:
+                    self.release(requests[i].session_key)
                 chunk = [LocalGenResult([], [], "error", f"{type(exc).__name__}: {exc}", [])
                          for _ in idx]
             for i, res in zip(idx, chunk):
@@ -199,7 +228,55 @@ class LocalPolicy:
         return results  # type: ignore[return-value]
 
     def release(self, session_key: str) -> None:
-        """No per-session state is kept (no prefix cache yet)."""
+        """Drop the session's cached prefix (no-op if none)."""
+        entry = self._cache.pop(session_key, None)
+        if entry is not None:
+            self._cached_tokens -= len(entry.ids)
+
+    def clear_cache(self) -> None:
+        """Drop every cached prefix (done automatically when the weights change in place)."""
+        self._cache.clear()
+        self._cached_tokens = 0
+
+    # ---------------------------------------------------------------- prefix cache
+    def _version(self) -> int:
+        # In-place updates (optimizer.step, load_state_dict) bump every tensor's version counter.
+        return sum(p._version for p in self.model.parameters())
+
+    def _check_weights(self) -> None:
+        v = self._version()
+        if v != self._weights_version:
+            if self._cache:
+                self.cache_stats["invalidations"] += 1
+            self.clear_cache()
+            self._weights_version = v
+
+    def _lookup(self, req: GenRequest) -> tuple[_Entry, int] | None:
+        """(entry, reusable length) when the session's cached ids prefix this prompt."""
+        if not self.config.prefix_cache:
+            return None
+        entry = self._cache.pop(req.session_key, None)  # re-inserted fresh after this turn
+        if entry is None:
+            self.cache_stats["misses"] += 1
+            return None
+        self._cached_tokens -= len(entry.ids)
+        n = min(len(entry.ids), len(req.prompt_ids) - 1)  # feed at least one token
+        if n <= 0 or req.prompt_ids[:n] != entry.ids[:n]:
+            self.cache_stats["misses"] += 1
+            return None
+        self.cache_stats["hits"] += 1
+        return entry, n
+
+    def _store(self, key: str, ids: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        if len(ids) > self.config.prefix_cache_tokens:
+            return
+        self.release(key)
+        self._cache[key] = _Entry(ids, kv)
+        self._cached_tokens += len(ids)
+        while self._cached_tokens > self.config.prefix_cache_tokens:
+            _, old = self._cache.popitem(last=False)
+            self._cached_tokens -= len(old.ids)
+            self.cache_stats["evictions"] += 1
 
     # ---------------------------------------------------------------- internals
     def _check(self, req: GenRequest) -> str | None:
@@ -219,33 +296,74 @@ class LocalPolicy:
             return req.max_new_tokens
         return min(req.max_new_tokens, self.max_positions - len(req.prompt_ids))
 
-    @torch.inference_mode()
-    def _generate_batch(self, reqs: list[GenRequest], sampling: "_Sampling",
-                        on_step: StepCallback | None = None) -> list[LocalGenResult]:
-        B = len(reqs)
-        lens = [len(r.prompt_ids) for r in reqs]
-        L = max(lens)
-        input_ids = torch.full((B, L), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((B, L), dtype=torch.long)
-        for b, r in enumerate(reqs):  # left padding
-            input_ids[b, L - lens[b]:] = torch.tensor(r.prompt_ids, dtype=torch.long)
-            mask[b, L - lens[b]:] = 1
-        input_ids, mask = input_ids.to(self.device), mask.to(self.device)
-        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)  # (B, L)
+    def _prefill(self, reqs: list[GenRequest], prefixes: list[tuple[_Entry, int] | None]):
+        """Batched prefill of each prompt's uncached suffix after its cached prefix.
 
+        Row layout along the cache axis: ``[pad][cached prefix c_b][pad][suffix s_b]``: the
+        past block is ``P = max c`` wide, the new block ``S = max s``; pads are masked out
+        and positions are explicit, so each row sees exactly its own sequence.
+        Returns (logits (B, V), cache, mask (B, P + S), next positions (B,)).
+        """
+        B = len(reqs)
+        cached = [p[1] if p else 0 for p in prefixes]
+        suffix = [len(r.prompt_ids) - c for r, c in zip(reqs, cached)]
+        P, S = max(cached), max(suffix)
+        input_ids = torch.full((B, S), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((B, P + S), dtype=torch.long)
+        positions = torch.zeros((B, S), dtype=torch.long)
+        for b, r in enumerate(reqs):
+            c, s = cached[b], suffix[b]
+            input_ids[b, S - s:] = torch.tensor(r.prompt_ids[c:], dtype=torch.long)
+            mask[b, P - c:P] = 1
+            mask[b, P + S - s:] = 1
+            positions[b, S - s:] = torch.arange(c, c + s)
         cache = DynamicCache(config=self.model.config)
+        if P > 0:
+            ref = next(p for p in prefixes if p)[0].kv
+            for layer, (k0, v0) in enumerate(ref):
+                H, _, D = k0.shape
+                keys = k0.new_zeros((B, H, P, D))
+                values = v0.new_zeros((B, v0.shape[0], P, v0.shape[2]))
+                for b, pre in enumerate(prefixes):
+                    if pre:
+                        c = cached[b]
+                        keys[b, :, P - c:] = pre[0].kv[layer][0][:, :c]
+                        values[b, :, P - c:] = pre[0].kv[layer][1][:, :c]
+                cache.update(keys, values, layer)
+        self.cache_stats["reused_tokens"] += sum(cached)
+        self.cache_stats["prefilled_tokens"] += sum(suffix)
+        input_ids, mask, positions = (t.to(self.device) for t in (input_ids, mask, positions))
         out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
                          past_key_values=cache, use_cache=True, logits_to_keep=1)
-        logits = out.logits[:, -1, :]  # (B, V)
-        next_pos = positions[:, -1] + 1  # (B,)
+        next_pos = torch.tensor([len(r.prompt_ids) for r in reqs], device=self.device)
+        return out.logits[:, -1, :], cache, mask, next_pos
+
+    @staticmethod
+    def _extract(cache: DynamicCache, mask: torch.Tensor, active: list[int], rows: list[int],
+                 into: dict[int, list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
+        """Copy the valid cache positions of active rows ``active`` (original rows ``rows``)."""
+        for a, r in zip(active, rows):
+            valid = mask[a].bool()
+            into[r] = [(layer.keys[a][:, valid].clone(), layer.values[a][:, valid].clone())
+                       for layer in cache.layers]
+
+    @torch.inference_mode()
+    def _generate_batch(self, reqs: list[GenRequest], sampling: "_Sampling",
+                        on_step: StepCallback | None = None,
+                        prefixes: list[tuple[_Entry, int] | None] | None = None) -> list[LocalGenResult]:
+        B = len(reqs)
+        keep_kv = self.config.prefix_cache
+        prefixes = prefixes or [None] * B
+        logits, cache, mask, next_pos = self._prefill(reqs, prefixes)
 
         max_new = torch.tensor([self._max_new(r) for r in reqs], device=self.device)
         rows = torch.arange(B, device=self.device)  # original row of each active row
-        tokens_out: list[list[torch.Tensor]] = []  # per step: (B_active,) tensors, with rows
+        tokens_out: list[torch.Tensor] = []  # per step: (B_active,)
         rows_out: list[torch.Tensor] = []
         lp_out: list[torch.Tensor] = []
         raw_out: list[torch.Tensor] = []
         finish = ["length"] * B
+        kv_rows: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         step = 0
         while True:
             tok, lp, raw = sample_next(logits, temperature=sampling.temperature,
@@ -263,8 +381,13 @@ class LocalPolicy:
                 for r in rows[stopped].tolist():
                     finish[r] = "stop"
             if bool(done.all()):
+                if keep_kv:
+                    self._extract(cache, mask, list(range(len(rows))), rows.tolist(), kv_rows)
                 break
             if bool(done.any()):
+                if keep_kv:
+                    gone = done.nonzero().squeeze(1)
+                    self._extract(cache, mask, gone.tolist(), rows[gone].tolist(), kv_rows)
                 keep = (~done).nonzero().squeeze(1)  # (B_active',)
                 cache.batch_select_indices(keep)
                 rows, tok, mask, next_pos = rows[keep], tok[keep], mask[keep], next_pos[keep]
@@ -286,5 +409,12 @@ class LocalPolicy:
             toks[r].append(t)
             lps[r].append(a)
             raws[r].append(c)
+        for b, kv in kv_rows.items():  # the last sampled token was never fed: not in the cache
+            ids = list(reqs[b].prompt_ids) + toks[b][:-1]
+            if kv[0][0].shape[1] == len(ids):
+                self._store(reqs[b].session_key, ids, kv)
+            else:  # should not happen; never cache a misaligned prefix
+                log.warning("prefix cache: %d cached positions for %d ids; not stored",
+                            kv[0][0].shape[1], len(ids))
         return [LocalGenResult(toks[b], lps[b], finish[b], None, raws[b])  # type: ignore[arg-type]
                 for b in range(B)]

@@ -1,0 +1,200 @@
+"""Sampling throughput: LocalPolicy and the full harness against raw HF ``model.generate``.
+
+All in one run, same model (the embedded ``--preset``, fp32, random init), same
+machine, same batch size:
+
+1. **policy level**: ``LocalPolicy.generate`` on ``--batch`` requests (prompt lengths
+   drawn from ``--prompt-lens``) vs ``model.generate`` on the same left-padded prompts;
+   both sample exactly ``--new-tokens`` per row (end-of-turn ignored: ``min_new_tokens``
+   for HF, no stop ids for the policy), temperature 1, no top-k / top-p.
+2. **harness level**: ``Harness(LocalPolicy, ChatFormat, DeepSearchEnv(cpu validation
+   split), HarnessConfig(...)).run(tasks, group_size)`` with ``tasks x group_size = --batch``
+   concurrent trajectories; every request's prompt length and sampled-token count is
+   recorded. The peer is ``model.generate`` at the same batch size on prompts of the
+   recorded lengths (resampled), ``max_new_tokens = min_new_tokens`` = the harness's
+   turn cap, timed over ``--raw-calls`` calls. Sampled tokens/s of each and their ratio
+   (target >= 0.9). The harness figure includes everything a rollout does: tool calls
+   (BM25 search), chat-format bookkeeping, re-prefill of each growing context every
+   turn (no prefix cache), shrinking batches as trajectories end, log-probs.
+
+The model is untrained, so its turns are noise: they rarely stop early and never call
+tools correctly (each bad call becomes an error tool response the harness appends).
+That makes turns maximally long, which favours neither side.
+
+Usage: python bench/rollout.py [--preset cpu] [--batch 32] [--new-tokens 64] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import tempfile
+import time
+
+import torch
+
+
+def _left_pad(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    L = max(map(len, prompts))
+    ids = torch.full((len(prompts), L), pad, dtype=torch.long)
+    mask = torch.zeros((len(prompts), L), dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, L - len(p):] = torch.tensor(p)
+        mask[b, L - len(p):] = 1
+    return ids, mask
+
+
+def raw_generate_tps(model, prompts: list[list[int]], new_tokens: int, pad: int, seed: int) -> float:
+    """Sampled tokens/s of HF generate producing exactly ``new_tokens`` per row."""
+    ids, mask = _left_pad(prompts, pad)
+    torch.manual_seed(seed)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0,
+                             top_p=1.0, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                             pad_token_id=pad)
+    dt = time.perf_counter() - t0
+    assert out.shape[1] - ids.shape[1] == new_tokens
+    return len(prompts) * new_tokens / dt
+
+
+def policy_tps(policy, prompts: list[list[int]], new_tokens: int) -> float:
+    from mosaic.agent.policy import GenRequest
+
+    reqs = [GenRequest(f"b{i}", p, new_tokens) for i, p in enumerate(prompts)]
+    t0 = time.perf_counter()
+    res = policy.generate(reqs)
+    dt = time.perf_counter() - t0
+    n = sum(len(r.token_ids) for r in res)
+    assert n == len(prompts) * new_tokens, n
+    return n / dt
+
+
+class _Counting:
+    """Records (prompt length, sampled tokens) of every request and the time inside generate."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.lens: list[int] = []
+        self.sampled = 0
+        self.batches: list[int] = []
+        self.gen_s = 0.0
+
+    def generate(self, requests):
+        t0 = time.perf_counter()
+        out = self.inner.generate(requests)
+        self.gen_s += time.perf_counter() - t0
+        self.lens += [len(r.prompt_ids) for r in requests]
+        self.sampled += sum(len(r.token_ids) for r in out)
+        self.batches.append(len(requests))
+        return out
+
+    def release(self, key):
+        self.inner.release(key)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="cpu", help="embedded model preset (tiny, cpu)")
+    ap.add_argument("--batch", type=int, default=32, help="concurrent requests / trajectories")
+    ap.add_argument("--new-tokens", type=int, default=64, help="sampled tokens per turn")
+    ap.add_argument("--prompt-lens", default="64,512", help="policy level: min,max prompt length")
+    ap.add_argument("--repeats", type=int, default=3, help="policy level: timed repeats (median)")
+    ap.add_argument("--group-size", type=int, default=4, help="harness level: rollouts per task")
+    ap.add_argument("--context-budget", type=int, default=1024, help="harness level")
+    ap.add_argument("--max-turns", type=int, default=6, help="harness level: turns per main session")
+    ap.add_argument("--raw-calls", type=int, default=3, help="harness level: timed raw generate calls")
+    ap.add_argument("--skip-harness", action="store_true")
+    ap.add_argument("--skip-policy", action="store_true")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave default)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    from mosaic.agent.models.embedded import EmbeddedModelConfig, build_model
+    from mosaic.agent.policies.local import LocalPolicy, LocalPolicyConfig
+    from mosaic.agent.tokenizer import build_project_tokenizer
+    from mosaic.envs.splits import load_split
+
+    cache = tempfile.mkdtemp(prefix="mosaic-bench-")
+    split = load_split("validation", preset="cpu", cache_dir=cache)
+    tok = build_project_tokenizer([split])
+    cfg = EmbeddedModelConfig.preset(args.preset)
+    model = build_model(cfg, tok, seed=args.seed)
+    pad = tok.pad_token_id
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"model: embedded/{args.preset} {cfg.arch}, {n_params / 1e6:.2f}M params, vocab {len(tok)}, "
+          f"fp32, torch threads {torch.get_num_threads()}")
+
+    rng = random.Random(args.seed)
+    lo, hi = map(int, args.prompt_lens.split(","))
+    V = len(tok)
+    prompts = [[rng.randrange(10, V) for _ in range(rng.randint(lo, hi))] for _ in range(args.batch)]
+    no_stop = None if args.skip_policy else LocalPolicy(model, tok, LocalPolicyConfig(temperature=1.0, max_batch_size=args.batch,
+                                                        stop_token_ids=(-1,), seed=args.seed))
+    # Warm up both paths once (allocator, kernels).
+    raw_generate_tps(model, prompts[:4], 8, pad, args.seed)
+    policy_tps(LocalPolicy(model, tok), prompts[:4], 1)
+    raw, pol = [], []
+    for r in range(0 if args.skip_policy else args.repeats):  # interleaved, so background load hits both alike
+        raw.append(raw_generate_tps(model, prompts, args.new_tokens, pad, args.seed + r))
+        pol.append(policy_tps(no_stop, prompts, args.new_tokens))
+    if not args.skip_policy:
+        _report_policy(args, lo, hi, raw, pol)
+    if not args.skip_harness:
+        _harness(args, model, tok, split, rng, pad)
+
+
+def _report_policy(args, lo, hi, raw, pol) -> None:
+    raw_m, pol_m = statistics.median(raw), statistics.median(pol)
+    print(f"\n[policy level] batch {args.batch}, prompts {lo}-{hi} tokens, {args.new_tokens} new tokens "
+          f"per row, median of {args.repeats}")
+    print(f"  HF model.generate : {raw_m:9.1f} sampled tok/s   (runs: {', '.join(f'{x:.0f}' for x in raw)})")
+    print(f"  LocalPolicy       : {pol_m:9.1f} sampled tok/s   (runs: {', '.join(f'{x:.0f}' for x in pol)})")
+    print(f"  ratio policy/raw  : {pol_m / raw_m:.3f}")
+
+
+def _harness(args, model, tok, split, rng, pad) -> None:
+    from mosaic.agent.chat import ChatFormat
+    from mosaic.agent.policies.local import LocalPolicy, LocalPolicyConfig
+    from mosaic.agent.harness import DeepSearchEnv, Harness, HarnessConfig
+
+    if args.batch % args.group_size:
+        raise SystemExit("--batch must be a multiple of --group-size")
+    chat = ChatFormat(tok)
+    hcfg = HarnessConfig(mode="compaction", context_budget=args.context_budget,
+                         max_new_tokens=args.new_tokens, summary_max_new_tokens=args.new_tokens,
+                         max_turns=args.max_turns)
+    policy = _Counting(LocalPolicy(model, tok, LocalPolicyConfig(temperature=1.0, max_batch_size=args.batch,
+                                                                 seed=args.seed)))
+    tasks = split.tasks[:args.batch // args.group_size]
+    t0 = time.perf_counter()
+    trajs = Harness(policy, chat, DeepSearchEnv(split), hcfg).run(tasks, group_size=args.group_size,
+                                                                 seed=args.seed)
+    wall = time.perf_counter() - t0
+    h_tps = policy.sampled / wall
+    sessions = sum(len(t.sessions) for t in trajs)
+    print(f"\n[harness level] {len(trajs)} concurrent trajectories ({len(tasks)} tasks x {args.group_size}), "
+          f"mode compaction, budget {args.context_budget}, turn cap {args.new_tokens} tokens")
+    print(f"  {len(policy.batches)} generate calls (batch sizes {max(policy.batches)}..{min(policy.batches)}), "
+          f"{len(policy.lens)} turns, {sessions} sessions, {policy.sampled} sampled tokens, "
+          f"mean prompt {statistics.mean(policy.lens):.0f} tokens")
+    print(f"  wall {wall:.1f} s, of which in policy.generate {policy.gen_s:.1f} s")
+
+    # The peer: HF generate at the same batch size, prompts of the recorded lengths.
+    raw_h = []
+    for c in range(args.raw_calls):
+        lens = [rng.choice(policy.lens) for _ in range(args.batch)]
+        ps = [[rng.randrange(10, len(tok)) for _ in range(n)] for n in lens]
+        raw_h.append(raw_generate_tps(model, ps, args.new_tokens, pad, args.seed + 100 + c))
+    raw_hm = statistics.median(raw_h)
+    print(f"  harness           : {h_tps:9.1f} sampled tok/s")
+    print(f"  HF model.generate : {raw_hm:9.1f} sampled tok/s   (batch {args.batch}, recorded prompt lengths, "
+          f"{args.new_tokens} new; runs: {', '.join(f'{x:.0f}' for x in raw_h)})")
+    print(f"  ratio harness/raw : {h_tps / raw_hm:.3f}   (target >= 0.9)")
+
+
+if __name__ == "__main__":
+    main()
