@@ -130,3 +130,12 @@ def test_missing_states_fail_loud(model, probe):
     t.sessions[1].state_after = None
     with pytest.raises(ValueError, match="state_after"):
         score_gains([t], model, probe)
+
+
+def test_one_token_state_and_turn_cuts(model, probe):
+    # An explicit one-token state: the probe runs with an empty cache prefix.
+    t = fork(random.Random(7), mode="own", tid="x")
+    t.states[0] = t.states[0][:1]
+    fast = score_gains([t], model, probe)
+    ref = score_reference([t], model, probe)
+    torch.testing.assert_close(fast.gains, ref.gains, atol=1e-4, rtol=0)
