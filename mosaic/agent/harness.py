@@ -20,6 +20,10 @@ States (SPEC §4.4), all at message boundaries:
 - subagent ("merge" mode): before = the parent's context before the assistant
   turn that called ``delegate``; after = the parent's context right after the
   result was appended.
+Each session's ``meta["boundaries"]`` lists every message boundary it passed (its
+prompt without the header, then the end of each turn's tool response): the
+turn-level probe points (SPEC §4.7). A session cut off mid-turn (policy error)
+ends at the boundary before its pending generation header.
 
 Simplifications (ours): one tool call per turn (extra calls in the same message
 are ignored and counted); a compaction turn may exceed ``context_budget`` by the
@@ -277,6 +281,7 @@ class Harness:
                      depth: int, question: str) -> _Live:
         s = Session(id=len(run.traj.sessions), kind=kind, prompt_ids=list(prompt), parent=parent, edge=edge)
         s.meta["depth"] = depth
+        s.meta["boundaries"] = []  # context lengths at message boundaries (turn-level probe points)
         run.traj.sessions.append(s)
         live = _Live(s, f"{run.traj.id}/{s.id}", depth, question)
         run.stack.append(live)
@@ -288,12 +293,19 @@ class Harness:
                                  run.task.question)
         live.session.state_before = StateRef(session=live.session.id, upto=boundary)
         live.turn_start = boundary
+        live.session.meta["boundaries"].append(boundary)
         return live
 
     def _close(self, run: _Run, live: _Live, reason: str) -> None:
-        live.session.end_reason = reason
-        if live.session.kind == "main":
-            live.session.state_after = StateRef(session=live.session.id, upto=None)
+        s = live.session
+        s.end_reason = reason
+        # A session cut off while a turn was pending ends after a generation header: its end state
+        # is the boundary before that header.
+        end = live.length if live.at_boundary else live.turn_start
+        if s.kind == "main":
+            s.state_after = StateRef(session=s.id, upto=None if end == live.length else end)
+        if not s.meta["boundaries"] or s.meta["boundaries"][-1] != end:
+            s.meta["boundaries"].append(end)
         run.stack.remove(live)
         self.policy.release(live.key)
 
@@ -355,6 +367,8 @@ class Harness:
                 max_new = cfg.summary_max_new_tokens
             elif live.at_boundary:
                 live.turn_start = live.length
+                if s.meta["boundaries"][-1] != live.length:
+                    s.meta["boundaries"].append(live.length)
                 self._append(run, live, list(self.chat.generation_header_ids))
                 live.at_boundary = False
         s = live.session
@@ -374,6 +388,8 @@ class Harness:
             self.chat.generation_header_ids)
         live = self._new_session(run, "compaction", prompt, main.session.id, "continues", 0, main.question)
         live.session.state_before = StateRef(session=main.session.id, upto=None)
+        live.turn_start = len(prompt) - len(self.chat.generation_header_ids)
+        live.session.meta["boundaries"].append(live.turn_start)
         run.counters["compactions"] += 1
         return live
 
@@ -406,9 +422,7 @@ class Harness:
             run.counters["length_stops"] += 1
         if s.kind == "compaction":
             summary = text.replace("<|im_end|>", "").strip()  # (other specials: sanitised in the prompt)
-            s.end_reason = "summary"
-            run.stack.remove(live)
-            self.policy.release(live.key)
+            self._close(run, live, "summary")
             new = self._open_main(run, cfg.resume_text(run.task.question, summary), parent=s.id)
             s.state_after = new.session.state_before
             return
@@ -451,6 +465,7 @@ class Harness:
         child.session.state_before = StateRef(session=s.id, upto=live.turn_start)
         child.fork_boundary = live.turn_start
         child.turn_start = boundary
+        child.session.meta["boundaries"].append(boundary)
         run.counters["forks"] += 1
 
     def _return_to_parent(self, run: _Run, child: _Live, answer: str | None, reason: str) -> None:

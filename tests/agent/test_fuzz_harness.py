@@ -61,6 +61,11 @@ def test_fuzz_outputs_become_readable_errors(chat):
         for s in t.sessions:
             cap = {"main": cfg.max_turns, "subagent": cfg.subagent_max_turns, "compaction": 1}[s.kind]
             assert s.num_turns <= cap
+        boundary = [chat.im_end_id] + chat.newline_ids
+        for s in t.sessions:  # every state and probe point still ends at a message boundary
+            refs = [r for r in (s.state_before, s.state_after) if r is not None]
+            assert all(t.resolve_state(r)[-2:] == boundary for r in refs)
+            assert all(s.tokens()[:b][-2:] == boundary for b in s.meta["boundaries"])
         # each invalid action left an error message the model can read, in a tool response
         errors = sum(sp.count("<tool_response>\nError (") for s in t.sessions for sp in inserted_text(chat, s))
         assert errors == t.meta["num_invalid"] + t.meta["subagent_failures"] + t.meta["tool_errors"]

@@ -129,6 +129,10 @@ def test_policy_error_is_recorded(chat):
 
     trajs, _ = run(chat, None, policy=Failing(), mode="single")
     assert all(t.end_reason == "policy_error" and t.meta["error"] == "server down" for t in trajs)
+    for t in trajs:  # the end state excludes the generation header of the failed turn
+        s = t.sessions[0]
+        assert t.resolve_state(s.state_after) == t.resolve_state(s.state_before)
+        assert s.meta["boundaries"] == [s.state_before.upto]
 
 
 def test_policy_returning_too_many_tokens_fails_loudly(chat):

@@ -77,6 +77,15 @@ def test_every_state_ends_at_a_message_boundary(split, chat, mode):
                 assert ref is not None, (t.id, s.id, s.kind)
                 toks = t.resolve_state(ref)
                 assert toks[-len(boundary):] == boundary, (t.id, s.id, s.kind, chat.decode(toks[-12:]))
+            # turn-level probe points: increasing, at boundaries, from the prompt to the session's end
+            bounds = s.meta["boundaries"]
+            assert bounds == sorted(set(bounds)) and len(bounds) >= 1
+            full = s.tokens()
+            for b in bounds:
+                assert full[:b][-len(boundary):] == boundary
+            if s.kind == "main":
+                assert bounds[0] == s.state_before.upto and len(bounds) == s.num_turns + 1
+                assert t.state_key(s.state_after)[2] == bounds[-1]
 
 
 def test_compaction_graph_and_shared_states(split, chat):
