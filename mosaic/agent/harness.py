@@ -37,131 +37,17 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass, field, fields
-from typing import Callable, Literal, Sequence
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
 
 from mosaic.agent.chat import ChatFormat
+from mosaic.agent.config import (  # noqa: F401  (re-exported: the harness API)
+    DEFAULT_COMPACTION_PROMPT, DEFAULT_RESUME_TEMPLATE, DEFAULT_SUBAGENT_PROMPT, DEFAULT_SYSTEM_PROMPT, MODES,
+    HarnessConfig, Mode,
+)
 from mosaic.agent.policy import GenRequest, GenResult, Policy
-from mosaic.agent.tools import TOOL_DOCS, Action, parse_action
+from mosaic.agent.tools import Action, parse_action
 from mosaic.trace.graph import Session, StateRef, Trajectory, validate
-
-Mode = Literal["single", "compaction", "fork", "compaction+fork"]
-MODES = ("single", "compaction", "fork", "compaction+fork")
-
-DEFAULT_SYSTEM_PROMPT = (
-    "You answer questions about a fictional world by searching its encyclopedia.\n"
-    "Tools:\n{tools}\n"
-    "Make one tool call per turn. Each question needs several searches, one per step of its chain; "
-    "search for an entity name plus a relation word. "
-    "When you know the answer, reply with <answer>NAME</answer>, giving the entity's full name."
-)
-DEFAULT_SUBAGENT_PROMPT = (
-    "You are a helper. Answer one sub-question about a fictional world by searching its encyclopedia.\n"
-    "Tools:\n{tools}\n"
-    "Make one tool call per turn. When you know the answer, reply with <answer>NAME</answer>."
-)
-DEFAULT_COMPACTION_PROMPT = (
-    "Your context is full and will be cleared. Write a short summary for yourself: the entities you "
-    "have found so far and the next search to make. Do not call tools."
-)
-DEFAULT_RESUME_TEMPLATE = "{question}\n\nYour notes so far (your earlier context was cleared):\n{summary}"
-
-
-@dataclass(frozen=True)
-class HarnessConfig:
-    """Every setting of the agent loop (validated at construction)."""
-
-    mode: Mode = "compaction"
-    """``single`` (no compaction, no forks: plain GRPO), ``compaction``, ``fork`` or ``compaction+fork``."""
-    context_budget: int = 1024
-    """Tokens a main session's context may reach, counting the next turn's ``max_new_tokens``."""
-    max_new_tokens: int = 128
-    """Cap on sampled tokens per assistant turn (main and subagent sessions)."""
-    summary_max_new_tokens: int = 160
-    """Cap on the summary a compaction session writes."""
-    max_turns: int = 12
-    """Assistant turns per main session; reaching it ends the trajectory (``turn_cap``)."""
-    max_sessions: int = 12
-    """Sessions (all kinds) per trajectory; needing more ends it unanswered (``session_cap``)."""
-    max_total_turns: int = 48
-    """Main + subagent turns per trajectory (``total_turn_cap``)."""
-    subagent_max_turns: int = 6
-    """Assistant turns per subagent session."""
-    subagent_context_budget: int = 0
-    """A subagent's context budget; 0 = ``context_budget``."""
-    max_depth: int = 1
-    """Subagent nesting depth: a session at this depth cannot delegate (error response)."""
-    search_k: int = 3
-    """Hits per search."""
-    max_arg_chars: int = 512
-    """Longest accepted tool argument (characters)."""
-    reward_metric: Literal["em", "f1"] = "em"
-    """Outcome reward: exact match or token F1 (SPEC §3)."""
-    success_threshold: float = 1.0
-    """``success = reward >= success_threshold``."""
-    subagent_states: Literal["merge"] = "merge"
-    """Subagent gain states: the parent's context before/after the call (SPEC §4.4 "merge")."""
-    system_prompt: str = DEFAULT_SYSTEM_PROMPT
-    """Main sessions' system prompt; ``{tools}`` is replaced by the tools of the mode."""
-    subagent_system_prompt: str = DEFAULT_SUBAGENT_PROMPT
-    """Subagent sessions' system prompt; ``{tools}`` as above."""
-    compaction_prompt: str = DEFAULT_COMPACTION_PROMPT
-    """The user turn that asks for the summary."""
-    resume_template: str = DEFAULT_RESUME_TEMPLATE
-    """A post-compaction main session's user message; ``{question}`` and ``{summary}``."""
-
-    def __post_init__(self) -> None:
-        def need(cond: bool, name: str, why: str) -> None:
-            if not cond:
-                raise ValueError(f"HarnessConfig.{name}: {why} (got {getattr(self, name)!r})")
-
-        need(self.mode in MODES, "mode", f"must be one of {MODES}")
-        for name in ("context_budget", "max_new_tokens", "summary_max_new_tokens", "max_turns",
-                     "max_sessions", "max_total_turns", "subagent_max_turns", "search_k", "max_arg_chars"):
-            need(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, name, "must be an int >= 1")
-        need(self.subagent_context_budget >= 0, "subagent_context_budget", "must be >= 0 (0 = context_budget)")
-        need(self.max_depth >= 0, "max_depth", "must be >= 0")
-        need(self.max_new_tokens < self.context_budget, "max_new_tokens", "must be < context_budget")
-        need(self.reward_metric in ("em", "f1"), "reward_metric", "must be 'em' or 'f1'")
-        need(0.0 < self.success_threshold <= 1.0, "success_threshold", "must be in (0, 1]")
-        need(self.subagent_states == "merge", "subagent_states", "only 'merge' is implemented")
-        need("{tools}" in self.system_prompt, "system_prompt", "must contain the {tools} placeholder")
-        need("{tools}" in self.subagent_system_prompt, "subagent_system_prompt", "must contain {tools}")
-        need("{question}" in self.resume_template and "{summary}" in self.resume_template,
-             "resume_template", "must contain {question} and {summary}")
-        if self.compacts:
-            need(self.max_sessions >= 3, "max_sessions", "compaction needs room for main → compaction → main")
-
-    @property
-    def compacts(self) -> bool:
-        return self.mode in ("compaction", "compaction+fork")
-
-    @property
-    def forks(self) -> bool:
-        return self.mode in ("fork", "compaction+fork")
-
-    def tools(self, depth: int = 0) -> tuple[str, ...]:
-        return ("search", "delegate") if self.forks and depth < self.max_depth else ("search",)
-
-    def system_text(self, depth: int = 0) -> str:
-        tmpl = self.system_prompt if depth == 0 else self.subagent_system_prompt
-        # str.replace, not format: prompts may contain JSON braces.
-        return tmpl.replace("{tools}", "\n".join(TOOL_DOCS[t] for t in self.tools(depth)))
-
-    def resume_text(self, question: str, summary: str) -> str:
-        return self.resume_template.replace("{question}", question).replace("{summary}", summary)
-
-    def prompt_texts(self) -> list[str]:
-        """Every fixed text the harness shows the model (for the tokenizer corpus)."""
-        return [self.system_text(0), self.system_text(1), self.compaction_prompt,
-                self.resume_text("", ""), *TOOL_DOCS.values()]
-
-    def replace(self, **overrides) -> "HarnessConfig":
-        names = {f.name for f in fields(self)}
-        bad = sorted(set(overrides) - names)
-        if bad:
-            raise ValueError(f"HarnessConfig has no field(s) {bad}")
-        return HarnessConfig(**{**{n: getattr(self, n) for n in names}, **overrides})
 
 
 class DeepSearchEnv:
