@@ -115,8 +115,10 @@ class HarnessConfig:
 
     def prompt_texts(self) -> list[str]:
         """Every fixed text the harness shows the model (for the tokenizer corpus)."""
+        from mosaic.agent.tools import error_texts
+
         return [self.system_text(0), self.system_text(1), self.compaction_prompt,
-                self.resume_text("", ""), *TOOL_DOCS.values()]
+                self.resume_text("", ""), *TOOL_DOCS.values(), *error_texts()]
 
     def replace(self, **overrides) -> "HarnessConfig":
         names = {f.name for f in fields(self)}

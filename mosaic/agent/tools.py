@@ -101,6 +101,15 @@ def parse_action(text: str, tools: tuple[str, ...], *, max_arg_chars: int = 512)
     return Action("call", name=name, argument=value, extra_calls=extra)
 
 
+def error_texts() -> list[str]:
+    """Sample error responses of every invalid-action type (for the tokenizer corpus)."""
+    samples = ["", "<answer>x", "<tool_call>{", "</tool_call>", "<tool_call>{x}</tool_call>",
+               "<tool_call>[1]</tool_call>", '<tool_call>{"name": "browse"}</tool_call>',
+               '<tool_call>{"name": "search", "arguments": {"query": 1}}</tool_call>',
+               '<tool_call>{"name": "search", "arguments": {"query": "' + "a" * 600 + '"}}</tool_call>']
+    return [parse_action(t, ("search", "delegate")).message for t in samples]
+
+
 def format_call(name: str, argument: str) -> str:
     """The canonical text of a tool call (what the scripted expert writes)."""
     return "<tool_call>" + json.dumps({"name": name, "arguments": {TOOL_ARGS[name]: argument}}) + "</tool_call>"
