@@ -42,6 +42,7 @@ sliding windows shorter than the contexts cannot be cropped: use
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Literal, Sequence
@@ -255,6 +256,17 @@ def _plan(trajs: Sequence[Trajectory], probe_fn: ProbeFn, return_logprobs: bool)
 # Model helpers.
 
 
+@contextlib.contextmanager
+def _eval_mode(model):
+    """Score in eval mode (no dropout), then restore the caller's mode."""
+    was = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was)
+
+
 def _model_device(model) -> torch.device:
     return next(model.parameters()).device
 
@@ -453,8 +465,8 @@ def score_gains(
     Args:
         trajs: T trajectories; every non-final session needs ``state_before`` /
             ``state_after`` and every trajectory with such a session a ``ground_truth``.
-        model: HF causal LM (the rollout policy before the update); put in eval
-            mode by the caller. No gradient is taken.
+        model: HF causal LM (the rollout policy before the update); scored in eval
+            mode (the caller's mode is restored). No gradient is taken.
         probe_fn: ``answer -> (suffix_ids, (start, end))`` (e.g. ``ChatFormat.answer_probe``).
         method: ``cached`` (one pass per session, probes off the KV cache) or
             ``reference`` (every state + probe re-encoded from scratch).
@@ -476,11 +488,12 @@ def score_gains(
     t0 = time.perf_counter()
     hosts, sess_states, sess_lp_host, stats = _plan(trajs, probe_fn, return_logprobs)
     logprobs = None
-    if method == "cached":
-        L, logprobs = _run_cached(model, hosts, stats, max_batch_tokens=max_batch_tokens,
-                                  max_batch_size=max_batch_size, temperature=temperature)  # fmt: skip
-    else:
-        L = _run_reference(model, hosts, stats)
+    with _eval_mode(model):
+        if method == "cached":
+            L, logprobs = _run_cached(model, hosts, stats, max_batch_tokens=max_batch_tokens,
+                                      max_batch_size=max_batch_size, temperature=temperature)  # fmt: skip
+        else:
+            L = _run_reference(model, hosts, stats)
     stats.seconds = time.perf_counter() - t0
     return _assemble(trajs, hosts, L, sess_states, stats, logprobs, sess_lp_host)
 
@@ -539,13 +552,14 @@ def score_turns(
             hosts.append(_Host(tokens=s.tokens()[: max(cuts)], cuts=cuts, probe=_probe_for(t, probe_fn, probes)))
             where.append(len(hosts) - 1)
     stats.num_unique_states = stats.num_state_refs = sum(len(h.cuts) for h in hosts)
-    if method == "cached":
-        L, _ = _run_cached(model, hosts, stats, max_batch_tokens=max_batch_tokens, max_batch_size=max_batch_size,
-                           temperature=1.0)  # fmt: skip
-    elif method == "reference":
-        L = _run_reference(model, hosts, stats)
-    else:
+    if method not in ("cached", "reference"):
         raise ValueError(f"method must be 'cached' or 'reference', got {method!r}")
+    with _eval_mode(model):
+        if method == "cached":
+            L, _ = _run_cached(model, hosts, stats, max_batch_tokens=max_batch_tokens,
+                               max_batch_size=max_batch_size, temperature=1.0)  # fmt: skip
+        else:
+            L = _run_reference(model, hosts, stats)
     lls, gains = [], []
     for w in where:
         if w is None:

@@ -139,3 +139,17 @@ def test_one_token_state_and_turn_cuts(model, probe):
     fast = score_gains([t], model, probe)
     ref = score_reference([t], model, probe)
     torch.testing.assert_close(fast.gains, ref.gains, atol=1e-4, rtol=0)
+
+
+def test_train_mode_is_restored_and_ignored(probe):
+    m = tiny_model(seed=4)
+    trajs = _batch()[:2]
+    base = score_gains(trajs, m, probe)
+    m.config.attention_dropout = 0.5  # would change L if scoring ran in train mode
+    for mod in m.modules():
+        if hasattr(mod, "attention_dropout"):
+            mod.attention_dropout = 0.5
+    m.train()
+    again = score_gains(trajs, m, probe)
+    assert m.training
+    torch.testing.assert_close(again.gains, base.gains, atol=1e-5, rtol=0)
