@@ -14,8 +14,9 @@ machine, same batch size:
    recorded lengths (resampled), ``max_new_tokens = min_new_tokens`` = the harness's
    turn cap, timed over ``--raw-calls`` calls. Sampled tokens/s of each and their ratio
    (target >= 0.9). The harness figure includes everything a rollout does: tool calls
-   (BM25 search), chat-format bookkeeping, re-prefill of each growing context every
-   turn (no prefix cache), shrinking batches as trajectories end, log-probs.
+   (BM25 search), chat-format bookkeeping, prefill of each turn's new tokens (the whole
+   growing context with ``--no-prefix-cache``), shrinking batches as trajectories end,
+   log-probs.
 
 The model is untrained, so its turns are noise: they rarely stop early and never call
 tools correctly (each bad call becomes an error tool response the harness appends).
@@ -107,6 +108,8 @@ def main() -> None:
     ap.add_argument("--raw-calls", type=int, default=3, help="harness level: timed raw generate calls")
     ap.add_argument("--skip-harness", action="store_true")
     ap.add_argument("--skip-policy", action="store_true")
+    ap.add_argument("--no-prefix-cache", action="store_true",
+                    help="harness level: re-prefill every context every turn")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave default)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
@@ -133,7 +136,8 @@ def main() -> None:
     V = len(tok)
     prompts = [[rng.randrange(10, V) for _ in range(rng.randint(lo, hi))] for _ in range(args.batch)]
     no_stop = None if args.skip_policy else LocalPolicy(model, tok, LocalPolicyConfig(temperature=1.0, max_batch_size=args.batch,
-                                                        stop_token_ids=(-1,), seed=args.seed))
+                                                        stop_token_ids=(-1,), seed=args.seed,
+                                                        prefix_cache=False))
     # Warm up both paths once (allocator, kernels).
     raw_generate_tps(model, prompts[:4], 8, pad, args.seed)
     policy_tps(LocalPolicy(model, tok), prompts[:4], 1)
@@ -167,8 +171,10 @@ def _harness(args, model, tok, split, rng, pad) -> None:
     hcfg = HarnessConfig(mode="compaction", context_budget=args.context_budget,
                          max_new_tokens=args.new_tokens, summary_max_new_tokens=args.new_tokens,
                          max_turns=args.max_turns)
-    policy = _Counting(LocalPolicy(model, tok, LocalPolicyConfig(temperature=1.0, max_batch_size=args.batch,
-                                                                 seed=args.seed)))
+    inner = LocalPolicy(model, tok, LocalPolicyConfig(temperature=1.0, max_batch_size=args.batch,
+                                                      seed=args.seed,
+                                                      prefix_cache=not args.no_prefix_cache))
+    policy = _Counting(inner)
     tasks = split.tasks[:args.batch // args.group_size]
     t0 = time.perf_counter()
     trajs = Harness(policy, chat, DeepSearchEnv(split), hcfg).run(tasks, group_size=args.group_size,
@@ -181,7 +187,8 @@ def _harness(args, model, tok, split, rng, pad) -> None:
     print(f"  {len(policy.batches)} generate calls (batch sizes {max(policy.batches)}..{min(policy.batches)}), "
           f"{len(policy.lens)} turns, {sessions} sessions, {policy.sampled} sampled tokens, "
           f"mean prompt {statistics.mean(policy.lens):.0f} tokens")
-    print(f"  wall {wall:.1f} s, of which in policy.generate {policy.gen_s:.1f} s")
+    print(f"  wall {wall:.1f} s, of which in policy.generate {policy.gen_s:.1f} s; prefix cache "
+          f"{'off' if args.no_prefix_cache else 'on'}: {inner.cache_stats}")
 
     # The peer: HF generate at the same batch size, prompts of the recorded lengths.
     raw_h = []
