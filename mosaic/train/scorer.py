@@ -503,25 +503,35 @@ def score_reference(trajs: Sequence[Trajectory], model, probe_fn: ProbeFn) -> Sc
     return score_gains(trajs, model, probe_fn, method="reference")
 
 
-def turn_boundaries(session: Session) -> list[int]:
+def turn_boundaries(session: Session, header_ids: Sequence[int] | None = None) -> list[int]:
     """State lengths for turn-level probing: the prompt, then the end of every turn.
 
     A turn is a run of True (sampled) ``loss_mask`` tokens followed by a run of
     False (inserted: tool response, template) tokens; it ends where the next
     True run starts, or at the end of the completion. Returns lengths into
-    ``prompt_ids + completion_ids``, increasing, starting with ``len(prompt_ids)``.
+    ``prompt_ids + completion_ids``, increasing, starting at the prompt.
+
+    ``header_ids``: the chat format's generation header (``ChatFormat.generation_header_ids``,
+    ``<|im_start|>assistant\n``). The harness inserts it before every sampled
+    turn, so a raw boundary ends with it; it is cut off so that every state ends
+    at a message boundary and the answer probe (which brings its own header) is
+    appended cleanly, as for the session-level states.
     """
     p = len(session.prompt_ids)
     m = [bool(x) for x in session.loss_mask]
-    cuts = [p]
+    toks = session.tokens()
+    raw = [p]
     seen_true = False
     for i, x in enumerate(m):
         if x and seen_true and not m[i - 1]:
-            cuts.append(p + i)
+            raw.append(p + i)
         seen_true = seen_true or x
     if seen_true:
-        cuts.append(p + len(m))
-    return cuts
+        raw.append(p + len(m))
+    if not header_ids:
+        return raw
+    h = list(header_ids)
+    return [c - len(h) if c >= len(h) and toks[c - len(h) : c] == h else c for c in raw]
 
 
 def score_turns(
@@ -531,13 +541,15 @@ def score_turns(
     *,
     method: Literal["cached", "reference"] = "reference",
     include_final: bool = True,
+    header_ids: Sequence[int] | None = None,
     max_batch_tokens: int = 16384,
     max_batch_size: int = 64,
 ) -> TurnScoreResult:
     """Turn-level ``L`` (SPEC §4.7, IGPO-style): one probe at every session's prompt
     and after every turn. ``method="reference"`` re-encodes each turn's context
     from scratch, as IGPO does; ``cached`` reuses the session's KV cache.
-    ``include_final=False`` skips final sessions (their gains are unused)."""
+    ``include_final=False`` skips final sessions (their gains are unused);
+    ``header_ids``: see :func:`turn_boundaries`."""
     t0 = time.perf_counter()
     stats = ScoreStats()
     probes: dict[str, Probe] = {}
@@ -548,7 +560,7 @@ def score_turns(
             if s.is_final and not include_final:
                 where.append(None)
                 continue
-            cuts = sorted(set(c for c in turn_boundaries(s) if c >= 1))
+            cuts = sorted(set(c for c in turn_boundaries(s, header_ids) if c >= 1))
             hosts.append(_Host(tokens=s.tokens()[: max(cuts)], cuts=cuts, probe=_probe_for(t, probe_fn, probes)))
             where.append(len(hosts) - 1)
     stats.num_unique_states = stats.num_state_refs = sum(len(h.cuts) for h in hosts)

@@ -47,3 +47,28 @@ def test_scorer_matches_reference_on_harness_rollouts(rollouts):
                 toks = t.resolve_state(ref_)
                 tail = chat.tokenizer.decode(toks[-3:])
                 assert end in toks[-2:], (t.id, s.id, s.kind, repr(tail))
+
+
+def test_turn_states_end_at_message_boundaries(rollouts):
+    from mosaic.train.scorer import score_turns, turn_boundaries
+
+    chat, trajs = rollouts
+    tok = chat.tokenizer
+    nl_end = chat.encode("<|im_end|>\n")
+    n_cuts = 0
+    for t in trajs:
+        for s in t.sessions:
+            toks = s.tokens()
+            raw = turn_boundaries(s)
+            cuts = turn_boundaries(s, chat.generation_header_ids)
+            assert len(cuts) == len(raw) == 1 + s.num_turns
+            for c in cuts:
+                assert toks[c - len(nl_end) : c] == nl_end, tok.decode(toks[c - 8 : c])
+                n_cuts += 1
+    assert n_cuts > 2 * len(trajs)
+    model = tiny_model(vocab_size=len(tok), seed=3)
+    few = trajs[:2]
+    a = score_turns(few, model, chat.answer_probe, method="cached", header_ids=chat.generation_header_ids)
+    b = score_turns(few, model, chat.answer_probe, method="reference", header_ids=chat.generation_header_ids)
+    for x, y in zip(a.loglik, b.loglik):
+        torch.testing.assert_close(x, y, atol=1e-4, rtol=0)
