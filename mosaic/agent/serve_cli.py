@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -29,7 +30,11 @@ def _run(args: argparse.Namespace) -> int:
     from mosaic.agent.models import load_any
     from mosaic.agent.server import create_app
 
-    model, tokenizer = load_any(args.model, device=args.device)
+    try:
+        model, tokenizer = load_any(args.model, device=args.device)
+    except (FileNotFoundError, ModuleNotFoundError, ValueError) as exc:
+        print(f"mosaic serve: {exc}", file=sys.stderr)
+        return 2
     app = create_app(model, tokenizer, model_name=args.name or args.model, device=args.device,
                      max_batch_size=args.max_batch_size, default_max_tokens=args.default_max_tokens)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")

@@ -1,8 +1,7 @@
 """Tiny tokenizer + model fixtures for tests and benchmarks (no downloads, a few seconds on CPU).
 
-Uses the project tokenizer (``mosaic.agent.tokenizer.train_tokenizer``) when that
-module is present; otherwise trains a throwaway byte-level BPE with the same
-ChatML specials (``<|im_end|>`` = eos / end of turn, ``<|endoftext|>`` = pad).
+The tokenizer is the project's (``mosaic.agent.tokenizer``: ChatML, ``<|im_end|>`` = eos /
+end of turn, ``<|endoftext|>`` = pad) trained on a small fixed corpus.
 """
 
 from __future__ import annotations
@@ -12,11 +11,6 @@ import functools
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from mosaic.agent.models.embedded import EmbeddedModelConfig, build_model
-
-CHATML_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 
 _CORPUS_LINES = [
     "The capital of Velmora is Oranthi, a city on the river Sel.",
@@ -35,31 +29,10 @@ def corpus(n_repeat: int = 20) -> list[str]:
 
 @functools.lru_cache(maxsize=4)
 def tiny_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
-    """A small ChatML tokenizer (cached; treat as read-only)."""
-    try:
-        from mosaic.agent.tokenizer import train_tokenizer  # type: ignore[import-not-found]
-    except ImportError:
-        tok = _throwaway_tokenizer(vocab_size)
-    else:
-        tok = train_tokenizer(corpus(), vocab_size)
-    if not tok.chat_template:
-        tok.chat_template = CHATML_TEMPLATE
-    return tok
+    """The project tokenizer trained on :func:`corpus` (cached; treat as read-only)."""
+    from mosaic.agent.tokenizer import train_tokenizer
 
-
-def _throwaway_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    tk = Tokenizer(models.BPE())
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tk.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tk.train_from_iterator(corpus(), trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>",
-                                   pad_token="<|endoftext|>", bos_token=None,
-                                   additional_special_tokens=["<|im_start|>"])
+    return train_tokenizer(corpus(), vocab_size)
 
 
 def tiny_model(seed: int = 0, preset: str = "tiny", **overrides) -> tuple[PreTrainedModel,
