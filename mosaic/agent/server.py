@@ -12,6 +12,9 @@ sampling parameters and decodes each group as one batch with
 :class:`~mosaic.agent.policies.local.LocalPolicy`. So concurrent requests are
 batched, and the model is never touched from two threads at once.
 
+Batching is static: a batch decodes to its end while newer requests queue for the
+next one (no continuous batching).
+
 Log-probs are those of :class:`LocalPolicy`: the sampling log-prob of each token
 under the processed (temperature / top-p) distribution; ``top_logprobs`` lists only
 the sampled token (alternatives are not computed).
@@ -27,7 +30,7 @@ import queue
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Literal, Union
 
 import torch
@@ -98,7 +101,13 @@ class _Job:
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue  # ("token", choice, id, logprob) | ("done", results) | ("error", msg)
     stream: bool
-    results: list = field(default_factory=list)
+
+    def send(self, event: tuple) -> None:
+        """Hand an event to the request's event loop (from the worker thread)."""
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the loop is closed (server shutting down): nobody is listening
+            pass
 
 
 class ModelWorker:
@@ -143,7 +152,12 @@ class ModelWorker:
                 key = (j.temperature, j.top_p, j.stop_ids) if j.seed is None else ("seeded", id(j))
                 groups.setdefault(key, []).append(j)
             for group in groups.values():
-                self._decode(group)
+                try:
+                    self._decode(group)
+                except Exception as exc:  # keep the worker alive whatever happens
+                    log.exception("model worker failed")
+                    for j in group:
+                        j.send(("error", f"{type(exc).__name__}: {exc}"))
 
     def _decode(self, jobs: list[_Job]) -> None:
         flat: list[tuple[_Job, int]] = [(j, c) for j in jobs for c in range(len(j.reqs))]
@@ -160,24 +174,18 @@ class ModelWorker:
             for i, t, lp in zip(indices, toks, lps):
                 j, c = flat[i]
                 if j.stream:
-                    j.loop.call_soon_threadsafe(j.events.put_nowait, ("token", c, t, lp))
+                    j.send(("token", c, t, lp))
 
         streaming = any(j.stream for j in jobs)
-        try:
-            results = self.policy.generate_with(
-                reqs, temperature=first.temperature, top_p=first.top_p,
-                stop_token_ids=first.stop_ids, generator=gen,
-                on_step=on_step if streaming else None)
-        except Exception as exc:  # generate_with already turns batch failures into results
-            log.exception("model worker failed")
-            for j in jobs:
-                j.loop.call_soon_threadsafe(j.events.put_nowait, ("error", str(exc)))
-            return
+        results = self.policy.generate_with(  # turns batch failures into error results
+            reqs, temperature=first.temperature, top_p=first.top_p,
+            stop_token_ids=first.stop_ids, generator=gen,
+            on_step=on_step if streaming else None)
         per_job: dict[int, list] = {}
         for (j, c), res in zip(flat, results):
             per_job.setdefault(id(j), [None] * len(j.reqs))[c] = res
         for j in jobs:
-            j.loop.call_soon_threadsafe(j.events.put_nowait, ("done", per_job[id(j)]))
+            j.send(("done", per_job[id(j)]))
 
 
 # ------------------------------------------------------------------ the app
