@@ -60,6 +60,8 @@ def register(subparsers) -> None:
     u.add_argument("--port", type=int, default=8001)
     u.add_argument("--tokenizer", default=None, metavar="DIR", help="tokenizer dir (default: build the test one)")
     u.add_argument("--delay", type=float, default=0.0, help="simulated generation time per request, seconds")
+    u.add_argument("--slots", type=int, default=0,
+                   help="requests generated at once (like vLLM max_num_seqs); 0 = unlimited")
     u.add_argument("--no-token-ids", action="store_true", help="behave like a server that returns no ids")
     u.set_defaults(func=_cmd_scripted)
 
@@ -170,6 +172,6 @@ def _cmd_scripted(args) -> int:
     from mosaic.capture.scripted import ScriptedConfig, build_tokenizer, create_scripted_app, load_tokenizer
 
     tok = load_tokenizer(args.tokenizer) if args.tokenizer else build_tokenizer()
-    app = create_scripted_app(tok, ScriptedConfig(token_ids=not args.no_token_ids, delay_s=args.delay))
+    app = create_scripted_app(tok, ScriptedConfig(token_ids=not args.no_token_ids, delay_s=args.delay, slots=args.slots))
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0

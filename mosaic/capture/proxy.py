@@ -64,7 +64,8 @@ class ProxyConfig:
         request_token_ids: add ``return_token_ids: true`` to forwarded requests (vLLM);
             turn off for an upstream that rejects unknown fields (then use ``tokenizer``).
         tokenizer: directory of the model's tokenizer, for upstreams that return no ids.
-        max_connections: size of the shared keep-alive pool to the upstream.
+        max_connections: total size of the shared keep-alive pools to the upstream.
+        pool_shards: number of shared upstream clients the pool is split over (round-robin).
         fsync: force each record to disk (survives power loss; slower).
     """
 
@@ -82,6 +83,7 @@ class ProxyConfig:
     request_token_ids: bool = True
     tokenizer: str | None = None
     max_connections: int = 256
+    pool_shards: int = 8
     fsync: bool = False
 
     def __post_init__(self) -> None:
@@ -99,6 +101,8 @@ class ProxyConfig:
             raise ValueError(f"retries: {self.retries} must be in [0, 10] (retries are bounded)")
         if self.max_connections < 1:
             raise ValueError("max_connections: must be at least 1")
+        if not 1 <= self.pool_shards <= self.max_connections:
+            raise ValueError(f"pool_shards: {self.pool_shards} must be in [1, max_connections]")
 
     @property
     def upstream_v1(self) -> str:
@@ -259,7 +263,7 @@ class RecordingProxy:
 
             self.tokenizer = load_tokenizer(config.tokenizer)
         self.writer: RecordWriter | None = None
-        self.client = None
+        self.clients: list[Any] = []
         self._seq = itertools.count()
         self._run = f"{int(time.time())}-{uuid.uuid4().hex[:6]}"
         self.in_flight = 0
@@ -270,14 +274,20 @@ class RecordingProxy:
         import httpx
 
         self.writer = RecordWriter(Path(self.cfg.out_dir) / RECORDS_FILE, fsync=self.cfg.fsync)
-        self.client = httpx.AsyncClient(
-            base_url=self.cfg.upstream_v1,
-            timeout=httpx.Timeout(self.cfg.timeout_s, connect=self.cfg.connect_timeout_s),
-            # Idle upstream connections expire before a typical server's 5 s keep-alive does, so
-            # the proxy never sends on a connection the upstream is closing.
-            limits=httpx.Limits(max_connections=self.cfg.max_connections,
-                                max_keepalive_connections=self.cfg.max_connections, keepalive_expiry=2.0),
-        )
+        # A few shared keep-alive clients, used round-robin: httpcore scans its whole pool on every
+        # request, so several small pools cost less CPU per request than one large pool.
+        per = max(1, -(-self.cfg.max_connections // self.cfg.pool_shards))
+        self.clients = [
+            httpx.AsyncClient(
+                base_url=self.cfg.upstream_v1,
+                timeout=httpx.Timeout(self.cfg.timeout_s, connect=self.cfg.connect_timeout_s),
+                # Idle upstream connections expire before a typical server's 5 s keep-alive does,
+                # so the proxy never sends on a connection the upstream is closing.
+                limits=httpx.Limits(max_connections=per, max_keepalive_connections=per, keepalive_expiry=2.0),
+            )
+            for _ in range(self.cfg.pool_shards)
+        ]
+        self._rr = itertools.cycle(self.clients)
 
     async def stop(self) -> None:
         # uvicorn drains in-flight requests before the lifespan ends; wait a little for relays too.
@@ -285,8 +295,8 @@ class RecordingProxy:
             if self.in_flight == 0:
                 break
             await asyncio.sleep(0.1)
-        if self.client is not None:
-            await self.client.aclose()
+        for client in self.clients:
+            await client.aclose()
         if self.writer is not None:
             self.writer.close()
             if self.announce:
@@ -337,8 +347,9 @@ class RecordingProxy:
         last: Exception | None = None
         for attempt in range(self.cfg.retries + 1):
             try:
-                req = self.client.build_request(method, path, content=content, headers=headers)
-                return await self.client.send(req, stream=stream)
+                client = next(self._rr)
+                req = client.build_request(method, path, content=content, headers=headers)
+                return await client.send(req, stream=stream)
             except httpx.TimeoutException as exc:
                 last = exc
             except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:

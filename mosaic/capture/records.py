@@ -98,7 +98,8 @@ class CallRecord:
         return list(self.prompt_ids) + list(self.completion_ids)
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
+        # Shallow: json.dumps walks the lists itself (dataclasses.asdict deep-copies every token id).
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
         d["type"] = "call"
         return d
 

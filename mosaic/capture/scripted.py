@@ -245,12 +245,15 @@ class ScriptedConfig:
             (``return_token_ids``); False imitates a server that cannot.
         logprobs: return sampling log-probs when the request asks.
         delay_s: simulated generation time per request (``X-Scripted-Delay`` overrides it).
+        slots: requests generated at once (like vLLM's ``max_num_seqs``); others queue.
+            0 = unlimited. With slots the server has a fixed capacity, ``slots / delay_s`` req/s.
         model: the model name it reports.
     """
 
     token_ids: bool = True
     logprobs: bool = True
     delay_s: float = 0.0
+    slots: int = 0
     model: str = "scripted"
 
 
@@ -269,9 +272,14 @@ def create_scripted_app(tokenizer, config: ScriptedConfig | None = None):
     app.state.calls = []  # every request body, for tests to compare against
     app.state.log = []  # (prompt ids, completion ids) of every generation: what the "model" saw and produced
 
+    sem = asyncio.Semaphore(cfg.slots) if cfg.slots > 0 else None
+
     async def _delay(request: Request) -> None:
         d = float(request.headers.get("x-scripted-delay", cfg.delay_s))
-        if d > 0:
+        if sem is not None:
+            async with sem:
+                await asyncio.sleep(d)
+        elif d > 0:
             await asyncio.sleep(d)
 
     @app.get("/v1/models")
