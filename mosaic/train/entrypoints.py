@@ -1,19 +1,32 @@
-"""What ``mosaic train | sft | eval`` call once the config is valid.
+"""What ``mosaic train | sft | eval`` run once the config is valid.
 
-The RL loop, SFT and evaluation are integrated by the lead after the harness
-lands; until then these raise :class:`NotImplementedError` with a message that
-says what is missing. :func:`prepare_run` (run dir, resolved config, resume
-point) is ready and is what the loop starts with.
+``mosaic train`` with no arguments (the CPU preset) is the project's main job:
+
+1. warm start: if no SFT model for this config exists, run ``mosaic sft``
+   (scripted-expert rollouts → SFT), cached under ``sft.output_dir`` and keyed
+   by the config sections that shape it;
+2. evaluate the warm start on held-out **test** questions (a world disjoint
+   from training) — cached in the run dir;
+3. RL steps (rollouts, gains, advantages, PPO update) with metrics, plots and
+   atomic checkpoints; ``train.resume=auto`` continues a killed run;
+4. evaluate the result on the same test questions and report the paired
+   difference with its 95 % bootstrap interval.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from mosaic.train.config import Config, dump_config
 
-__all__ = ["RunPlan", "prepare_run", "run_train", "run_sft", "run_eval"]
+__all__ = ["RunPlan", "prepare_run", "run_train", "run_sft", "run_eval", "ensure_warm_start"]
+
+_SFT_META = "mosaic_sft.json"
 
 
 @dataclass(frozen=True)
@@ -33,17 +46,219 @@ def prepare_run(cfg: Config) -> RunPlan:
                    config_yaml=dump_config(cfg))  # fmt: skip
 
 
-def run_train(cfg: Config) -> int:
-    raise NotImplementedError(
-        "the RL training loop is not integrated yet (mosaic.train has config, checkpoints, run logging, "
-        "the gain scorer and statistics; the loop lands with the harness integration)"
-    )
+def _sft_key(cfg: Config) -> str:
+    """Hash of everything that shapes the warm start (model, data, harness, sft)."""
+    blob = json.dumps({k: asdict(getattr(cfg, k)) for k in ("model", "data", "harness", "sft")},
+                      sort_keys=True, default=str)  # fmt: skip
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _log(msg: str) -> None:
+    print(f"[mosaic] {msg}", flush=True)
+
+
+# ----------------------------------------------------------------------------- SFT
 
 
 def run_sft(cfg: Config) -> int:
-    raise NotImplementedError("SFT warm start is not integrated yet (needs the scripted expert and the harness)")
+    """``mosaic sft``: expert rollouts → SFT → a saved warm-start model (always retrains)."""
+    _train_sft(cfg)
+    return 0
+
+
+def _train_sft(cfg: Config) -> Path:
+    import torch
+
+    from mosaic.agent.models.embedded import save_model
+    from mosaic.trace import load_trajectories, write_jsonl
+    from mosaic.train import setup
+    from mosaic.train.sft import expert_trajectories, sft_train
+
+    t0 = time.perf_counter()
+    torch.manual_seed(cfg.train.seed)
+    device = setup.resolve_device(cfg)
+    dtype = setup.resolve_dtype(cfg, device)
+    train = setup.load_split(cfg, "train")
+    model, tok = setup.build_base_model(cfg, train, device, dtype)
+    chat = setup.chat_format(tok)
+    out = Path(cfg.sft.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if cfg.sft.data:
+        trajs = load_trajectories(cfg.sft.data)
+        _log(f"sft: {len(trajs)} trajectories from {cfg.sft.data}")
+    else:
+        _log(f"sft: rolling the scripted expert over {cfg.sft.n_tasks} training tasks "
+             f"(mode={cfg.harness.mode}, noise={cfg.sft.expert_noise})")
+        trajs = expert_trajectories(cfg, train, tok, chat, n_tasks=cfg.sft.n_tasks, seed=cfg.train.seed)
+        write_jsonl(out / "expert.jsonl", trajs)
+    expert_acc = sum(t.success for t in trajs) / max(1, len(trajs))
+    n_params = sum(p.numel() for p in model.parameters())
+    _log(f"sft: expert accuracy {100 * expert_acc:.1f} %; training {n_params / 1e6:.2f}M parameters")
+    res = sft_train(model, trajs, cfg, pad_id=tok.pad_token_id, device=device, seed=cfg.train.seed)
+    save_model(model, tok, out)
+    meta = {"key": _sft_key(cfg), "expert_accuracy": expert_acc, "trajectories": len(trajs),
+            "steps": res.steps, "final_loss": res.final_loss, "seconds": time.perf_counter() - t0,
+            "tokens": res.tokens, "parameters": n_params}  # fmt: skip
+    (out / _SFT_META).write_text(json.dumps(meta, indent=1))
+    _log(f"sft: {res.steps} steps, final loss {res.final_loss:.3f}, {meta['seconds']:.0f} s → {out}")
+    return out
+
+
+def ensure_warm_start(cfg: Config) -> Path:
+    """The SFT model directory for this config: reused when its key matches, else (re)trained."""
+    if cfg.model.source == "dir":
+        return Path(cfg.model.path)
+    out = Path(cfg.sft.output_dir)
+    meta = out / _SFT_META
+    if meta.exists():
+        try:
+            if json.loads(meta.read_text()).get("key") == _sft_key(cfg):
+                _log(f"warm start: reusing {out}")
+                return out
+        except (OSError, ValueError):
+            pass
+        _log(f"warm start: {out} was made for another config; retraining")
+    return _train_sft(cfg)
+
+
+# ----------------------------------------------------------------------------- eval
 
 
 def run_eval(cfg: Config, checkpoint: str | None, out: str | None) -> int:
-    raise NotImplementedError("evaluation is not integrated yet (needs the harness); "
-                              "`mosaic compare` works on outcome files already")
+    """``mosaic eval``: accuracy (95 % CI) and session statistics of a model on ``data.eval_split``."""
+    from mosaic.train import setup
+    from mosaic.train.checkpoint import find_latest
+    from mosaic.train.evaluate import evaluate
+
+    device = setup.resolve_device(cfg)
+    dtype = setup.resolve_dtype(cfg, device)
+    path = Path(checkpoint) if checkpoint else find_latest(cfg.train.run_dir)
+    if path is None:
+        path = ensure_warm_start(cfg)
+    elif (path / "model").is_dir():
+        path = path / "model"
+    elif not (path / "config.json").exists():
+        found = find_latest(path)
+        if found is None:
+            raise FileNotFoundError(f"{path}: neither a model directory nor a run dir with checkpoints")
+        path = found / "model"
+    model, tok = setup.load_policy(path, device=device, dtype=dtype)
+    chat = setup.chat_format(tok)
+    split = setup.load_split(cfg, cfg.data.eval_split)
+    res = evaluate(cfg, model, tok, chat, split, n_tasks=cfg.data.n_eval_tasks or None,
+                   samples=cfg.train.eval_samples, temperature=cfg.train.eval_temperature, out=out)  # fmt: skip
+    _log(f"model {path}")
+    _log(res.line(f"eval[{cfg.data.eval_split}]"))
+    for k in sorted(res.metrics):
+        if k.startswith(("session/", "val/")):
+            print(f"  {k}: {res.metrics[k]:.4f}")
+    if out:
+        _log(f"per-question outcomes → {out}")
+    return 0
+
+
+# ----------------------------------------------------------------------------- train
+
+
+def total_steps(cfg: Config, n_train_tasks: int) -> int:
+    return cfg.train.steps or math.ceil(n_train_tasks / cfg.train.batch_tasks)
+
+
+def run_train(cfg: Config) -> int:
+    """``mosaic train``: warm start (cached) → held-out eval → RL → held-out eval and paired CI."""
+    import torch
+
+    from mosaic.train import setup
+    from mosaic.train.checkpoint import load_checkpoint, save_checkpoint
+    from mosaic.train.evaluate import evaluate, paired_outcomes
+    from mosaic.train.optim import build_optimizer, build_scheduler
+    from mosaic.train.rl import RLState, make_reference, rl_step
+    from mosaic.train.runlog import RunLogger
+    from mosaic.train.stats import paired_bootstrap
+
+    t_start = time.perf_counter()
+    plan = prepare_run(cfg)
+    run_dir = plan.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    device = setup.resolve_device(cfg)
+    dtype = setup.resolve_dtype(cfg, device)
+    torch.manual_seed(cfg.train.seed)
+
+    warm = ensure_warm_start(cfg)
+    model, tok = setup.load_policy(warm, device=device, dtype=dtype)
+    chat = setup.chat_format(tok)
+    train = setup.load_split(cfg, "train")
+    test = setup.load_split(cfg, "test")
+    n_test = cfg.data.n_eval_tasks or len(test.tasks)
+
+    # Held-out baseline: the warm start on the test world (cached so a resumed run reuses it).
+    base_file = run_dir / "eval_warmstart.jsonl"
+    base_meta = run_dir / "eval_warmstart.json"
+    if base_meta.exists() and base_file.exists():
+        base = json.loads(base_meta.read_text())
+        _log(f"warm start on test (cached): {100 * base['accuracy']:.1f} %")
+    else:
+        r = evaluate(cfg, model, tok, chat, test, n_tasks=n_test, samples=cfg.train.eval_samples,
+                     temperature=cfg.train.eval_temperature, out=base_file, progress=False)  # fmt: skip
+        base = {"accuracy": r.accuracy, "lo": r.lo, "hi": r.hi, "outcomes": r.outcomes, "metrics": r.metrics}
+        base_meta.write_text(json.dumps(base))
+        _log(r.line("warm start on test"))
+
+    steps = total_steps(cfg, len(train.tasks))
+    optimizer = build_optimizer(model, cfg.optim)
+    scheduler = build_scheduler(optimizer, cfg.optim, steps * cfg.optim.ppo_epochs * cfg.optim.mini_batches)
+    start = 0
+    if plan.resume_from is not None:
+        ck = load_checkpoint(plan.resume_from, model=model, optimizer=optimizer, scheduler=scheduler)
+        start = ck.step
+        _log(f"resumed from {plan.resume_from} at step {start}")
+    ref = make_reference(model) if cfg.algo.kl_coef > 0 else None
+    st = RLState(cfg, model, tok, chat, train, optimizer, scheduler, device, ref_model=ref)
+    val = setup.load_split(cfg, cfg.data.eval_split) if cfg.train.eval_every else None
+
+    logger = RunLogger(run_dir, config_yaml=plan.config_yaml, total_steps=steps, start_step=start,
+                       tensorboard=cfg.train.tensorboard, wandb=cfg.train.wandb, log_every=cfg.train.log_every,
+                       plot_every=cfg.train.plot_every, title=f"mosaic train ({cfg.algo.estimator})")  # fmt: skip
+    try:
+        for step in range(start, steps):
+            m = rl_step(st, step)
+            n = step + 1
+            if val is not None and n % cfg.train.eval_every == 0 and n < steps:
+                r = evaluate(cfg, model, tok, chat, val, n_tasks=cfg.data.n_eval_tasks or None,
+                             samples=1, temperature=cfg.train.eval_temperature, progress=False)  # fmt: skip
+                m.update(r.metrics)
+            logger.log(n, m)
+            if cfg.train.rollout_samples:
+                logger.log_samples(n, [_sample(t, tok) for t in st.last_trajs[: cfg.train.rollout_samples]])
+            if (cfg.train.save_every and n % cfg.train.save_every == 0) or n == steps:
+                save_checkpoint(run_dir, n, model=model, tokenizer=tok, optimizer=optimizer, scheduler=scheduler,
+                                state={"step": n, "estimator": cfg.algo.estimator}, keep_last=cfg.train.keep_last)
+
+        final_file = run_dir / "eval_final.jsonl"
+        r = evaluate(cfg, model, tok, chat, test, n_tasks=n_test, samples=cfg.train.eval_samples,
+                     temperature=cfg.train.eval_temperature, out=final_file, progress=False)  # fmt: skip
+        a, b = paired_outcomes(r.outcomes, {k: v for k, v in base["outcomes"].items()})
+        cmp = paired_bootstrap(a, b, seed=cfg.train.seed)
+        verdict = "excludes 0" if (cmp.lo > 0 or cmp.hi < 0) else "includes 0"
+        _log(r.line("after RL on test"))
+        _log(f"held-out gain over the warm start: {100 * cmp.diff:+.1f} points "
+             f"(95 % paired bootstrap CI [{100 * cmp.lo:+.1f}, {100 * cmp.hi:+.1f}], {verdict}; "
+             f"{cmp.wins} wins / {cmp.losses} losses / {cmp.ties} ties on {cmp.n_questions} questions)")
+        extra = {"warm start test accuracy": f"{100 * base['accuracy']:.1f} %",
+                 "final test accuracy": f"{100 * r.accuracy:.1f} % [{100 * r.lo:.1f}, {100 * r.hi:.1f}]",
+                 "held-out gain (paired 95 % CI)": f"{100 * cmp.diff:+.1f} [{100 * cmp.lo:+.1f}, {100 * cmp.hi:+.1f}]",
+                 "wall time": f"{time.perf_counter() - t_start:.0f} s"}  # fmt: skip
+        (run_dir / "result.json").write_text(json.dumps({
+            "warm_start": {k: base[k] for k in ("accuracy", "lo", "hi")},
+            "final": {"accuracy": r.accuracy, "lo": r.lo, "hi": r.hi},
+            "gain": asdict(cmp), "final_metrics": r.metrics, "seconds": time.perf_counter() - t_start,
+        }, indent=1))
+    finally:
+        logger.close(extra=locals().get("extra"))
+    return 0
+
+
+def _sample(traj, tok) -> dict:
+    """A decoded trajectory for ``samples.jsonl`` (for reading, never for training)."""
+    return {"trajectory": traj.id, "reward": traj.reward, "answer": traj.answer, "ground_truth": traj.ground_truth,
+            "sessions": [{"kind": s.kind, "end": s.end_reason, "text": tok.decode(s.tokens())} for s in traj.sessions]}

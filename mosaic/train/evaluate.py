@@ -1,0 +1,92 @@
+"""Held-out evaluation with the multi-session harness (``mosaic eval``).
+
+Runs the policy over a split's questions (greedy, or n samples at a
+temperature), scores the sessions' information gains with the same policy,
+and reports accuracy with a 95 % interval, sessions per trajectory by kind,
+the share of sessions with positive gain by kind and the end reasons. The
+per-question outcomes are saved (JSONL) so two runs can be compared pairwise
+(``mosaic compare``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from mosaic.trace import Trajectory, flatten
+from mosaic.train.config import Config
+
+
+@dataclass
+class EvalResult:
+    accuracy: float
+    lo: float
+    hi: float
+    n_questions: int
+    metrics: dict[str, float] = field(default_factory=dict)
+    outcomes: dict[str, list[float]] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    def line(self, name: str = "eval") -> str:
+        m = self.metrics
+        return (f"{name}: accuracy {100 * self.accuracy:.1f} % [95 % CI {100 * self.lo:.1f}, {100 * self.hi:.1f}] "
+                f"on {self.n_questions} questions; sessions/traj {m.get('session/per_traj', float('nan')):.2f}; "
+                f"positive-gain share {m.get('session/pos_gain_share/all', float('nan')):.2f}")
+
+
+def evaluate(cfg: Config, model, tokenizer, chat, split, *, n_tasks: int | None = None, samples: int = 1,
+             temperature: float = 0.0, seed: int = 0, score_gains: bool = True, progress: bool = True,
+             out: str | Path | None = None) -> EvalResult:
+    """Accuracy of ``model`` on ``split`` through the harness; optional outcomes file ``out``."""
+    from mosaic.agent.harness import DeepSearchEnv, Harness
+    from mosaic.train.metrics import rollout_metrics
+    from mosaic.train.setup import harness_config, sampling_policy
+    from mosaic.train.stats import accuracy_ci
+
+    t0 = time.perf_counter()
+    tasks = split.tasks[: n_tasks or len(split.tasks)]
+    policy = sampling_policy(cfg, model, tokenizer, temperature=temperature, seed=seed)
+    harness = Harness(policy, chat, DeepSearchEnv(split), harness_config(cfg))
+    trajs = harness.run(tasks, group_size=samples, seed=seed, progress=progress, step="eval")
+    gains = is_final = None
+    if score_gains:
+        from mosaic.train.scorer import score_gains as _score
+
+        res = _score(trajs, model, chat.answer_probe, max_batch_tokens=cfg.algo.score_batch_tokens)
+        gains, is_final = res.gains.numpy(), res.is_final.numpy()
+    metrics = rollout_metrics(trajs, gains, is_final)
+    outcomes: dict[str, list[float]] = {}
+    for t in trajs:
+        outcomes.setdefault(t.task_id, []).append(float(t.success))
+    acc = accuracy_ci([outcomes[t.id] for t in tasks])
+    if out is not None:
+        write_outcomes(out, trajs)
+    metrics.update({"val/accuracy": acc.accuracy, "val/accuracy_lo": acc.lo, "val/accuracy_hi": acc.hi})
+    return EvalResult(acc.accuracy, acc.lo, acc.hi, acc.n_questions, metrics, outcomes, time.perf_counter() - t0)
+
+
+def write_outcomes(path: str | Path, trajs: Sequence[Trajectory]) -> Path:
+    """One JSON line per question sample: what ``mosaic compare`` reads."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(p.name + ".tmp")
+    with open(tmp, "w") as fh:
+        for t in trajs:
+            fh.write(json.dumps({
+                "question_id": t.task_id, "trajectory": t.id, "correct": bool(t.success), "reward": t.reward,
+                "answer": t.answer, "ground_truth": t.ground_truth, "end_reason": t.end_reason,
+                "sessions": t.count_kinds(),
+            }) + "\n")
+    tmp.replace(p)
+    return p
+
+
+def paired_outcomes(a: dict[str, list[float]], b: dict[str, list[float]]) -> tuple[np.ndarray, np.ndarray]:
+    """Align two outcome dicts on their common questions → two (Q,) arrays of per-question means."""
+    common = sorted(set(a) & set(b))
+    return (np.array([np.mean(a[q]) for q in common]), np.array([np.mean(b[q]) for q in common]))

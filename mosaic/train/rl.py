@@ -1,0 +1,208 @@
+"""One RL step of ``mosaic train``: rollouts → rewards → gains → advantages → PPO update.
+
+The step knows the algorithm only through names: the estimator comes from
+``mosaic.core.estimators`` by ``algo.estimator``, the loss is
+``mosaic.core.loss.policy_loss`` with whole-batch weights from
+``token_weights``. Each session is one training row (SPEC §5).
+
+Simplifications (said once): the PPO ratio uses the sampling log-probs the
+rollout policy recorded (no recompute pass: rollouts and update run the same
+fp32 weights in one process, so they are the old policy's log-probs); the
+information gain is scored with the rollout policy before the update, as
+SPEC §4.4 asks.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from mosaic.core.estimators import AdvantageBatch, get_estimator
+from mosaic.core.loss import policy_loss, token_weights
+from mosaic.trace import Trajectory, flatten, kind_names, to_rows
+from mosaic.train.batching import collate, completion_logprobs, micro_batches
+from mosaic.train.config import Config
+
+
+@dataclass
+class RLState:
+    """What one step needs besides the config; built once per run."""
+
+    cfg: Config
+    model: Any
+    tokenizer: Any
+    chat: Any
+    split: Any
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    device: torch.device
+    ref_model: Any = None
+    last_trajs: list[Trajectory] = field(default_factory=list)
+
+
+def task_order(n_tasks: int, seed: int, epoch: int) -> list[int]:
+    """The training-task permutation of an epoch (deterministic: resume needs only the step)."""
+    order = list(range(n_tasks))
+    random.Random(f"{seed}/epoch/{epoch}").shuffle(order)
+    return order
+
+
+def tasks_for_step(split, step: int, batch_tasks: int, seed: int) -> list:
+    """B tasks for step ``step`` (0-based): consecutive slices of per-epoch permutations."""
+    n = len(split.tasks)
+    out = []
+    for k in range(step * batch_tasks, (step + 1) * batch_tasks):
+        epoch, pos = divmod(k, n)
+        out.append(split.tasks[task_order(n, seed, epoch)[pos]])
+    # A task drawn twice in one batch (tiny splits) would merge two groups; keep the first.
+    seen, uniq = set(), []
+    for t in out:
+        if t.id not in seen:
+            seen.add(t.id)
+            uniq.append(t)
+    return uniq
+
+
+def make_reference(model) -> Any:
+    ref = copy.deepcopy(model)
+    ref.eval()
+    for p in ref.parameters():
+        p.requires_grad_(False)
+    return ref
+
+
+def rollout(st: RLState, tasks: Sequence, step: int) -> list[Trajectory]:
+    from mosaic.agent.harness import DeepSearchEnv, Harness
+    from mosaic.train.setup import harness_config, sampling_policy
+
+    cfg = st.cfg
+    policy = sampling_policy(cfg, st.model, st.tokenizer, seed=cfg.train.seed * 1_000_003 + step)
+    harness = Harness(policy, st.chat, DeepSearchEnv(st.split), harness_config(cfg))
+    return harness.run(tasks, group_size=cfg.train.group_size, seed=cfg.train.seed + step, step=step)
+
+
+def advantages_for(st: RLState, trajs: Sequence[Trajectory], gains: torch.Tensor | None):
+    cfg = st.cfg
+    fb = flatten(trajs, count_kinds=cfg.algo.count_kinds)
+    batch = AdvantageBatch(
+        rewards=torch.as_tensor(fb.rewards),
+        group_ids=torch.as_tensor(fb.group_ids),
+        session_counts=torch.as_tensor(fb.session_counts),
+        success=torch.as_tensor(fb.success),
+        session_traj=torch.as_tensor(fb.session_traj),
+        kinds=torch.as_tensor(fb.kinds),
+        is_final=torch.as_tensor(fb.is_final),
+        gains=gains,
+    )
+    a = cfg.algo
+    adv, metrics = get_estimator(a.estimator)(batch, rho=a.rho, delta=a.delta, lam=a.lam,
+                                              norm_by_std=a.norm_by_std, eps=a.eps, kind_names=kind_names())
+    return adv, metrics
+
+
+def update(st: RLState, rows, *, temperature: float) -> dict[str, float]:
+    """PPO epochs × mini-batches (split by trajectory) × micro-batches; returns averaged metrics."""
+    cfg = st.cfg
+    o = cfg.optim
+    model = st.model
+    model.train()
+    traj_ids = sorted({r.traj_index for r in rows})
+    sums: dict[str, float] = {}
+    n_updates = 0
+    rng = random.Random(cfg.train.seed)
+    for _epoch in range(o.ppo_epochs):
+        order = list(traj_ids)
+        rng.shuffle(order)
+        per = max(1, -(-len(order) // o.mini_batches))
+        for mb in range(0, len(order), per):
+            keep = set(order[mb : mb + per])
+            idx = [i for i, r in enumerate(rows) if r.traj_index in keep]
+            # Normalisers from the whole mini-batch, so the micro-batch size never changes the update.
+            w_all = token_weights([rows[i].num_trainable for i in idx], [rows[i].traj_index for i in idx],
+                                  mode=cfg.algo.loss_agg)
+            w_of = dict(zip(idx, w_all.tolist()))
+            st.optimizer.zero_grad(set_to_none=True)
+            mb_metrics: dict[str, float] = {}
+            for micro in micro_batches(rows, idx, o.micro_batch_size):
+                batch = collate(rows, micro, pad_id=st.tokenizer.pad_token_id).to(st.device)
+                lp, ent = completion_logprobs(model, batch, temperature=temperature, with_entropy=True)
+                ref_lp = None
+                if st.ref_model is not None and cfg.algo.kl_coef > 0:
+                    with torch.no_grad():
+                        ref_lp, _ = completion_logprobs(st.ref_model, batch, temperature=temperature)
+                w = torch.tensor([w_of[i] for i in micro], dtype=torch.float32, device=st.device)
+                out = policy_loss(lp, batch.old_logprobs, batch.advantages, batch.loss_mask, w,
+                                  clip_low=cfg.algo.clip_low, clip_high=cfg.algo.clip_high,
+                                  clip_ratio_c=cfg.algo.clip_ratio_c, ref_logprobs=ref_lp,
+                                  kl_coef=cfg.algo.kl_coef, entropy=ent)  # fmt: skip
+                out.loss.backward()
+                for k, v in out.metrics.items():
+                    # weighted metrics add up over micro-batches; extrema combine
+                    if k.endswith("_max"):
+                        mb_metrics[k] = max(mb_metrics.get(k, v), v)
+                    elif k.endswith("_min"):
+                        mb_metrics[k] = min(mb_metrics.get(k, v), v)
+                    else:
+                        mb_metrics[k] = mb_metrics.get(k, 0.0) + v
+            clip = o.grad_clip if o.grad_clip > 0 else float("inf")
+            gn = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            mb_metrics["actor/grad_norm"] = float(gn)
+            if torch.isfinite(gn):
+                st.optimizer.step()
+            else:  # a non-finite gradient would poison the weights: skip and count it
+                mb_metrics["actor/skipped_updates"] = 1.0
+            st.scheduler.step()
+            n_updates += 1
+            for k, v in mb_metrics.items():
+                sums[k] = sums.get(k, 0.0) + v
+    model.eval()
+    out = {k: v / max(1, n_updates) for k, v in sums.items()}
+    out["actor/lr"] = float(st.scheduler.get_last_lr()[0])
+    out["actor/updates"] = float(n_updates)
+    return out
+
+
+def rl_step(st: RLState, step: int) -> dict[str, float]:
+    """Run training step ``step`` (0-based) and return its metrics."""
+    from mosaic.train.metrics import rollout_metrics
+    from mosaic.train.scorer import score_gains
+
+    cfg = st.cfg
+    t0 = time.perf_counter()
+    tasks = tasks_for_step(st.split, step, cfg.train.batch_tasks, cfg.train.seed)
+    trajs = rollout(st, tasks, step)
+    st.last_trajs = trajs
+    t_gen = time.perf_counter() - t0
+
+    t1 = time.perf_counter()
+    gains = is_final = None
+    score_metrics: dict[str, float] = {}
+    if cfg.algo.needs_gains:
+        res = score_gains(trajs, st.model, st.chat.answer_probe, method=cfg.algo.scorer,
+                          max_batch_tokens=cfg.algo.score_batch_tokens)
+        gains, is_final = res.gains, res.is_final
+        score_metrics = res.stats.as_metrics()
+    t_score = time.perf_counter() - t1
+
+    adv, adv_metrics = advantages_for(st, trajs, gains)
+    rows = to_rows(trajs, adv.tolist())
+
+    t2 = time.perf_counter()
+    upd = update(st, rows, temperature=cfg.harness.temperature)
+    t_update = time.perf_counter() - t2
+
+    total = time.perf_counter() - t0
+    tokens = sum(len(r.prompt_ids) + len(r.completion_ids) for r in rows)
+    m = rollout_metrics(trajs, None if gains is None else gains.numpy(), None if is_final is None else is_final.numpy())
+    m.update(adv_metrics)
+    m.update(score_metrics)
+    m.update(upd)
+    m.update({"timing_s/gen": t_gen, "timing_s/score": t_score, "timing_s/update": t_update,
+              "timing_s/step": total, "perf/throughput": tokens / max(total, 1e-9),
+              "train/tasks": float(len(tasks)), "train/sessions": float(len(rows))})  # fmt: skip
+    return m

@@ -1,0 +1,123 @@
+"""From a :class:`~mosaic.train.config.Config` to the objects a run needs.
+
+Splits, the harness configuration, the policy model + tokenizer and the
+sampling policy are built here, once, so that SFT, RL and evaluation agree on
+every setting. Heavy imports live inside the functions.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from mosaic.train.config import Config
+
+log = logging.getLogger(__name__)
+
+
+def resolve_device(cfg: Config) -> torch.device:
+    want = cfg.model.device
+    if want == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(want)
+
+
+def resolve_dtype(cfg: Config, device: torch.device) -> torch.dtype:
+    if cfg.model.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, cfg.model.dtype)
+
+
+def split_config_for(cfg: Config, split: str):
+    """The env's split config with the run's overrides (world size, task counts, hop mix)."""
+    from mosaic.envs.splits import split_config
+
+    d = cfg.data
+    overrides = {"n_entities": d.world_entities} if d.world_entities else {}
+    sc = split_config(split, d.preset, seed=d.seed, **overrides)
+    changes = {}
+    if split == "train" and d.n_train_tasks:
+        changes["n_tasks"] = d.n_train_tasks
+    if split != "train" and d.n_eval_tasks:
+        changes["n_tasks"] = d.n_eval_tasks
+    if d.hop_mix is not None:
+        changes["hop_mix"] = tuple((int(h), float(w)) for h, w in d.hop_mix)
+    return replace(sc, **changes) if changes else sc
+
+
+def load_split(cfg: Config, split: str):
+    from mosaic.envs.splits import load_split as _load
+
+    return _load(split, split_config_for(cfg, split), cache_dir=cfg.data.cache_dir)
+
+
+def harness_config(cfg: Config):
+    """``mosaic.agent.harness.HarnessConfig`` from the run's harness settings."""
+    from mosaic.agent.harness import HarnessConfig
+
+    h = cfg.harness
+    return HarnessConfig(
+        mode=h.mode,
+        context_budget=h.context_budget,
+        max_new_tokens=h.max_new_tokens,
+        summary_max_new_tokens=h.summary_max_new_tokens,
+        max_turns=h.max_turns,
+        max_sessions=h.max_sessions,
+        max_total_turns=h.max_total_turns,
+        subagent_max_turns=h.subagent_max_turns,
+        reward_metric=h.reward_metric,
+        success_threshold=h.success_threshold,
+    )
+
+
+def build_base_model(cfg: Config, train_split, device: torch.device, dtype: torch.dtype):
+    """The untrained policy: an embedded model with a tokenizer trained on the *training* world
+    (held-out worlds never shape the vocabulary), or a saved / SmolLM2 model."""
+    src = cfg.model.source
+    if src == "embedded":
+        from mosaic.agent.models.embedded import EmbeddedModelConfig, build_model
+        from mosaic.agent.tokenizer import build_project_tokenizer
+
+        tok = build_project_tokenizer([train_split], harness_config=harness_config(cfg))
+        mcfg = EmbeddedModelConfig.preset(cfg.model.embedded_preset)
+        model = build_model(mcfg, tok, seed=cfg.model.init_seed)
+    elif src == "dir":
+        model, tok = load_policy(cfg.model.path, device=device, dtype=dtype)
+    else:  # smollm2
+        from mosaic.agent.models.smollm2 import load_smollm2
+
+        model, tok = load_smollm2()
+    return model.to(device=device, dtype=dtype), tok
+
+
+def load_policy(path: str | Path, *, device: torch.device, dtype: torch.dtype):
+    """A saved model directory (ours or any HF causal LM with a fast tokenizer)."""
+    from mosaic.agent.models.embedded import load_model
+
+    model, tok = load_model(path, device=device, dtype=dtype)
+    return model, tok
+
+
+def chat_format(tokenizer):
+    from mosaic.agent.chat import ChatFormat
+
+    chat = ChatFormat(tokenizer)
+    chat.check_prefix_preservation()
+    return chat
+
+
+def sampling_policy(cfg: Config, model, tokenizer, *, temperature: float | None = None, seed: int = 0):
+    """A batched KV-cache :class:`~mosaic.agent.policies.local.LocalPolicy` over the live model."""
+    from mosaic.agent.policies.local import LocalPolicy, LocalPolicyConfig
+
+    h = cfg.harness
+    pc = LocalPolicyConfig(
+        temperature=h.temperature if temperature is None else temperature,
+        top_p=h.top_p,
+        max_batch_size=h.rollout_batch_size,
+        seed=seed,
+    )
+    return LocalPolicy(model, tokenizer, pc)

@@ -1,0 +1,109 @@
+"""Supervised warm start on scripted-expert rollouts (``mosaic sft``).
+
+The expert (``mosaic.agent.expert``) solves training questions through the
+same harness the policy will use, so its trajectories carry every session kind
+(main, compaction, subagent) with exact token records. SFT trains on the tokens
+the expert "sampled" (``loss_mask`` True) and nothing else: the model learns to
+search, summarise, delegate and answer — including the expert's deliberate
+mistakes (``sft.expert_noise``), which is what RL is then meant to fix.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from mosaic.trace import Trajectory, to_rows
+from mosaic.train.batching import collate, completion_logprobs
+from mosaic.train.config import Config
+
+log = logging.getLogger(__name__)
+
+
+def expert_noise(rate: float):
+    """``sft.expert_noise`` (one knob) → the expert's per-kind mistake rates.
+
+    Our choice: early guesses and lossy summaries (the mistakes outcome reward and
+    information gain can see) at ``rate``; wrong queries, redundant searches and
+    extra sessions (which cost budget) at ``rate / 2``.
+    """
+    from mosaic.agent.expert import ExpertNoise
+
+    return ExpertNoise(wrong_query=rate / 2, redundant_search=rate / 2, early_guess=rate,
+                       lossy_summary=rate, extra_session=rate / 2)  # fmt: skip
+
+
+def expert_trajectories(cfg: Config, split, tokenizer, chat, *, n_tasks: int, seed: int = 0,
+                        progress: bool = True) -> list[Trajectory]:
+    """Roll the scripted expert over the first ``n_tasks`` tasks of ``split``."""
+    from mosaic.agent.expert import ExpertPolicy
+    from mosaic.agent.harness import DeepSearchEnv, Harness
+    from mosaic.train.setup import harness_config
+
+    tasks = split.tasks[:n_tasks]
+    policy = ExpertPolicy(tokenizer, tasks, expert_noise(cfg.sft.expert_noise), seed=seed)
+    harness = Harness(policy, chat, DeepSearchEnv(split), harness_config(cfg))
+    return harness.run(tasks, group_size=1, seed=seed, progress=progress, step="sft")
+
+
+@dataclass
+class SFTResult:
+    steps: int
+    final_loss: float
+    losses: list[float]
+    seconds: float
+    rows: int
+    tokens: int
+
+
+def sft_train(model, trajs: Sequence[Trajectory], cfg: Config, *, pad_id: int, device: torch.device,
+              seed: int = 0, progress: bool = True) -> SFTResult:
+    """Next-token cross-entropy on sampled tokens only (token mean per optimizer step)."""
+    from tqdm.auto import tqdm
+
+    s = cfg.sft
+    rows = [r for r in to_rows(trajs) if r.num_trainable > 0]
+    if not rows:
+        raise ValueError("SFT data has no trainable tokens")
+    rng = random.Random(seed)
+    order: list[int] = []
+    for _ in range(s.epochs):
+        ep = list(range(len(rows)))
+        rng.shuffle(ep)
+        order += ep
+    steps = math.ceil(len(order) / s.batch_size)
+    opt = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda k: min(1.0, (k + 1) / max(1, s.warmup_steps)) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * k / steps)))
+    )
+    model.train()
+    losses: list[float] = []
+    t0 = time.perf_counter()
+    bar = tqdm(total=steps, desc="sft", disable=not progress)
+    for k in range(steps):
+        idx = sorted(order[k * s.batch_size : (k + 1) * s.batch_size],
+                     key=lambda i: len(rows[i].prompt_ids) + len(rows[i].completion_ids))
+        batch = collate(rows, idx, pad_id=pad_id).to(device)
+        lp, _ = completion_logprobs(model, batch)
+        n = batch.loss_mask.sum().clamp(min=1)
+        loss = -(lp * batch.loss_mask).sum() / n
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        losses.append(float(loss))
+        bar.update(1)
+        bar.set_postfix(loss=f"{losses[-1]:.3f}")
+    bar.close()
+    model.eval()
+    tokens = sum(r.num_trainable for r in rows)
+    return SFTResult(steps=steps, final_loss=sum(losses[-10:]) / len(losses[-10:]), losses=losses,
+                     seconds=time.perf_counter() - t0, rows=len(rows), tokens=tokens)  # fmt: skip
