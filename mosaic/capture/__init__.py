@@ -1,1 +1,18 @@
-"""mosaic.capture."""
+"""Capture sessions from any agent harness: a recording OpenAI-compatible proxy and session reconstruction.
+
+- :mod:`mosaic.capture.proxy`: the proxy (``ProxyConfig``, ``create_proxy_app``, ``serve``);
+- :mod:`mosaic.capture.records`: interface call records and their JSONL file;
+- :mod:`mosaic.capture.reconstruct`: records → ``mosaic.trace.Trajectory`` session graphs;
+- :mod:`mosaic.capture.scripted`: a deterministic OpenAI-compatible upstream for tests and benchmarks;
+- ``mosaic proxy ...`` on the command line (:mod:`mosaic.capture.cli`).
+
+Importing this package stays light (no web framework); the proxy imports FastAPI when used.
+"""
+
+from mosaic.capture.reconstruct import ReconstructionRules, reconstruct, reconstruct_rollout
+from mosaic.capture.records import CallRecord, RecordError, RecordWriter, RewardRecord, iter_records, load_records
+
+__all__ = [
+    "CallRecord", "RecordError", "RecordWriter", "RewardRecord", "ReconstructionRules", "iter_records",
+    "load_records", "reconstruct", "reconstruct_rollout",
+]

@@ -55,8 +55,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Literal, Sequence
 
-from mosaic.capture.records import CallRecord, RewardRecord
-from mosaic.capture.scripted import content_text
+from mosaic.capture.records import CallRecord, RewardRecord, content_text
 from mosaic.trace.graph import Session, StateRef, Trajectory, validate
 
 DEFAULT_COMPACTION_PATTERNS: tuple[str, ...] = (

@@ -34,6 +34,17 @@ RECORD_SCHEMA_VERSION = 1
 RECORDS_FILE = "records.jsonl"
 
 
+def content_text(content: Any) -> str:
+    """The text of an OpenAI message ``content`` (a string, None, or a list of parts)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return str(content)
+
+
 class RecordError(ValueError):
     """A records file or line that cannot be read; the message names the file and line."""
 

@@ -36,6 +36,8 @@ from typing import Any
 
 from fastapi import Request  # module level: FastAPI resolves route annotations by name
 
+from mosaic.capture.records import content_text
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
     "{% if tools %}<|im_start|>tools\n{{ tools | map(attribute='function') | map(attribute='name') | join(',') }}"
@@ -101,17 +103,6 @@ def load_tokenizer(path: str | Path):
 
 
 # --------------------------------------------------------------------------- rendering
-
-
-def content_text(content: Any) -> str:
-    """The text of an OpenAI message ``content`` (a string, None, or a list of parts)."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
-    return str(content)
 
 
 def render_tool_calls(tool_calls: list[dict[str, Any]]) -> str:
