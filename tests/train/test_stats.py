@@ -88,3 +88,22 @@ def test_outcome_files(tmp_path):
     bad.write_text('{"question_id": "q1"}\n')
     with pytest.raises(ValueError, match="bad.jsonl:1"):
         load_outcomes(bad)
+
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 1), st.integers(0, 1)), min_size=1, max_size=60), st.integers(0, 10))
+def test_paired_properties(pairs, seed):
+    a = np.array([p[0] for p in pairs], dtype=float)
+    b = np.array([p[1] for p in pairs], dtype=float)
+    ab = paired_bootstrap(a, b, n_boot=300, seed=seed)
+    ba = paired_bootstrap(b, a, n_boot=300, seed=seed)
+    assert ab.diff == pytest.approx(-ba.diff)
+    assert ab.lo == pytest.approx(-ba.hi) and ab.hi == pytest.approx(-ba.lo)  # same resamples, mirrored
+    assert -1 <= ab.lo <= ab.hi <= 1 and 0 <= ab.p_value <= 1
+    assert ab.wins + ab.losses + ab.ties == len(pairs)
+    r = accuracy_ci(a)
+    assert 0 <= r.lo <= r.accuracy <= r.hi <= 1
