@@ -153,3 +153,16 @@ def test_train_mode_is_restored_and_ignored(probe):
     again = score_gains(trajs, m, probe)
     assert m.training
     torch.testing.assert_close(again.gains, base.gains, atol=1e-5, rtol=0)
+
+
+def test_permuting_trajectories_permutes_gains(model, probe):
+    trajs = _batch()
+    perm = [3, 0, 4, 2, 1]
+    a = score_gains(trajs, model, probe, max_batch_tokens=400)
+    b = score_gains([trajs[i] for i in perm], model, probe, max_batch_tokens=400)
+    blocks, start = [], 0
+    for t in trajs:
+        blocks.append(a.gains[start : start + len(t.sessions)])
+        start += len(t.sessions)
+    torch.testing.assert_close(b.gains, torch.cat([blocks[i] for i in perm]), atol=1e-5, rtol=0)
+    assert all(p.grad is None for p in model.parameters())
