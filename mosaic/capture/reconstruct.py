@@ -27,25 +27,35 @@ Rules (per rollout; settings in :class:`ReconstructionRules`):
    ``compaction_patterns`` always opens a new ``compaction`` session, even if
    it extends a session's tip (the Mosaic harness appends the instruction to
    the history); the session it extends, if any, is its parent.
-5. **Linking by returned text.** For each new session X (not the first), the
-   text of its last call is searched in the non-assistant messages of later
-   calls (whole-message equality, or containment when at least
-   ``min_match_chars`` long). At the earliest such call d, in session Y:
-   - d **opens** Y → X is a ``compaction`` (its summary seeded Y), Y
-     ``continues`` X and inherits the kind of X's parent (``main`` normally);
-     X's parent is the session it extends, else the non-compaction session
-     active most recently before X;
-   - d **continues** Y → X is a ``subagent`` forked by Y (edge ``forks``);
-   - nothing → X stays ``main`` with no parent and ``meta["unlinked"]`` True
-     (or a compaction without successor if rule 4 made it one).
-   The first session of a rollout is always the root ``main``.
+5. **Linking by returned text.** The first session is always the root
+   ``main``. For every other session X, the text of its last call is searched
+   in the non-assistant messages of later calls of other sessions (whole
+   message equality, or containment when at least ``min_match_chars`` long);
+   the earliest such call is X's *hit*.
+   a. A rule-4 compaction whose hit opens a new session Y: Y ``continues`` it.
+   b. Compaction by output: a new session Y that restarts the agent (its first
+      message equals the first message of an earlier session, e.g. the same
+      system prompt) and whose first call is the hit of earlier sessions: the
+      latest-started of them wrote the summary; it becomes a ``compaction`` and
+      Y ``continues`` it (the others were results kept verbatim, see c).
+   c. Subagent: X's hit is a later turn of a running session P (a tool
+      result) → ``subagent`` forked by P (edge ``forks``). If the hit is the
+      first prompt of a compaction or of a compaction's successor (the result
+      was in the history that got summarised or kept), X is a subagent of the
+      compacted session (``meta["result_seen_in"] = "compaction"``).
+   d. A compaction that extends no session's tip gets as parent the agent
+      session (the root or a compaction's successor) active most recently
+      before it started; a compaction's successor takes its parent's kind.
+   Anything else stays ``main`` with no parent and ``meta["unlinked"]`` True
+   (a compaction without successor gets ``meta["no_successor"]``).
 6. **Final session.** From the root, follow ``continues`` edges through
    compactions to their successors (the latest when several); the last
    ``main`` reached is the final session. Unlinked mains are never final.
 7. **States (SPEC §4.4).** main: its prompt → its full context. compaction:
    its parent's context when the compaction started → the successor's
    prompt. subagent: the parent's context before the turn that called it →
-   the parent's context once the result was inserted.
+   the parent's context once the result was inserted (when the result was
+   only seen in a compaction: → the parent's context when it was compacted).
 """
 
 from __future__ import annotations
@@ -248,66 +258,107 @@ def reconstruct_rollout(
         sessions.append(new)
         call_sess.append(new.idx)
 
+    # The first session is the root: the agent working on the task (rule 5's last line).
+    sessions[0].kind, sessions[0].parent, sessions[0].edge = "main", None, None
+    sessions[0].meta.pop("by", None)
+
     # -- rule 5: link new sessions by where their returned text reappears ----------------------------
+    # hit[x]: the earliest later call of another session whose non-assistant messages hold x's text.
+    hit: dict[int, int] = {}
+    if rules.link_by_output:
+        for x in sessions[1:]:
+            last_i = x.calls[-1]
+            text = calls[last_i].text
+            for j in range(last_i + 1, len(calls)):
+                if call_sess[j] != x.idx and ro.appears_in(text, j):
+                    hit[x.idx] = j
+                    break
+
+    def opens(j: int) -> bool:
+        return sessions[call_sess[j]].calls[0] == j
+
+    def first_message(sess: _Sess) -> Any:
+        c = calls[sess.calls[0]]
+        return c.messages[0] if c.endpoint == "chat" and c.messages else None
+
+    # 5a. Successors of instruction compactions: the new session their summary opens.
     for x in sessions:
-        if x.idx == 0:
-            x.kind = "main"  # the root is the agent working on the task
+        if x.kind == "compaction" and x.idx in hit and opens(hit[x.idx]):
+            y = sessions[call_sess[hit[x.idx]]]
+            if y.idx > x.idx and y.parent is None and y.kind != "compaction":
+                x.successor, y.parent, y.edge = y.idx, x.idx, "continues"
+    # 5b. Compactions found by output: a new session that restarts the agent (its first message is
+    #     the first message of an earlier session, e.g. the same system prompt) and holds the text of
+    #     earlier sessions in its first prompt; the latest-started of them wrote the summary.
+    for y in sessions[1:]:
+        if y.parent is not None or y.kind == "compaction":
             continue
-        if x.edge == "continues" and x.kind != "compaction":
-            continue  # a compaction's successor: already linked
-        if not rules.link_by_output:
-            if x.kind != "compaction":
-                x.meta["unlinked"] = True
+        fm = first_message(y)
+        if fm is None or not any(first_message(s) == fm for s in sessions[: y.idx]):
             continue
-        last_i = x.calls[-1]
-        text = calls[last_i].text
-        hit = None
-        for j in range(last_i + 1, len(calls)):
-            if call_sess[j] != x.idx and ro.appears_in(text, j):
-                hit = j
-                break
-        if hit is None:
-            if x.kind != "compaction" and x.parent is None:
-                x.meta["unlinked"] = True
-            elif x.kind == "compaction":
-                x.meta["no_successor"] = True
-            continue
-        y = sessions[call_sess[hit]]
-        opens_y = y.calls[0] == hit and y.idx > x.idx and y.parent is None
-        if opens_y:
-            x.kind = "compaction"
+        cands = [x for x in sessions[1: y.idx] if x.kind != "compaction" and x.parent is None
+                 and x.successor is None and hit.get(x.idx) == y.calls[0]]
+        if cands:
+            x = max(cands, key=lambda s: s.calls[0])
+            x.kind, x.successor = "compaction", y.idx
             x.meta.setdefault("by", "output")
             y.parent, y.edge = x.idx, "continues"
-            x.successor = y.idx
-            y.meta.pop("unlinked", None)
-        elif y.calls[0] != hit and x.kind != "compaction":
+    successor_of = {x.successor: x.idx for x in sessions if x.successor is not None}
+    # 5c. Subagents: the text reappears in a later turn of a running session (a tool result), or in
+    #     the first prompt of a compaction or of its successor (the result was in the history that got
+    #     summarised or kept), then the parent is the compacted session (resolved after 5d).
+    via: dict[int, int] = {}
+    for x in sessions[1:]:
+        if x.kind == "compaction" or x.parent is not None:
+            continue
+        j = hit.get(x.idx)
+        if j is None:
+            x.meta["unlinked"] = True
+            continue
+        y = sessions[call_sess[j]]
+        if not opens(j):
             x.kind, x.parent, x.edge = "subagent", y.idx, "forks"
-            pos = y.calls.index(hit)
-            x.fork_before = y.offsets[pos - 1]
-            x.fork_after = y.offsets[pos]
-            x.meta.pop("unlinked", None)
-        elif x.kind == "compaction":
-            x.meta["no_successor"] = True
+            pos = y.calls.index(j)
+            x.fork_before, x.fork_after = y.offsets[pos - 1], y.offsets[pos]
+        elif y.kind == "compaction":
+            x.kind, via[x.idx] = "subagent", y.idx
+        elif y.idx in successor_of:
+            x.kind, via[x.idx] = "subagent", successor_of[y.idx]
         else:
             x.meta["unlinked"] = True
-    # Compactions with no parent yet: the non-compaction session active most recently before them.
+    # 5d. Compactions with no parent yet: the agent session (the root or a compaction's successor)
+    #     active most recently before the compaction started.
+    agents = {0} | set(successor_of)
     for x in sessions:
-        if x.kind != "compaction" or x.parent is not None:
+        if x.kind == "compaction":
+            if x.idx not in hit and x.successor is None:
+                x.meta["no_successor"] = True
+            if x.parent is not None:
+                continue
+            first = x.calls[0]
+            cands = [(max(k for k in s.calls if k < first), s.idx) for s in sessions
+                     if s.idx in agents and s.idx != x.idx and any(k < first for k in s.calls)]
+            if cands:
+                last_before, p = max(cands)
+                x.parent, x.edge = p, "continues"
+                x.parent_upto = len(calls[last_before].tip())
+    for xi, ci in via.items():
+        x, c = sessions[xi], sessions[ci]
+        if c.parent is None:
+            x.kind = "main"
+            x.meta["unlinked"] = True
             continue
-        first = x.calls[0]
-        cands = [(max(k for k in s.calls if k < first), s.idx) for s in sessions
-                 if s.idx != x.idx and s.kind != "compaction" and any(k < first for k in s.calls)]
-        if cands:
-            last_before, p = max(cands)
-            x.parent, x.edge = p, "continues"
-            x.parent_upto = len(calls[last_before].tip())
+        x.parent, x.edge = c.parent, "forks"
+        p = sessions[c.parent]
+        # The parent's last turn before the fork; its result was never seen in a parent prompt.
+        before = [k for k in p.calls if k < x.calls[0]]
+        x.fork_before = len(calls[before[-1]].prompt_ids) if before else len(calls[p.calls[0]].prompt_ids)
+        x.fork_after = c.parent_upto
+        x.meta["result_seen_in"] = "compaction"
     for x in sessions:
         if x.successor is not None:
             p = x.parent
             sessions[x.successor].kind = sessions[p].kind if p is not None else "main"
-    for x in sessions:
-        if x.parent is not None and x.meta.get("unlinked"):
-            x.meta.pop("unlinked")
 
     # -- rule 6: the final session ------------------------------------------------------------------
     cur = 0
