@@ -126,7 +126,7 @@ def export(records: str, out: str, *, tokenizer: str | None = None, rules=None) 
     """Records → trajectories file; returns a summary dict (rollouts, sessions by kind, skipped)."""
     import warnings
 
-    from mosaic.capture.proxy import retokenize
+    from mosaic.capture.wire import retokenize
     from mosaic.capture.reconstruct import reconstruct
     from mosaic.capture.records import load_records
     from mosaic.trace.storage import write_jsonl, write_parquet

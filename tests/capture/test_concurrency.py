@@ -10,7 +10,7 @@ import openai
 
 from mosaic.capture.reconstruct import reconstruct
 from mosaic.capture.records import load_records
-from tests.capture._harness import OpenAILLM, run_agent
+from ._harness import OpenAILLM, run_agent
 
 N = 64
 

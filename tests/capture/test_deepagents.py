@@ -22,7 +22,7 @@ import pytest
 from mosaic.capture.reconstruct import reconstruct
 from mosaic.capture.records import load_records
 from mosaic.capture.scripted import SUMMARY_RE, content_text
-from tests.capture import _deepagents_env
+from . import _deepagents_env
 
 HARNESS = Path(__file__).with_name("deepagents_harness.py")
 

@@ -1,0 +1,151 @@
+"""The OpenAI wire format as the recording proxy needs it: request checks, errors, streamed
+responses folded into one record, and re-tokenisation for upstreams that return no ids."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from mosaic.capture.records import CallRecord
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.kind = status, message, kind
+
+
+def error_body(status: int, message: str, kind: str) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "code": status}}
+
+
+def validate_request(endpoint: str, body: Any) -> None:
+    if not isinstance(body, dict):
+        raise ApiError(422, f"request body must be a JSON object, got {type(body).__name__}")
+    if body.get("n", 1) not in (1, None):
+        raise ApiError(422, "field 'n': the recording proxy records one choice per call; use n=1")
+    if "stream" in body and not isinstance(body["stream"], bool):
+        raise ApiError(422, "field 'stream' must be a boolean")
+    if endpoint == "chat":
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs:
+            raise ApiError(422, "field 'messages' must be a non-empty list of message objects")
+        for i, m in enumerate(msgs):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise ApiError(422, f"field 'messages[{i}]' must be an object with a string 'role'")
+        tools = body.get("tools")
+        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+            raise ApiError(422, "field 'tools' must be a list of tool objects")
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list):
+            if len(prompt) != 1 or not isinstance(prompt[0], str):
+                raise ApiError(422, "field 'prompt': the recording proxy takes one string prompt per call")
+        elif not isinstance(prompt, str):
+            raise ApiError(422, "field 'prompt' must be a string")
+
+
+def logprob_list(endpoint: str, lp: Any) -> list[float]:
+    if not isinstance(lp, dict):
+        return []
+    if endpoint == "chat":
+        return [float(c.get("logprob", 0.0)) for c in lp.get("content") or []]
+    return [float(x) if x is not None else 0.0 for x in lp.get("token_logprobs") or []]
+
+
+class StreamAccumulator:
+    """Collects one streamed response (SSE) into the fields of a call record."""
+
+    def __init__(self, endpoint: str):
+        self.endpoint = endpoint
+        self.buf = b""
+        self.text: list[str] = []
+        self.tool_calls: dict[int, dict[str, Any]] = {}
+        self.ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.prompt_ids: list[int] | None = None
+        self.finish: str | None = None
+        self.done = False
+        self.bad = 0
+
+    def feed(self, data: bytes) -> None:
+        self.buf += data
+        while True:
+            cut = self.buf.find(b"\n\n")
+            if cut < 0:
+                break
+            event, self.buf = self.buf[:cut], self.buf[cut + 2:]
+            for line in event.split(b"\n"):
+                line = line.strip()
+                if line.startswith(b"data:"):
+                    self._event(line[5:].strip())
+
+    def _event(self, payload: bytes) -> None:
+        if payload == b"[DONE]":
+            self.done = True
+            return
+        try:
+            obj = json.loads(payload)
+        except json.JSONDecodeError:
+            self.bad += 1
+            return
+        if self.prompt_ids is None and isinstance(obj.get("prompt_token_ids"), list):
+            self.prompt_ids = obj["prompt_token_ids"]
+        for ch in obj.get("choices") or []:
+            if ch.get("index", 0) != 0:
+                continue
+            if self.prompt_ids is None and isinstance(ch.get("prompt_token_ids"), list):
+                self.prompt_ids = ch["prompt_token_ids"]
+            if isinstance(ch.get("token_ids"), list):
+                self.ids.extend(ch["token_ids"])
+            self.logprobs.extend(logprob_list(self.endpoint, ch.get("logprobs")))
+            if ch.get("finish_reason"):
+                self.finish = ch["finish_reason"]
+            if self.endpoint == "chat":
+                delta = ch.get("delta") or {}
+                if isinstance(delta.get("content"), str):
+                    self.text.append(delta["content"])
+                for tc in delta.get("tool_calls") or []:
+                    slot = self.tool_calls.setdefault(int(tc.get("index", 0)), {
+                        "id": None, "type": "function", "function": {"name": "", "arguments": ""}})
+                    if tc.get("id"):
+                        slot["id"] = tc["id"]
+                    fn = tc.get("function") or {}
+                    if fn.get("name"):
+                        slot["function"]["name"] += fn["name"]
+                    if fn.get("arguments"):
+                        slot["function"]["arguments"] += fn["arguments"]
+            elif isinstance(ch.get("text"), str):
+                self.text.append(ch["text"])
+
+
+def retokenize(rec: CallRecord, tok: Any) -> None:
+    """Fill a record's token ids with the model's tokenizer (for upstreams that return none).
+
+    Chat: the prompt is the chat template with the generation prompt; the
+    completion is what the template adds for the reply, up to its end-of-turn
+    token. Sets ``retokenized``; without a tokenizer sets ``error`` instead.
+    """
+    if tok is None:
+        rec.error = "no token ids: the upstream returned none and the proxy has no tokenizer"
+        return
+    if rec.endpoint == "chat":
+        msgs = [{**m, "content": m.get("content") or ""} for m in rec.messages]
+        prompt = list(tok.apply_chat_template(msgs, tools=rec.tools or None, add_generation_prompt=True,
+                                              tokenize=True, return_dict=False))
+        reply = {"role": "assistant", "content": rec.text}
+        full = list(tok.apply_chat_template(msgs + [reply], tools=rec.tools or None, tokenize=True,
+                                            return_dict=False))
+        if full[: len(prompt)] == prompt:
+            comp = full[len(prompt):]
+            # Drop what the template adds after the end-of-turn token (e.g. a newline).
+            eos = tok.eos_token_id
+            if eos is not None and eos in comp:
+                comp = comp[: comp.index(eos) + 1]
+        else:
+            comp = tok.encode(rec.text, add_special_tokens=False)
+    else:
+        prompt = tok.encode(rec.prompt or "", add_special_tokens=False)
+        comp = tok.encode(rec.text, add_special_tokens=False)
+    rec.prompt_ids, rec.completion_ids, rec.retokenized = prompt, comp, True
+    rec.error = None
