@@ -14,7 +14,8 @@ Instead of a model it decides its reply from the request (:func:`decide`):
   answers;
 - a subagent (its first user message starts with ``SUBTASK``) lists files once
   and returns a ``FACT-…`` result;
-- anything else gets a deterministic echo.
+- anything else gets a deterministic echo;
+- model ``fail-NNN`` gets HTTP status NNN (for fault tests).
 
 Prompt rendering is per segment and the tokenizer isolates newlines, so a
 conversation re-rendered with the assistant's reply appended starts with the
@@ -281,6 +282,11 @@ def create_scripted_app(tokenizer, config: ScriptedConfig | None = None):
     async def chat(request: Request):
         body = await request.json()
         app.state.calls.append(body)
+        m = re.fullmatch(r"fail-(\d{3})", str(body.get("model", "")))
+        if m:  # an upstream error on request, for fault tests
+            code = int(m.group(1))
+            return JSONResponse({"error": {"message": f"scripted failure {code}", "type": "scripted"}},
+                                status_code=code)
         await _delay(request)
         messages, tools = body.get("messages") or [], body.get("tools") or None
         text, tool_calls = decide(messages, tools)

@@ -181,6 +181,28 @@ def test_upstream_down_is_502_after_bounded_retries(make_proxy):
     assert rec.status == 502 and "unreachable" in rec.error and not rec.ok
 
 
+def test_upstream_errors_pass_through_and_are_recorded(upstream, make_proxy):
+    px = make_proxy(upstream.url)
+    with pytest.raises(openai.BadRequestError, match="scripted failure 400"):
+        _client(px.url).chat.completions.create(model="fail-400", messages=MSGS)
+    r = httpx.post(f"{px.url}/v1/chat/completions", json={"model": "fail-503", "messages": MSGS, "stream": True})
+    assert r.status_code == 503 and "scripted failure 503" in r.text
+    assert len(upstream.app.state.calls) == 2  # errors from the upstream itself are not retried
+    px.stop()
+    recs, _ = _calls(px.out_dir)
+    assert [(r.status, r.ok) for r in recs] == [(400, False), (503, False)]
+    assert all("scripted failure" in r.error for r in recs)
+
+
+def test_top_level_proxy_form_is_serve():
+    from mosaic.cli import build_parser
+
+    args = build_parser().parse_args(["proxy", "--upstream", "http://127.0.0.1:9", "--out", "d", "--port", "1"])
+    assert args.func.__name__ == "_cmd_proxy" and args.upstream == "http://127.0.0.1:9" and args.port == 1
+    args = build_parser().parse_args(["proxy", "serve", "--upstream", "http://127.0.0.1:9", "--out", "d"])
+    assert args.func.__name__ == "_cmd_serve" and args.host == "127.0.0.1"
+
+
 def test_upstream_timeout_is_504(scripted_app_factory, make_proxy):
     with ServerThread(scripted_app_factory(delay_s=2.0)) as slow:
         px = make_proxy(slow.url, timeout_s=0.3, retries=1, retry_backoff_s=0.05)
@@ -263,3 +285,12 @@ def test_record_writer_roundtrip(tmp_path):
 
     with pytest.raises(RecordError, match="not a Mosaic capture record"):
         load_records(tmp_path / "bad.jsonl")
+
+
+def test_proxy_config_validates_fields(tmp_path):
+    from mosaic.capture.proxy import ProxyConfig
+
+    for kw, field in [({"upstream": "localhost:8000"}, "upstream"), ({"retries": 50}, "retries"),
+                      ({"max_body_bytes": 0}, "max_body_bytes"), ({"pool_shards": 0}, "pool_shards")]:
+        with pytest.raises(ValueError, match=field):
+            ProxyConfig(**{"upstream": "http://127.0.0.1:1", "out_dir": str(tmp_path), **kw})
