@@ -43,6 +43,7 @@ from mosaic.capture.records import RECORDS_FILE, CallRecord, RecordWriter, Rewar
 from mosaic.capture.wire import (
     ApiError,
     StreamAccumulator,
+    choice_token_ids,
     error_body,
     logprob_list,
     retokenize,
@@ -343,7 +344,7 @@ class RecordingProxy:
         else:
             rec.text = ch.get("text") or ""
         rec.prompt_ids = obj.get("prompt_token_ids") or ch.get("prompt_token_ids") or []
-        rec.completion_ids = ch.get("token_ids") or []
+        rec.completion_ids = choice_token_ids(ch) or []
         rec.logprobs = logprob_list(rec.endpoint, ch.get("logprobs"))
 
     async def handle_reward(self, request, rollout_id: str):

@@ -45,6 +45,14 @@ def validate_request(endpoint: str, body: Any) -> None:
             raise ApiError(422, "field 'prompt' must be a string")
 
 
+def choice_token_ids(ch: dict[str, Any]) -> list[int] | None:
+    """A choice's (or stream delta's) generated ids: vLLM's ``token_ids``, or ``output_ids``."""
+    for key in ("token_ids", "output_ids"):
+        if isinstance(ch.get(key), list):
+            return ch[key]
+    return None
+
+
 def logprob_list(endpoint: str, lp: Any) -> list[float]:
     if not isinstance(lp, dict):
         return []
@@ -96,8 +104,9 @@ class StreamAccumulator:
                 continue
             if self.prompt_ids is None and isinstance(ch.get("prompt_token_ids"), list):
                 self.prompt_ids = ch["prompt_token_ids"]
-            if isinstance(ch.get("token_ids"), list):
-                self.ids.extend(ch["token_ids"])
+            ids = choice_token_ids(ch)
+            if ids is not None:
+                self.ids.extend(ids)
             self.logprobs.extend(logprob_list(self.endpoint, ch.get("logprobs")))
             if ch.get("finish_reason"):
                 self.finish = ch["finish_reason"]
