@@ -157,7 +157,9 @@ def _report_policy(args, lo, hi, raw, pol) -> None:
           f"per row, median of {args.repeats}")
     print(f"  HF model.generate : {raw_m:9.1f} sampled tok/s   (runs: {', '.join(f'{x:.0f}' for x in raw)})")
     print(f"  LocalPolicy       : {pol_m:9.1f} sampled tok/s   (runs: {', '.join(f'{x:.0f}' for x in pol)})")
-    print(f"  ratio policy/raw  : {pol_m / raw_m:.3f}")
+    paired = [p / r for p, r in zip(pol, raw)]  # each pair ran back to back: less exposed to load swings
+    print(f"  ratio policy/raw  : {pol_m / raw_m:.3f}   (per-repeat ratios: "
+          f"{', '.join(f'{x:.2f}' for x in paired)}; median {statistics.median(paired):.2f})")
 
 
 def _harness(args, model, tok, split, rng, pad) -> None:

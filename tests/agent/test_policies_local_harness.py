@@ -18,8 +18,9 @@ TASKS = [FakeTask("t0", "Who is the founder of Ruo Ces?", "Ama Rell"), FakeTask(
 
 @pytest.fixture(scope="module")
 def chat_model():
-    corpus = [SEARCH, "Doc about Ruo Ces works word word", "<answer>Ama Rell</answer>"] * 30
-    tok = train_tokenizer(corpus, vocab_size=400)
+    corpus = [SEARCH, "Doc about Ruo Ces works word word", "<answer>Ama Rell</answer>",
+              *HarnessConfig().prompt_texts()] * 30
+    tok = train_tokenizer(corpus, vocab_size=1024)
     model = build_model(EmbeddedModelConfig.preset("tiny", initializer_range=0.3), tok, seed=0)
     return ChatFormat(tok), model
 
@@ -27,8 +28,8 @@ def chat_model():
 def _run(chat, model, prefix_cache):
     policy = RecordingPolicy(LocalPolicy(model, chat.tokenizer,
                                          LocalPolicyConfig(temperature=0, prefix_cache=prefix_cache)))
-    cfg = HarnessConfig(mode="compaction+fork", context_budget=700, max_new_tokens=24,
-                        summary_max_new_tokens=24, max_turns=12, max_sessions=3, max_total_turns=8)
+    cfg = HarnessConfig(mode="compaction+fork", context_budget=400, max_new_tokens=16,
+                        summary_max_new_tokens=16, max_turns=12, max_sessions=3, max_total_turns=6)
     trajs = Harness(policy, chat, FakeEnv(words_per_hit=2), cfg).run(TASKS, group_size=2, seed=0)
     return trajs, policy
 
