@@ -24,9 +24,16 @@ instead of 0. Every result also carries ``raw_logprobs`` (a :class:`LocalGenResu
 the unprocessed model log-probs of the same tokens, what a PPO ratio wants when
 the rollout used a different temperature.
 
-Per-session prefix caching across turns is not implemented (``release`` is a
-no-op): every call re-prefills each prompt in one batched forward pass; see the
-``bench/rollout.py`` figures for what that costs.
+Prefix cache (``prefix_cache=True``, default): a session's next prompt extends its
+previous prompt + sampled ids + inserted tool tokens, so after each turn the session's
+KV cache (prompt + sampled ids but the last, which was never fed) is kept, keyed by
+``session_key``; the next turn prefills only the new suffix, batched with the other
+rows' suffixes after their cached prefixes. A prompt that does not extend the cached
+ids (a rewritten context) falls back to a full prefill. ``release`` frees a session;
+the cache is LRU-bounded (``prefix_cache_tokens``) and dropped whenever the weights
+change in place (parameter version counters, e.g. after ``optimizer.step()``). In
+``bench/rollout.py`` (32 trajectories, 1,024-token budget) it cut prefilled tokens
+~5x and more than doubled harness throughput on CPU.
 """
 
 from __future__ import annotations
