@@ -239,6 +239,7 @@ class ScriptedConfig:
         delay_s: simulated generation time per request (``X-Scripted-Delay`` overrides it).
         slots: requests generated at once (like vLLM's ``max_num_seqs``); others queue.
             0 = unlimited. With slots the server has a fixed capacity, ``slots / delay_s`` req/s.
+        chunk_delay_s: pause between streamed chunks (to test clients that leave mid-stream).
         model: the model name it reports.
     """
 
@@ -246,6 +247,7 @@ class ScriptedConfig:
     logprobs: bool = True
     delay_s: float = 0.0
     slots: int = 0
+    chunk_delay_s: float = 0.0
     model: str = "scripted"
 
 
@@ -347,6 +349,8 @@ def create_scripted_app(tokenizer, config: ScriptedConfig | None = None):
                 piece = text_ids[pos: pos + 4]
                 yield chunk({"content": rnd.decode(piece)}, piece, pos)
                 pos += len(piece)
+                if cfg.chunk_delay_s:
+                    await asyncio.sleep(cfg.chunk_delay_s)
             if tool_calls:
                 rest = body_ids[pos:]
                 for k, tc in enumerate(tool_calls):

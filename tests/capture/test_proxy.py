@@ -218,6 +218,23 @@ def test_upstream_timeout_is_504(scripted_app_factory, make_proxy):
 # --------------------------------------------------------------------------- durability
 
 
+def test_client_leaving_mid_stream_is_recorded_as_an_error(scripted_app_factory, make_proxy):
+    with ServerThread(scripted_app_factory(chunk_delay_s=0.2)) as slow:
+        px = make_proxy(slow.url)
+        with httpx.stream("POST", f"{px.url}/rollouts/gone/v1/chat/completions",
+                          json={"model": "m", "messages": MSGS, "stream": True}) as r:
+            first = next(r.iter_raw())
+            assert first.startswith(b"data:")
+        # The client is gone; the proxy finishes the record once the relay notices.
+        deadline = time.time() + 15
+        while time.time() < deadline and httpx.get(f"{px.url}/healthz").json()["in_flight"]:
+            time.sleep(0.1)
+        px.stop()
+    (rec,), _ = _calls(px.out_dir)
+    assert rec.rollout_id == "gone" and rec.stream and not rec.ok
+    assert "stream ended before the last chunk" in rec.error
+
+
 def test_torn_last_line_is_skipped_and_repaired(upstream, make_proxy, tmp_path):
     out = str(tmp_path / "torn")
     px = make_proxy(upstream.url, out_dir=out)
