@@ -23,7 +23,10 @@ The model is untrained, so its turns are noise: they rarely stop early and never
 tools correctly (each bad call becomes an error tool response the harness appends).
 That makes turns maximally long, which favours neither side.
 
-Usage: python bench/rollout.py [--preset cpu] [--batch 32] [--new-tokens 64] [--threads 2]
+Usage: python bench/rollout.py [--preset cpu] [--batch 32] [--new-tokens 64] [--threads 1]
+
+On a shared machine use --threads 1: with 2 OpenMP threads and other jobs on the cores,
+throughput dropped ~10x here and swung run to run (spinning threads).
 """
 
 from __future__ import annotations
@@ -47,30 +50,43 @@ def _left_pad(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.T
     return ids, mask
 
 
-def raw_generate_tps(model, prompts: list[list[int]], new_tokens: int, pad: int, seed: int) -> float:
-    """Sampled tokens/s of HF generate producing exactly ``new_tokens`` per row."""
+class Clock:
+    """Wall time and this process's CPU time (all threads). On a shared machine wall time
+    swings with other jobs' load; CPU time is what this process itself spent."""
+
+    def __init__(self) -> None:
+        self.wall = self.cpu = 0.0
+
+    def __enter__(self) -> "Clock":
+        self._w, self._c = time.perf_counter(), time.process_time()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.wall += time.perf_counter() - self._w
+        self.cpu += time.process_time() - self._c
+
+
+def raw_generate(model, prompts: list[list[int]], new_tokens: int, pad: int, seed: int) -> tuple[int, Clock]:
+    """HF generate producing exactly ``new_tokens`` per row: (sampled tokens, time)."""
     ids, mask = _left_pad(prompts, pad)
     torch.manual_seed(seed)
-    t0 = time.perf_counter()
-    with torch.inference_mode():
+    with Clock() as clock, torch.inference_mode():
         out = model.generate(ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0,
                              top_p=1.0, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                              pad_token_id=pad)
-    dt = time.perf_counter() - t0
     assert out.shape[1] - ids.shape[1] == new_tokens
-    return len(prompts) * new_tokens / dt
+    return len(prompts) * new_tokens, clock
 
 
-def policy_tps(policy, prompts: list[list[int]], new_tokens: int) -> float:
+def policy_generate(policy, prompts: list[list[int]], new_tokens: int) -> tuple[int, Clock]:
     from mosaic.agent.policy import GenRequest
 
     reqs = [GenRequest(f"b{i}", p, new_tokens) for i, p in enumerate(prompts)]
-    t0 = time.perf_counter()
-    res = policy.generate(reqs)
-    dt = time.perf_counter() - t0
+    with Clock() as clock:
+        res = policy.generate(reqs)
     n = sum(len(r.token_ids) for r in res)
-    assert n == len(prompts) * new_tokens, n
-    return n / dt
+    assert n == len(prompts) * new_tokens or new_tokens < 8, n
+    return n, clock
 
 
 class _Interleaved:
@@ -85,7 +101,7 @@ class _Interleaved:
         self.sampled = 0
         self.gen_s = 0.0
         self.raw_tokens = 0
-        self.raw_s = 0.0
+        self.raw = Clock()
 
     def generate(self, requests):
         t0 = time.perf_counter()
@@ -94,12 +110,11 @@ class _Interleaved:
         self.lens += [len(r.prompt_ids) for r in requests]
         self.sampled += sum(len(r.token_ids) for r in out)
         self.batches.append(len(requests))
-        t1 = time.perf_counter()
-        tps = raw_generate_tps(self.model, [list(r.prompt_ids) for r in requests], self.new_tokens,
-                               self.pad, self.seed + len(self.batches))
-        self.raw_s += time.perf_counter() - t1
-        self.raw_tokens += len(requests) * self.new_tokens
-        del tps
+        n, clock = raw_generate(self.model, [list(r.prompt_ids) for r in requests], self.new_tokens,
+                                self.pad, self.seed + len(self.batches))
+        self.raw_tokens += n
+        self.raw.wall += clock.wall
+        self.raw.cpu += clock.cpu
         return out
 
     def release(self, key):
@@ -149,12 +164,12 @@ def main() -> None:
                                                         stop_token_ids=(-1,), seed=args.seed,
                                                         prefix_cache=False))
     # Warm up both paths once (allocator, kernels).
-    raw_generate_tps(model, prompts[:4], 8, pad, args.seed)
-    policy_tps(LocalPolicy(model, tok), prompts[:4], 1)
+    raw_generate(model, prompts[:4], 8, pad, args.seed)
+    policy_generate(LocalPolicy(model, tok), prompts[:4], 1)
     raw, pol = [], []
     for r in range(0 if args.skip_policy else args.repeats):  # interleaved, so background load hits both alike
-        raw.append(raw_generate_tps(model, prompts, args.new_tokens, pad, args.seed + r))
-        pol.append(policy_tps(no_stop, prompts, args.new_tokens))
+        raw.append(raw_generate(model, prompts, args.new_tokens, pad, args.seed + r))
+        pol.append(policy_generate(no_stop, prompts, args.new_tokens))
     if not args.skip_policy:
         _report_policy(args, lo, hi, raw, pol)
     if not args.skip_harness:
@@ -162,14 +177,18 @@ def main() -> None:
 
 
 def _report_policy(args, lo, hi, raw, pol) -> None:
-    raw_m, pol_m = statistics.median(raw), statistics.median(pol)
     print(f"\n[policy level] batch {args.batch}, prompts {lo}-{hi} tokens, {args.new_tokens} new tokens "
-          f"per row, median of {args.repeats}")
-    print(f"  HF model.generate : {raw_m:9.1f} sampled tok/s   (runs: {', '.join(f'{x:.0f}' for x in raw)})")
-    print(f"  LocalPolicy       : {pol_m:9.1f} sampled tok/s   (runs: {', '.join(f'{x:.0f}' for x in pol)})")
-    paired = [p / r for p, r in zip(pol, raw)]  # each pair ran back to back: less exposed to load swings
-    print(f"  ratio policy/raw  : {pol_m / raw_m:.3f}   (per-repeat ratios: "
-          f"{', '.join(f'{x:.2f}' for x in paired)}; median {statistics.median(paired):.2f})")
+          f"per row, median of {args.repeats} interleaved repeats")
+    for clock in ("wall", "cpu"):
+        r = [n / getattr(c, clock) for n, c in raw]
+        p = [n / getattr(c, clock) for n, c in pol]
+        paired = [a / b for a, b in zip(p, r)]
+        print(f"  {clock:4s} HF model.generate : {statistics.median(r):9.1f} sampled tok/s   "
+              f"(runs: {', '.join(f'{x:.0f}' for x in r)})")
+        print(f"  {clock:4s} LocalPolicy       : {statistics.median(p):9.1f} sampled tok/s   "
+              f"(runs: {', '.join(f'{x:.0f}' for x in p)})")
+        print(f"  {clock:4s} ratio policy/raw  : {statistics.median(paired):.3f}   (per-repeat: "
+              f"{', '.join(f'{x:.2f}' for x in paired)})")
 
 
 def _harness(args, model, tok, split, rng, pad) -> None:
@@ -188,12 +207,11 @@ def _harness(args, model, tok, split, rng, pad) -> None:
                                                       prefix_cache=not args.no_prefix_cache))
     policy = _Interleaved(inner, model, pad, args.new_tokens, args.seed + 100)
     tasks = split.tasks[:args.batch // args.group_size]
-    t0 = time.perf_counter()
-    trajs = Harness(policy, chat, DeepSearchEnv(split), hcfg).run(tasks, group_size=args.group_size,
-                                                                 seed=args.seed)
-    wall = time.perf_counter() - t0 - policy.raw_s
-    h_tps = policy.sampled / wall
-    raw_tps = policy.raw_tokens / policy.raw_s
+    with Clock() as total:
+        trajs = Harness(policy, chat, DeepSearchEnv(split), hcfg).run(tasks, group_size=args.group_size,
+                                                                     seed=args.seed)
+    wall = total.wall - policy.raw.wall
+    cpu = total.cpu - policy.raw.cpu
     sessions = sum(len(t.sessions) for t in trajs)
     print(f"\n[harness level] {len(trajs)} concurrent trajectories ({len(tasks)} tasks x {args.group_size}), "
           f"mode compaction, budget {args.context_budget}, turn cap {args.new_tokens} tokens")
@@ -202,11 +220,13 @@ def _harness(args, model, tok, split, rng, pad) -> None:
           f"mean prompt {statistics.mean(policy.lens):.0f} tokens")
     print(f"  harness wall {wall:.1f} s, of which in policy.generate {policy.gen_s:.1f} s; prefix cache "
           f"{'off' if args.no_prefix_cache else 'on'}: {inner.cache_stats}")
-    print(f"  harness           : {h_tps:9.1f} sampled tok/s")
-    print(f"  HF model.generate : {raw_tps:9.1f} sampled tok/s   (after each harness call, same prompts, "
-          f"batch {max(policy.batches)}..{min(policy.batches)}, {args.new_tokens} new per row; "
-          f"{policy.raw_tokens} tokens in {policy.raw_s:.1f} s)")
-    print(f"  ratio harness/raw : {h_tps / raw_tps:.3f}   (target >= 0.9)")
+    print(f"  peer: HF model.generate after each harness call on the same prompts, "
+          f"{args.new_tokens} new per row: {policy.raw_tokens} tokens")
+    for name, h_s, r_s in (("wall", wall, policy.raw.wall), ("cpu", cpu, policy.raw.cpu)):
+        h_tps, r_tps = policy.sampled / h_s, policy.raw_tokens / r_s
+        print(f"  {name:4s} harness           : {h_tps:9.1f} sampled tok/s   ({h_s:.1f} s)")
+        print(f"  {name:4s} HF model.generate : {r_tps:9.1f} sampled tok/s   ({r_s:.1f} s)")
+        print(f"  {name:4s} ratio harness/raw : {h_tps / r_tps:.3f}   (target >= 0.9)")
 
 
 if __name__ == "__main__":
