@@ -32,8 +32,8 @@ rows' suffixes after their cached prefixes. A prompt that does not extend the ca
 ids (a rewritten context) falls back to a full prefill. ``release`` frees a session;
 the cache is LRU-bounded (``prefix_cache_tokens``) and dropped whenever the weights
 change in place (parameter version counters, e.g. after ``optimizer.step()``). In
-``bench/rollout.py`` (32 trajectories, 1,024-token budget) it cut prefilled tokens
-~5x and more than doubled harness throughput on CPU.
+``bench/rollout.py`` (32 trajectories, 1,024-token budget, CPU) it cut prefilled tokens
+from 94k to 16k and took the harness from 0.98x to 2.1x raw ``model.generate`` throughput.
 """
 
 from __future__ import annotations
