@@ -369,7 +369,17 @@ class Config:
 SECTIONS = {f.name: f for f in fields(Config) if f.name != "preset"}
 
 PRESETS: dict[str, dict[str, dict[str, Any]]] = {
-    "cpu": {},
+    # Sized for a 2-core CPU: the ~1M-parameter embedded model, a context budget that forces
+    # compaction on 3-hop questions, short turns, a short RL run.
+    "cpu": {
+        "model": {"embedded_preset": "tiny"},
+        "data": {"n_eval_tasks": 64},
+        "harness": {"context_budget": 384, "max_new_tokens": 48, "summary_max_new_tokens": 64, "max_turns": 8,
+                    "max_sessions": 8, "max_total_turns": 24},
+        "optim": {"lr": 2e-4, "micro_batch_size": 8},
+        "train": {"steps": 12, "batch_tasks": 4, "group_size": 4, "save_every": 4, "run_dir": "runs/cpu"},
+        "sft": {"epochs": 2, "lr": 3e-3, "batch_size": 16, "output_dir": "runs/cpu-sft"},
+    },
     "smollm2": {
         "model": {"source": "smollm2", "device": "cpu", "dtype": "float32"},
         "harness": {"context_budget": 2048, "max_new_tokens": 192},
@@ -387,7 +397,7 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
         "sft": {"n_tasks": 1000, "output_dir": "runs/paper-sft"},
     },
 }
-"""Overrides of the defaults per preset (``cpu`` = the defaults)."""
+"""Overrides of the field defaults per preset."""
 
 
 # --------------------------------------------------------------------------------------

@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from mosaic.train.config import Config, dump_config
+from mosaic.train.config import Config, dump_config, resolve_steps
 
 __all__ = ["RunPlan", "prepare_run", "run_train", "run_sft", "run_eval", "ensure_warm_start"]
 
@@ -160,10 +159,6 @@ def run_eval(cfg: Config, checkpoint: str | None, out: str | None) -> int:
 # ----------------------------------------------------------------------------- train
 
 
-def total_steps(cfg: Config, n_train_tasks: int) -> int:
-    return cfg.train.steps or math.ceil(n_train_tasks / cfg.train.batch_tasks)
-
-
 def run_train(cfg: Config) -> int:
     """``mosaic train``: warm start (cached) → held-out eval → RL → held-out eval and paired CI."""
     import torch
@@ -204,7 +199,7 @@ def run_train(cfg: Config) -> int:
         base_meta.write_text(json.dumps(base))
         _log(r.line("warm start on test"))
 
-    steps = total_steps(cfg, len(train.tasks))
+    steps = resolve_steps(cfg, len(train.tasks))
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, steps * cfg.optim.ppo_epochs * cfg.optim.mini_batches)
     start = 0
