@@ -22,9 +22,11 @@ def test_print_config(tmp_path, capsys):
     assert "preset: paper" in out and "estimator: broadcast" in out and "lam: 0.3" in out
 
 
-def test_train_not_implemented_yet(capsys, tmp_path):
-    assert main(["train", f"train.run_dir={tmp_path / 'r'}"]) == 1
-    assert "not implemented yet" in capsys.readouterr().err
+def test_sft_and_eval_config_errors_do_no_work(tmp_path, capsys):
+    rd = tmp_path / "r"
+    assert main(["eval", "--preset", "cpu", "optim.lr=-1", f"train.run_dir={rd}"]) == 2
+    assert "config key 'optim.lr': must be > 0" in capsys.readouterr().err
+    assert not rd.exists()
 
 
 def test_compare(tmp_path, capsys):
