@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Iterator
 
-from mosaic.trace.storage import TornLineWarning
+from mosaic.trace.storage import TornLineWarning, cut_torn_tail
 
 RECORD_SCHEMA = "mosaic.capture"
 RECORD_SCHEMA_VERSION = 1
@@ -170,23 +170,9 @@ class RecordWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fsync = fsync
         self._lock = threading.Lock()
-        self._repair_torn_tail()
+        cut_torn_tail(self.path)
         self._fh = open(self.path, "a", encoding="utf-8")
         self.count = 0
-
-    def _repair_torn_tail(self) -> None:
-        if not self.path.exists() or self.path.stat().st_size == 0:
-            return
-        with open(self.path, "rb+") as fh:
-            data = fh.read()
-            if data.endswith(b"\n"):
-                return
-            cut = data.rfind(b"\n") + 1
-            with open(self.path.with_name(self.path.name + ".torn"), "ab") as torn:
-                torn.write(data[cut:] + b"\n")
-            fh.truncate(cut)
-        warnings.warn(f"{self.path}: cut a torn last line ({len(data) - cut} bytes) before appending",
-                      TornLineWarning, stacklevel=3)
 
     def write(self, record: CallRecord | RewardRecord) -> None:
         obj = record.to_dict()

@@ -38,6 +38,29 @@ class TornLineWarning(UserWarning):
 # --------------------------------------------------------------------------- JSONL
 
 
+def cut_torn_tail(path: str | os.PathLike) -> int:
+    """Before appending to a JSONL file: cut off a torn last line (a crash mid-write).
+
+    Appending after a torn line would glue a good record onto garbage. The torn
+    bytes are kept in ``<file>.torn`` for inspection and a warning is issued.
+    Returns the number of bytes cut (0 when the file ends cleanly or is absent).
+    """
+    path = Path(path)
+    if not path.exists() or path.stat().st_size == 0:
+        return 0
+    with open(path, "rb+") as fh:
+        data = fh.read()
+        if data.endswith(b"\n"):
+            return 0
+        cut = data.rfind(b"\n") + 1  # 0 when the whole file is one torn line
+        with open(path.with_name(path.name + ".torn"), "ab") as torn:
+            torn.write(data[cut:] + b"\n")
+        fh.truncate(cut)
+    warnings.warn(f"{path}: cut a torn last line ({len(data) - cut} bytes, saved to .torn) before appending",
+                  TornLineWarning, stacklevel=3)
+    return len(data) - cut
+
+
 class JsonlWriter:
     """Append trajectories to a JSONL file, one flushed line each (thread-safe).
 
@@ -51,28 +74,9 @@ class JsonlWriter:
         self._fsync = fsync
         self._validate = validate_records
         self._lock = threading.Lock()
-        self._repair_torn_tail()
+        cut_torn_tail(self.path)
         self._fh = open(self.path, "a", encoding="utf-8")
         self.count = 0
-
-    def _repair_torn_tail(self) -> None:
-        # Appending after a torn line would glue a good record onto garbage. Cut the torn
-        # tail off (keeping its bytes in ``<file>.torn`` for inspection) before appending.
-        if not self.path.exists() or self.path.stat().st_size == 0:
-            return
-        with open(self.path, "rb+") as fh:
-            data = fh.read()
-            if data.endswith(b"\n"):
-                return
-            cut = data.rfind(b"\n") + 1  # 0 when the whole file is one torn line
-            with open(self.path.with_name(self.path.name + ".torn"), "ab") as torn:
-                torn.write(data[cut:] + b"\n")
-            fh.truncate(cut)
-        warnings.warn(
-            f"{self.path}: cut a torn last line ({len(data) - cut} bytes, saved to .torn) before appending",
-            TornLineWarning,
-            stacklevel=3,
-        )
 
     def write(self, traj: Trajectory) -> None:
         if self._validate:
