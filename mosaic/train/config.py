@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from dataclasses import dataclass, field, fields, is_dataclass
@@ -29,11 +30,14 @@ from typing import Any, Literal, Sequence, get_args, get_origin
 
 import yaml
 
+from mosaic.agent.config import HarnessConfig
+
 __all__ = [
     "ConfigError",
     "ModelConfig",
     "DataConfig",
-    "HarnessSettings",
+    "HarnessConfig",
+    "RolloutConfig",
     "AlgoConfig",
     "OptimConfig",
     "TrainConfig",
@@ -144,46 +148,22 @@ class DataConfig(_Section):
 
 
 @dataclass(frozen=True)
-class HarnessSettings(_Section):
-    """Rollout settings (SPEC §2); mapped onto ``mosaic.agent.harness.HarnessConfig`` by the trainer."""
+class RolloutConfig(_Section):
+    """How the policy samples during RL rollouts (the agent loop itself is the ``harness`` section:
+    ``mosaic.agent.config.HarnessConfig``, used as it is)."""
 
-    _section: typing.ClassVar[str] = "harness"
-    mode: Literal["single", "compaction", "fork", "compaction+fork"] = "compaction"
-    """``single``: plain GRPO baseline (overflow ends the rollout); ``compaction``; ``fork`` (subagents)."""
-    context_budget: int = 1024
-    """Tokens a main session's context may reach, counting the next turn's ``max_new_tokens``."""
-    max_new_tokens: int = 128
-    """Cap on sampled tokens per assistant turn."""
-    summary_max_new_tokens: int = 160
-    """Cap on a compaction summary."""
-    max_turns: int = 12
-    """Assistant turns per main session."""
-    max_sessions: int = 12
-    """Sessions (all kinds) per trajectory; past it the rollout ends unanswered (reward 0)."""
-    max_total_turns: int = 48
-    """Main + subagent turns per trajectory."""
-    subagent_max_turns: int = 6
-    """Assistant turns per subagent session."""
+    _section: typing.ClassVar[str] = "rollout"
     temperature: float = 1.0
-    """Sampling temperature of rollouts (the old log-probs are recomputed at the same temperature)."""
+    """Sampling temperature of rollouts (the PPO ratio divides the logits by the same temperature)."""
     top_p: float = 1.0
     """Nucleus mass of rollout sampling, in (0, 1]."""
-    reward_metric: Literal["em", "f1"] = "em"
-    """Outcome reward: exact match or token F1 (SPEC §3)."""
-    success_threshold: float = 1.0
-    """``success = reward >= success_threshold``."""
-    rollout_batch_size: int = 64
+    batch_size: int = 64
     """Most sequences the local policy decodes together."""
 
     def _validate(self) -> None:
-        self._positive("context_budget", "max_new_tokens", "summary_max_new_tokens", "max_turns", "max_sessions",
-                       "max_total_turns", "subagent_max_turns", "rollout_batch_size")  # fmt: skip
-        self._need(self.max_new_tokens < self.context_budget, "max_new_tokens", "must be < harness.context_budget")
+        self._positive("batch_size")
         self._need(self.temperature > 0, "temperature", "must be > 0 for RL rollouts (log-probs need sampling)")
         self._need(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
-        self._need(0 < self.success_threshold <= 1, "success_threshold", "must be in (0, 1]")
-        if "compaction" in self.mode:
-            self._need(self.max_sessions >= 3, "max_sessions", "compaction needs room for main -> compaction -> main")
 
 
 @dataclass(frozen=True)
@@ -347,7 +327,9 @@ class Config:
     """Name of the preset this config started from (informational)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    harness: HarnessSettings = field(default_factory=HarnessSettings)
+    harness: HarnessConfig = field(default_factory=HarnessConfig)
+    """The agent loop (SPEC §2): mode, context budget, caps, prompts — ``mosaic.agent.config.HarnessConfig``."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -389,8 +371,8 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     "paper": {
         "model": {"source": "smollm2", "device": "cuda", "dtype": "bfloat16", "gradient_checkpointing": True},
         "data": {"preset": "paper"},
-        "harness": {"context_budget": 4096, "max_new_tokens": 512, "summary_max_new_tokens": 512,
-                    "rollout_batch_size": 128},
+        "harness": {"context_budget": 4096, "max_new_tokens": 512, "summary_max_new_tokens": 512},
+        "rollout": {"batch_size": 128},
         "optim": {"lr": 1e-6, "warmup_steps": 5, "micro_batch_size": 8},
         "train": {"steps": 0, "batch_tasks": 16, "group_size": 8, "eval_every": 10, "save_every": 10,
                   "run_dir": "runs/paper"},
@@ -484,6 +466,10 @@ def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
     except ConfigError:
         raise
     except (TypeError, ValueError) as exc:
+        # A section validated by its own class (e.g. ``HarnessConfig.max_new_tokens: ...``): name the dotted key.
+        m = re.match(rf"^{cls.__name__}\.(\w+): (.*)$", str(exc), re.S)
+        if m:
+            raise ConfigError(f"config key '{prefix}{m.group(1)}': {m.group(2)}") from None
         raise ConfigError(f"config section '{prefix.rstrip('.') or 'config'}': {exc}") from None
 
 
@@ -496,7 +482,10 @@ def config_keys() -> list[str]:
 
 
 def _unknown(key: str) -> str:
-    near = difflib.get_close_matches(key, config_keys(), n=1, cutoff=0.6)
+    keys = config_keys()
+    # The right field in the wrong section (e.g. harness.temperature → rollout.temperature) first.
+    moved = [k for k in keys if k.rsplit(".", 1)[-1] == key.rsplit(".", 1)[-1] and k != key]
+    near = moved[:1] or difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
     hint = f" (did you mean '{near[0]}'?)" if near else " (see `config_keys()` / docs for the list)"
     return f"unknown config key '{key}'{hint}"
 

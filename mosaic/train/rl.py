@@ -193,7 +193,7 @@ def rl_step(st: RLState, step: int) -> dict[str, float]:
     rows = to_rows(trajs, adv.tolist())
 
     t2 = time.perf_counter()
-    upd = update(st, rows, temperature=cfg.harness.temperature)
+    upd = update(st, rows, temperature=cfg.rollout.temperature)
     t_update = time.perf_counter() - t2
 
     total = time.perf_counter() - t0

@@ -55,22 +55,8 @@ def load_split(cfg: Config, split: str):
 
 
 def harness_config(cfg: Config):
-    """``mosaic.agent.harness.HarnessConfig`` from the run's harness settings."""
-    from mosaic.agent.harness import HarnessConfig
-
-    h = cfg.harness
-    return HarnessConfig(
-        mode=h.mode,
-        context_budget=h.context_budget,
-        max_new_tokens=h.max_new_tokens,
-        summary_max_new_tokens=h.summary_max_new_tokens,
-        max_turns=h.max_turns,
-        max_sessions=h.max_sessions,
-        max_total_turns=h.max_total_turns,
-        subagent_max_turns=h.subagent_max_turns,
-        reward_metric=h.reward_metric,
-        success_threshold=h.success_threshold,
-    )
+    """The run's ``mosaic.agent.config.HarnessConfig`` (the config's ``harness`` section, as it is)."""
+    return cfg.harness
 
 
 def build_base_model(cfg: Config, train_split, device: torch.device, dtype: torch.dtype):
@@ -113,11 +99,11 @@ def sampling_policy(cfg: Config, model, tokenizer, *, temperature: float | None 
     """A batched KV-cache :class:`~mosaic.agent.policies.local.LocalPolicy` over the live model."""
     from mosaic.agent.policies.local import LocalPolicy, LocalPolicyConfig
 
-    h = cfg.harness
+    r = cfg.rollout
     pc = LocalPolicyConfig(
-        temperature=h.temperature if temperature is None else temperature,
-        top_p=h.top_p,
-        max_batch_size=h.rollout_batch_size,
+        temperature=r.temperature if temperature is None else temperature,
+        top_p=r.top_p,
+        max_batch_size=r.batch_size,
         seed=seed,
     )
     return LocalPolicy(model, tokenizer, pc)

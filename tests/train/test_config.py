@@ -7,7 +7,7 @@ from mosaic.train.config import (
     AlgoConfig,
     Config,
     ConfigError,
-    HarnessSettings,
+    RolloutConfig,
     ModelConfig,
     OptimConfig,
     config_keys,
@@ -54,7 +54,7 @@ def test_overrides_are_typed():
         ("optim.betas=[0.9]", "config key 'optim.betas': must be a list of 2 items"),
         ("algo.rho=1.0", "config key 'algo.rho': must be in [0, 1)"),
         ("optim.lr=-1", "config key 'optim.lr': must be > 0"),
-        ("harness.max_new_tokens=5000", "config key 'harness.max_new_tokens': must be < harness.context_budget"),
+        ("harness.max_new_tokens=5000", "config key 'harness.max_new_tokens': must be < context_budget"),
         ("model.source=dir", "config key 'model.path': is required"),
         ("algo.estimator=grpo", "config key 'algo.estimator': 'grpo' is single-session"),
         ("no_equals_sign", "must look like section.field=value"),
@@ -89,11 +89,22 @@ def test_yaml_file_and_round_trip(tmp_path):
         load_config(preset="papr")
 
 
+def test_harness_section_is_the_agent_harness_config():
+    from mosaic.agent.config import HarnessConfig
+
+    c = load_config(overrides=["harness.mode=fork", "harness.max_depth=2", "harness.search_k=5"])
+    assert isinstance(c.harness, HarnessConfig) and (c.harness.max_depth, c.harness.search_k) == (2, 5)
+    with pytest.raises(ConfigError, match="harness.*max_new_tokens"):
+        load_config(overrides=["harness.max_new_tokens=5000"])
+    with pytest.raises(ConfigError, match="unknown config key 'harness.temperature' \\(did you mean 'rollout.temperature'"):
+        load_config(overrides=["harness.temperature=0.7"])
+
+
 def test_direct_construction_is_validated():
     with pytest.raises(ConfigError, match="'model.dtype'"):
         ModelConfig(dtype="fp8")  # type: ignore[arg-type]
-    with pytest.raises(ConfigError, match="'harness.top_p'"):
-        HarnessSettings(top_p=0.0)
+    with pytest.raises(ConfigError, match="'rollout.top_p'"):
+        RolloutConfig(top_p=0.0)
     with pytest.raises(ConfigError, match="'optim.micro_batch_size'"):
         OptimConfig(micro_batch_size=0)
     assert AlgoConfig(estimator="mosaic").needs_gains and not AlgoConfig(estimator="broadcast").needs_gains
