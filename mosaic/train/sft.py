@@ -23,6 +23,7 @@ import torch
 from mosaic.trace import Trajectory, to_rows
 from mosaic.train.batching import collate, completion_logprobs
 from mosaic.train.config import Config
+from mosaic.train.optim import lr_factor
 
 log = logging.getLogger(__name__)
 
@@ -80,9 +81,9 @@ def sft_train(model, trajs: Sequence[Trajectory], cfg: Config, *, pad_id: int, d
         order += ep
     steps = math.ceil(len(order) / s.batch_size)
     opt = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=0.0)
+    # Linear warm-up, then cosine decay to 0 at the last step (the RL schedule's shape).
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda k: min(1.0, (k + 1) / max(1, s.warmup_steps)) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * k / steps)))
-    )
+        opt, lambda k: lr_factor(k, warmup_steps=s.warmup_steps, total_steps=steps, schedule="cosine"))
     model.train()
     losses: list[float] = []
     t0 = time.perf_counter()
@@ -99,7 +100,7 @@ def sft_train(model, trajs: Sequence[Trajectory], cfg: Config, *, pad_id: int, d
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         bar.update(1)
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
     bar.close()
