@@ -1,0 +1,27 @@
+"""SFT warm start: expert rollouts through the harness, loss on sampled tokens only."""
+
+from __future__ import annotations
+
+import torch
+
+from mosaic.train import setup
+from mosaic.train.config import load_config
+from mosaic.train.sft import expert_trajectories, sft_train
+
+
+def test_sft_on_expert_rollouts_learns_every_session_kind(tmp_path):
+    cfg = load_config("cpu", overrides=[f"data.cache_dir={tmp_path / 'cache'}", "sft.epochs=3", "sft.batch_size=4",
+                                        "sft.warmup_steps=2", "harness.context_budget=300"])
+    train = setup.load_split(cfg, "train")
+    model, tok = setup.build_base_model(cfg, train, torch.device("cpu"), torch.float32)
+    chat = setup.chat_format(tok)
+    trajs = expert_trajectories(cfg, train, tok, chat, n_tasks=6, progress=False)
+    kinds = {s.kind for t in trajs for s in t.sessions}
+    assert {"main", "compaction"} <= kinds  # the budget forces compaction: summaries are trained too
+    # Only sampled tokens carry loss: inserted (tool / template) tokens are masked out.
+    assert all(sum(s.loss_mask) < len(s.completion_ids) for t in trajs for s in t.sessions if s.kind == "main")
+    res = sft_train(model, trajs, cfg, pad_id=tok.pad_token_id, device=torch.device("cpu"), progress=False)
+    assert res.steps > 5 and res.tokens == sum(s.num_trainable for t in trajs for s in t.sessions)
+    first, last = sum(res.losses[:3]) / 3, sum(res.losses[-3:]) / 3
+    assert last < first - 0.5, (first, last)
+    assert not model.training  # handed back in eval mode for rollouts
