@@ -20,7 +20,7 @@ def test_missing_package_gives_install_hint(monkeypatch):
         smollm2.gguf_path()
 
 
-def test_smollm2_answers_a_chat_question():
+def test_smollm2_answers_a_chat_question(tmp_path):
     from mosaic.agent.policies.local import LocalPolicy, LocalPolicyConfig
     from mosaic.agent.policy import GenRequest
 
@@ -35,3 +35,15 @@ def test_smollm2_answers_a_chat_question():
     text = tok.decode(res.token_ids, skip_special_tokens=True)
     assert "Paris" in text, text
     assert res.finish_reason == "stop" and res.token_ids[-1] == tok.eos_token_id
+
+    # A trained SmolLM2 must checkpoint like any model (warm start, RL checkpoints).
+    import torch
+
+    from mosaic.agent.models.embedded import load_model, save_model
+
+    save_model(model, tok, tmp_path / "m")
+    model2, tok2 = load_model(tmp_path / "m")
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        torch.testing.assert_close(model(x).logits, model2(x).logits, rtol=0, atol=0)
+    assert tok2(text)["input_ids"] == tok(text)["input_ids"]

@@ -52,6 +52,12 @@ def load_smollm2(*, device: str | torch.device = "cpu", dtype: torch.dtype = tor
                                               local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                  dtype=dtype, local_files_only=True)
+    # The GGUF weights are dequantised to ``dtype`` on load: the model is a plain one now. Drop the
+    # quantizer record, or ``save_pretrained`` (warm-start and RL checkpoints) refuses to write it.
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     if model.config.pad_token_id is None:
