@@ -121,7 +121,8 @@ def policy_loss(
         advantages: (B,) per row (session) or (B, L) per token.
         loss_mask: (B, L) bool, True = sampled by the policy = trained.
         weights: (B,) per-token weight of each row from :func:`token_weights`
-            computed over the whole batch.
+            computed over the whole batch, or (B, L) per token (rows that pack several
+            sessions of one trajectory into one sequence carry each session's weight).
         clip_low, clip_high: ratio clipped to ``[1 - clip_low, 1 + clip_high]``.
         clip_ratio_c: dual-clip bound for negative advantages (verl's
             ``clip_ratio_c``); None disables it.
@@ -141,7 +142,8 @@ def policy_loss(
         raise ValueError("kl_coef > 0 needs ref_logprobs")
     adv = advantages.to(logprobs.dtype)
     adv = adv.unsqueeze(-1).expand_as(logprobs) if adv.dim() == 1 else adv  # (B, L)
-    w_tok = weights.to(logprobs.dtype).unsqueeze(-1) * mask  # (B, L), 0 off-mask
+    w = weights.to(logprobs.dtype)
+    w_tok = (w.unsqueeze(-1) if w.dim() == 1 else w) * mask  # (B, L), 0 off-mask
     # Masked positions get log-ratio 0 through `where`, so non-finite padding
     # log-probs there can never produce NaN values or gradients.
     log_ratio = torch.where(mask, logprobs - old_logprobs.detach(), torch.zeros_like(logprobs)).clamp(-20.0, 20.0)

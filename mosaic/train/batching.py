@@ -20,8 +20,87 @@ from mosaic.trace.rows import TrainingRow
 
 
 @dataclass
+class PackedRow:
+    """One forward sequence carrying the trained tokens of one or more sessions of a trajectory.
+
+    A main session's whole context is the prefix of the compaction session that
+    summarises it (SPEC §2), so both train from one pass over the longer
+    sequence: the logits of a prefix do not depend on what follows it. Fields
+    mirror :class:`~mosaic.trace.rows.TrainingRow`; ``token_rows[k]`` is the index
+    (into the unpacked rows) of the session completion token ``k`` belongs to,
+    -1 where no session trains it, and ``token_advantages[k]`` that session's advantage.
+    """
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    loss_mask: list[bool]
+    logprobs: list[float]
+    token_advantages: list[float]
+    token_rows: list[int]
+    traj_index: int
+
+    @staticmethod
+    def of(row: TrainingRow, index: int) -> "PackedRow":
+        n = len(row.completion_ids)
+        return PackedRow(list(row.prompt_ids), list(row.completion_ids), list(row.loss_mask), list(row.logprobs),
+                         [row.advantage] * n, [index if m else -1 for m in row.loss_mask], row.traj_index)  # fmt: skip
+
+    @property
+    def input_ids(self) -> list[int]:
+        return self.prompt_ids + self.completion_ids
+
+    def absorb(self, row: TrainingRow, index: int) -> bool:
+        """Train ``row`` inside this sequence if its ids are a prefix of ours and its trained
+        tokens fall on positions we do not train; returns whether it did."""
+        ids = row.prompt_ids + row.completion_ids
+        mine = self.input_ids
+        if len(ids) > len(mine) or mine[: len(ids)] != ids or len(row.prompt_ids) < 1:
+            return False
+        shift = len(row.prompt_ids) - len(self.prompt_ids)  # row's completion offset in ours
+        if shift < 0:  # its completion starts inside our prompt: move our prompt boundary back
+            pad = -shift
+            self.completion_ids = self.prompt_ids[-pad:] + self.completion_ids
+            self.prompt_ids = self.prompt_ids[:-pad]
+            self.loss_mask = [False] * pad + self.loss_mask
+            self.logprobs = [0.0] * pad + self.logprobs
+            self.token_advantages = [0.0] * pad + self.token_advantages
+            self.token_rows = [-1] * pad + self.token_rows
+            shift = 0
+        span = range(shift, shift + len(row.completion_ids))
+        if any(self.loss_mask[k] for k, m in zip(span, row.loss_mask) if m):
+            return False  # both would train the same position: keep them apart
+        for k, (m, lp) in zip(span, zip(row.loss_mask, row.logprobs)):
+            if m:
+                self.loss_mask[k], self.logprobs[k] = True, lp
+                self.token_advantages[k], self.token_rows[k] = row.advantage, index
+        return True
+
+
+def pack_rows(rows: Sequence[TrainingRow], indices: Sequence[int] | None = None) -> list[PackedRow]:
+    """Pack each row into a longer row of the same trajectory whose ids it prefixes (exact ids).
+
+    Longest rows first; a row nobody can absorb becomes its own packed row. The
+    trained tokens, their log-probs and advantages are unchanged, so the loss is
+    the same — only fewer tokens go through the model.
+    """
+    indices = list(range(len(rows))) if indices is None else list(indices)
+    by_traj: dict[int, list[int]] = {}
+    for i in indices:
+        by_traj.setdefault(rows[i].traj_index, []).append(i)
+    out: list[PackedRow] = []
+    for members in by_traj.values():
+        members.sort(key=lambda i: -(len(rows[i].prompt_ids) + len(rows[i].completion_ids)))
+        packed: list[PackedRow] = []
+        for i in members:
+            if not any(p.absorb(rows[i], i) for p in packed):
+                packed.append(PackedRow.of(rows[i], i))
+        out += packed
+    return out
+
+
+@dataclass
 class RowBatch:
-    """Right-padded tensors for R rows.
+    """Right-padded tensors for R sequences.
 
     Attributes:
         input_ids: (R, Lmax) prompt + completion, padded with ``pad_id``.
@@ -30,7 +109,8 @@ class RowBatch:
         loss_mask: (R, Lc) bool, True = trained token (False on padding).
         old_logprobs: (R, Lc) sampling log-probs (0 on padding).
         prompt_lens: (R,) prompt lengths; completion_lens: (R,).
-        advantages: (R,) per-row advantage; rows: indices of the rows in the full batch.
+        advantages: (R, Lc) per-token advantage (each token carries its session's).
+        token_rows: (R, Lc) index of the unpacked row (session) each token trains, -1 if none.
     """
 
     input_ids: torch.Tensor
@@ -41,15 +121,20 @@ class RowBatch:
     prompt_lens: torch.Tensor
     completion_lens: torch.Tensor
     advantages: torch.Tensor
-    rows: torch.Tensor
+    token_rows: torch.Tensor
 
     def to(self, device) -> "RowBatch":
         return RowBatch(**{k: v.to(device) for k, v in self.__dict__.items()})
 
+    def token_weights(self, row_weights: torch.Tensor) -> torch.Tensor:
+        """(R, Lc) per-token weights from per-session weights ``row_weights`` (indexed by token_rows)."""
+        w = row_weights.to(self.old_logprobs.device)[self.token_rows.clamp(min=0)]
+        return torch.where(self.token_rows >= 0, w, torch.zeros_like(w))
 
-def collate(rows: Sequence[TrainingRow], indices: Sequence[int], *, pad_id: int) -> RowBatch:
-    """Pad rows ``indices`` of ``rows`` into a :class:`RowBatch`."""
-    sel = [rows[i] for i in indices]
+
+def collate(rows: Sequence[TrainingRow | PackedRow], indices: Sequence[int], *, pad_id: int) -> RowBatch:
+    """Pad rows ``indices`` of ``rows`` (plain session rows or packed rows) into a :class:`RowBatch`."""
+    sel = [r if isinstance(r, PackedRow) else PackedRow.of(r, i) for i, r in ((i, rows[i]) for i in indices)]
     lmax = max(len(r.prompt_ids) + len(r.completion_ids) for r in sel)
     lc = max(max(len(r.completion_ids) for r in sel), 1)
     n = len(sel)
@@ -58,6 +143,8 @@ def collate(rows: Sequence[TrainingRow], indices: Sequence[int], *, pad_id: int)
     comp = torch.full((n, lc), pad_id, dtype=torch.long)
     mask = torch.zeros((n, lc), dtype=torch.bool)
     old = torch.zeros((n, lc), dtype=torch.float32)
+    adv = torch.zeros((n, lc), dtype=torch.float32)
+    trow = torch.full((n, lc), -1, dtype=torch.long)
     for j, r in enumerate(sel):
         ids = r.prompt_ids + r.completion_ids
         input_ids[j, : len(ids)] = torch.tensor(ids, dtype=torch.long)
@@ -67,6 +154,8 @@ def collate(rows: Sequence[TrainingRow], indices: Sequence[int], *, pad_id: int)
             comp[j, :c] = torch.tensor(r.completion_ids, dtype=torch.long)
             mask[j, :c] = torch.tensor(r.loss_mask, dtype=torch.bool)
             old[j, :c] = torch.tensor(r.logprobs, dtype=torch.float32)
+            adv[j, :c] = torch.tensor(r.token_advantages, dtype=torch.float32)
+            trow[j, :c] = torch.tensor(r.token_rows, dtype=torch.long)
     return RowBatch(
         input_ids=input_ids,
         attention_mask=attn,
@@ -75,8 +164,8 @@ def collate(rows: Sequence[TrainingRow], indices: Sequence[int], *, pad_id: int)
         old_logprobs=old,
         prompt_lens=torch.tensor([len(r.prompt_ids) for r in sel], dtype=torch.long),
         completion_lens=torch.tensor([len(r.completion_ids) for r in sel], dtype=torch.long),
-        advantages=torch.tensor([r.advantage for r in sel], dtype=torch.float32),
-        rows=torch.tensor(list(indices), dtype=torch.long),
+        advantages=adv,
+        token_rows=trow,
     )
 
 
@@ -110,7 +199,7 @@ def completion_logprobs(
     return lp, ent
 
 
-def micro_batches(rows: Sequence[TrainingRow], indices: Sequence[int], size: int) -> list[list[int]]:
+def micro_batches(rows: Sequence[TrainingRow | PackedRow], indices: Sequence[int], size: int) -> list[list[int]]:
     """Split ``indices`` into micro-batches of ``size`` rows, similar lengths together (less padding)."""
     order = sorted(indices, key=lambda i: len(rows[i].prompt_ids) + len(rows[i].completion_ids))
     return [order[k : k + size] for k in range(0, len(order), size)]

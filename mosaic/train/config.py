@@ -307,7 +307,7 @@ class SFTConfig(_Section):
     lr: float = 3e-4
     """SFT learning rate."""
     batch_size: int = 8
-    """Sessions per optimizer step."""
+    """Sequences per optimizer step (a main session packed into the compaction that summarises it counts once)."""
     warmup_steps: int = 10
     """Linear warm-up steps."""
     output_dir: str = "runs/sft"

@@ -25,7 +25,7 @@ import torch
 from mosaic.core.estimators import AdvantageBatch, get_estimator
 from mosaic.core.loss import policy_loss, token_weights
 from mosaic.trace import Trajectory, flatten, kind_names, to_rows
-from mosaic.train.batching import collate, completion_logprobs, micro_batches
+from mosaic.train.batching import collate, completion_logprobs, micro_batches, pack_rows
 from mosaic.train.config import Config
 
 
@@ -123,19 +123,21 @@ def update(st: RLState, rows, *, temperature: float) -> dict[str, float]:
             keep = set(order[mb : mb + per])
             idx = [i for i, r in enumerate(rows) if r.traj_index in keep]
             # Normalisers from the whole mini-batch, so the micro-batch size never changes the update.
-            w_all = token_weights([rows[i].num_trainable for i in idx], [rows[i].traj_index for i in idx],
-                                  mode=cfg.algo.loss_agg)
-            w_of = dict(zip(idx, w_all.tolist()))
+            w_rows = torch.zeros(len(rows), dtype=torch.float32)
+            w_rows[idx] = token_weights([rows[i].num_trainable for i in idx], [rows[i].traj_index for i in idx],
+                                        mode=cfg.algo.loss_agg)
+            # Sessions whose ids prefix another session's (main → its compaction) train in one pass.
+            packed = pack_rows(rows, idx)
             st.optimizer.zero_grad(set_to_none=True)
             mb_metrics: dict[str, float] = {}
-            for micro in micro_batches(rows, idx, o.micro_batch_size):
-                batch = collate(rows, micro, pad_id=st.tokenizer.pad_token_id).to(st.device)
+            for micro in micro_batches(packed, range(len(packed)), o.micro_batch_size):
+                batch = collate(packed, micro, pad_id=st.tokenizer.pad_token_id).to(st.device)
                 lp, ent = completion_logprobs(model, batch, temperature=temperature, with_entropy=True)
                 ref_lp = None
                 if st.ref_model is not None and cfg.algo.kl_coef > 0:
                     with torch.no_grad():
                         ref_lp, _ = completion_logprobs(st.ref_model, batch, temperature=temperature)
-                w = torch.tensor([w_of[i] for i in micro], dtype=torch.float32, device=st.device)
+                w = batch.token_weights(w_rows)  # (R, Lc): each token carries its session's weight
                 out = policy_loss(lp, batch.old_logprobs, batch.advantages, batch.loss_mask, w,
                                   clip_low=cfg.algo.clip_low, clip_high=cfg.algo.clip_high,
                                   clip_ratio_c=cfg.algo.clip_ratio_c, ref_logprobs=ref_lp,

@@ -21,7 +21,7 @@ from typing import Sequence
 import torch
 
 from mosaic.trace import Trajectory, to_rows
-from mosaic.train.batching import collate, completion_logprobs
+from mosaic.train.batching import collate, completion_logprobs, pack_rows
 from mosaic.train.config import Config
 from mosaic.train.optim import lr_factor
 
@@ -70,9 +70,11 @@ def sft_train(model, trajs: Sequence[Trajectory], cfg: Config, *, pad_id: int, d
     from tqdm.auto import tqdm
 
     s = cfg.sft
-    rows = [r for r in to_rows(trajs) if r.num_trainable > 0]
-    if not rows:
+    sessions = [r for r in to_rows(trajs) if r.num_trainable > 0]
+    if not sessions:
         raise ValueError("SFT data has no trainable tokens")
+    # A main session trains inside the compaction that summarises it (its ids are that row's prefix).
+    rows = pack_rows(sessions)
     rng = random.Random(seed)
     order: list[int] = []
     for _ in range(s.epochs):
@@ -105,6 +107,6 @@ def sft_train(model, trajs: Sequence[Trajectory], cfg: Config, *, pad_id: int, d
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
     bar.close()
     model.eval()
-    tokens = sum(r.num_trainable for r in rows)
+    tokens = sum(r.num_trainable for r in sessions)
     return SFTResult(steps=steps, final_loss=sum(losses[-10:]) / len(losses[-10:]), losses=losses,
-                     seconds=time.perf_counter() - t0, rows=len(rows), tokens=tokens)  # fmt: skip
+                     seconds=time.perf_counter() - t0, rows=len(sessions), tokens=tokens)  # fmt: skip
