@@ -244,7 +244,7 @@ class RecordingProxy:
 
     # -- the call path -------------------------------------------------------------------------
     async def handle_call(self, request, endpoint: str, rollout_id: str | None):
-        from fastapi.responses import JSONResponse, Response, StreamingResponse
+        from fastapi.responses import Response, StreamingResponse
 
         t_start = time.time()
         self.check_auth(request)

@@ -22,12 +22,11 @@ from __future__ import annotations
 import json
 import os
 import threading
-import warnings
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Iterator
 
-from mosaic.trace.storage import TornLineWarning, cut_torn_tail
+from mosaic.trace.storage import cut_torn_tail, iter_json_lines
 
 RECORD_SCHEMA = "mosaic.capture"
 RECORD_SCHEMA_VERSION = 1
@@ -220,23 +219,7 @@ def iter_records(path: str | os.PathLike) -> Iterator[CallRecord | RewardRecord]
     anywhere else, a foreign schema or a newer version raises :class:`RecordError`.
     """
     for file in _record_files(Path(path)):
-        data = file.read_bytes()
-        lines = data.split(b"\n")
-        last = len(lines) - 1
-        while last >= 0 and not lines[last].strip():
-            last -= 1
-        for i, raw in enumerate(lines[: last + 1]):
-            if not raw.strip():
-                continue
-            where = f"{file}:{i + 1}"
-            try:
-                obj = json.loads(raw.decode("utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-                if i == last and not data.endswith(b"\n"):
-                    warnings.warn(f"{where}: skipped a torn last line ({len(raw)} bytes)",
-                                  TornLineWarning, stacklevel=2)
-                    break
-                raise RecordError(f"{where}: corrupted line ({exc})") from None
+        for where, obj in iter_json_lines(file, error=RecordError):
             if not isinstance(obj, dict) or obj.get("schema") != RECORD_SCHEMA:
                 raise RecordError(f"{where}: not a Mosaic capture record (schema {RECORD_SCHEMA!r} expected)")
             if obj.get("schema_version") != RECORD_SCHEMA_VERSION:

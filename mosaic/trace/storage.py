@@ -18,7 +18,7 @@ import os
 import threading
 import warnings
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 from mosaic.trace.graph import StateRef, TraceError, Trajectory, validate
 
@@ -120,15 +120,17 @@ def _decode_record(obj: object, where: str) -> Trajectory:
         raise StorageError(f"{where}: {exc}") from None
 
 
-def iter_jsonl(path: str | os.PathLike) -> Iterator[Trajectory]:
-    """Yield trajectories from a JSONL file, skipping (with a warning) a torn last line."""
-    path = Path(path)
-    if not path.exists():
-        raise StorageError(f"{path}: no such file")
-    with open(path, "rb") as fh:
-        data = fh.read()
+def iter_json_lines(path: str | os.PathLike, *, error: type[Exception] | None = None) -> Iterator[tuple[str, Any]]:
+    """``(where, object)`` for each JSON line of an append-only file (``where`` = ``file:line``).
+
+    Only the very last line, not terminated by a newline, can be torn by a crash:
+    it is skipped with a :class:`TornLineWarning`. A broken line anywhere else
+    raises ``error`` (default :class:`StorageError`) naming file and line.
+    """
+    error = error or StorageError
+    data = Path(path).read_bytes()
     lines = data.split(b"\n")
-    # A file written by JsonlWriter ends with "\n", so the last split piece is b"".
+    # A file written by an appending writer ends with "\n", so the last split piece is b"".
     last = len(lines) - 1
     while last >= 0 and not lines[last].strip():
         last -= 1
@@ -139,11 +141,19 @@ def iter_jsonl(path: str | os.PathLike) -> Iterator[Trajectory]:
         try:
             obj = json.loads(raw.decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            # Only the very last line, not terminated by a newline, can be torn by a crash.
             if i == last and not data.rstrip(b" \t\r").endswith(b"\n"):
-                warnings.warn(f"{where}: skipped a torn last line ({len(raw)} bytes)", TornLineWarning, stacklevel=2)
+                warnings.warn(f"{where}: skipped a torn last line ({len(raw)} bytes)", TornLineWarning, stacklevel=3)
                 return
-            raise StorageError(f"{where}: corrupted line ({exc})") from None
+            raise error(f"{where}: corrupted line ({exc})") from None
+        yield where, obj
+
+
+def iter_jsonl(path: str | os.PathLike) -> Iterator[Trajectory]:
+    """Yield trajectories from a JSONL file, skipping (with a warning) a torn last line."""
+    path = Path(path)
+    if not path.exists():
+        raise StorageError(f"{path}: no such file")
+    for where, obj in iter_json_lines(path):
         yield _decode_record(obj, where)
 
 

@@ -18,7 +18,7 @@ from typing import Sequence
 
 import numpy as np
 
-from mosaic.trace import Trajectory, flatten
+from mosaic.trace import Trajectory
 from mosaic.train.config import Config
 
 

@@ -48,7 +48,6 @@ from dataclasses import dataclass, field
 from typing import Callable, Literal, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from mosaic.trace.graph import Session, StateRef, Trajectory
 

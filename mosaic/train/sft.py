@@ -15,7 +15,6 @@ import math
 import random
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Sequence
 
 import torch
