@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Iterator
 
-from mosaic.trace.storage import cut_torn_tail, iter_json_lines
+from mosaic.trace.storage import LineAppender, iter_json_lines
 
 RECORD_SCHEMA = "mosaic.capture"
 RECORD_SCHEMA_VERSION = 1
@@ -156,49 +155,24 @@ class RewardRecord:
         return RewardRecord(**{k: v for k, v in d.items() if k in names})
 
 
-class RecordWriter:
+class RecordWriter(LineAppender):
     """Append records to a JSONL file, one flushed line each (thread-safe).
 
     Opening a file whose last line is torn (a crash mid-write) cuts that line
     off first, saving its bytes in ``<file>.torn``, so new records never glue
-    onto garbage. ``fsync=True`` also forces each line to disk.
+    onto garbage. ``fsync=True`` also forces each line to disk; closing always does.
     """
 
+    closed_error = RecordError
+
     def __init__(self, path: str | os.PathLike, *, fsync: bool = False):
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fsync = fsync
-        self._lock = threading.Lock()
-        cut_torn_tail(self.path)
-        self._fh = open(self.path, "a", encoding="utf-8")
-        self.count = 0
+        super().__init__(path, fsync=fsync, fsync_on_close=True)
 
     def write(self, record: CallRecord | RewardRecord) -> None:
         obj = record.to_dict()
         obj["schema"] = RECORD_SCHEMA
         obj["schema_version"] = RECORD_SCHEMA_VERSION
-        line = json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
-        with self._lock:
-            if self._fh.closed:
-                raise RecordError(f"{self.path}: writer is closed")
-            self._fh.write(line + "\n")
-            self._fh.flush()
-            if self._fsync:
-                os.fsync(self._fh.fileno())
-            self.count += 1
-
-    def close(self) -> None:
-        with self._lock:
-            if not self._fh.closed:
-                self._fh.flush()
-                os.fsync(self._fh.fileno())
-                self._fh.close()
-
-    def __enter__(self) -> "RecordWriter":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+        self.append(json.dumps(obj, separators=(",", ":"), ensure_ascii=False))
 
 
 def _record_files(path: Path) -> list[Path]:

@@ -61,31 +61,32 @@ def cut_torn_tail(path: str | os.PathLike) -> int:
     return len(data) - cut
 
 
-class JsonlWriter:
-    """Append trajectories to a JSONL file, one flushed line each (thread-safe).
+class LineAppender:
+    """Append lines to a file, one flushed write each (thread-safe): the mechanics every
+    append-only JSONL writer here shares (trajectories, proxy call records).
 
-    ``fsync=True`` also forces each line to disk (durable against power loss,
-    slower); the default flush survives a process crash.
+    Opening cuts a torn tail first (:func:`cut_torn_tail`). ``fsync=True`` forces each
+    line to disk (durable against power loss, slower); the default flush survives a
+    process crash. ``fsync_on_close`` forces the file to disk when it is closed.
     """
 
-    def __init__(self, path: str | os.PathLike, *, fsync: bool = False, validate_records: bool = True):
+    closed_error: type[Exception] = StorageError
+    """Raised by :meth:`append` after :meth:`close`."""
+
+    def __init__(self, path: str | os.PathLike, *, fsync: bool = False, fsync_on_close: bool = False):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fsync = fsync
-        self._validate = validate_records
+        self._fsync_on_close = fsync_on_close
         self._lock = threading.Lock()
         cut_torn_tail(self.path)
         self._fh = open(self.path, "a", encoding="utf-8")
         self.count = 0
 
-    def write(self, traj: Trajectory) -> None:
-        if self._validate:
-            validate(traj)
-        line = json.dumps(
-            {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "trajectory": traj.to_dict()},
-            separators=(",", ":"),
-        )
+    def append(self, line: str) -> None:
         with self._lock:
+            if self._fh.closed:
+                raise self.closed_error(f"{self.path}: writer is closed")
             self._fh.write(line + "\n")
             self._fh.flush()
             if self._fsync:
@@ -96,13 +97,31 @@ class JsonlWriter:
         with self._lock:
             if not self._fh.closed:
                 self._fh.flush()
+                if self._fsync_on_close:
+                    os.fsync(self._fh.fileno())
                 self._fh.close()
 
-    def __enter__(self) -> "JsonlWriter":
+    def __enter__(self):
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class JsonlWriter(LineAppender):
+    """Append trajectories to a JSONL file, one validated, flushed line each (thread-safe)."""
+
+    def __init__(self, path: str | os.PathLike, *, fsync: bool = False, validate_records: bool = True):
+        super().__init__(path, fsync=fsync)
+        self._validate = validate_records
+
+    def write(self, traj: Trajectory) -> None:
+        if self._validate:
+            validate(traj)
+        self.append(json.dumps(
+            {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "trajectory": traj.to_dict()},
+            separators=(",", ":"),
+        ))
 
 
 def _decode_record(obj: object, where: str) -> Trajectory:
