@@ -51,19 +51,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run)
 
 
-def _value(text: str):
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return text
-
-
 def _configs(args: argparse.Namespace):
     import dataclasses
 
     from mosaic.agent.expert import ExpertNoise
+    from mosaic.envs.cli import parse_value
     from mosaic.agent.harness import HarnessConfig
 
     h = {"mode": args.mode}
@@ -78,7 +70,7 @@ def _configs(args: argparse.Namespace):
         if key.startswith("noise."):
             n[key[len("noise."):]] = float(value)
         else:
-            h[key] = _value(value)
+            h[key] = parse_value(value)
     known = {f.name for f in dataclasses.fields(HarnessConfig)}
     bad = sorted(set(h) - known)
     if bad:

@@ -23,7 +23,8 @@ def _add_split_args(p: argparse.ArgumentParser, default_split: str = "validation
                    help="override a split config field, e.g. world.n_entities=300, n_tasks=50")
 
 
-def _parse_value(text: str):
+def parse_value(text: str):
+    """A ``--set`` value: int, then float, else the text."""
     for cast in (int, float):
         try:
             return cast(text)
@@ -43,12 +44,12 @@ def split_config_from_args(args: argparse.Namespace):
             raise SystemExit(f"--set expects KEY=VALUE, got {item!r}")
         key, value = item.split("=", 1)
         if key.startswith("world."):
-            world_over[key[len("world."):]] = _parse_value(value)
+            world_over[key[len("world."):]] = parse_value(value)
         elif key == "hop_mix":
             top_over[key] = tuple((int(k), float(w)) for k, w in
                                   (pair.split(":") for pair in value.split(",")))
         else:
-            top_over[key] = _parse_value(value)
+            top_over[key] = parse_value(value)
     cfg = split_config(args.split, args.preset, seed=args.seed, **world_over)
     try:
         return dataclasses.replace(cfg, **top_over)
