@@ -63,3 +63,40 @@ def test_chat_template_is_chatml(tok):
 def test_vocab_size_validated():
     with pytest.raises(ValueError, match="vocab_size"):
         train_tokenizer(CORPUS, vocab_size=100)
+
+
+def _unseen_share(tok, train_texts, names) -> float:
+    """Share of the tokens of ``names`` that never occur in ``train_texts``."""
+    seen = set()
+    for t in train_texts:
+        seen.update(tok.encode(t))
+    ids = [i for n in names for i in tok.encode(" " + n)]
+    return sum(i not in seen for i in ids) / len(ids)
+
+
+def test_generator_tokenizer_splits_held_out_names_into_trained_pieces(tmp_path):
+    """A BPE fitted to one world merges its names whole, so another world's names fall apart into
+    pieces training never shows; the generator tokenizer (many random training-partition worlds)
+    cuts every world's names into the same syllable-sized pieces."""
+    from mosaic.agent.tokenizer import build_generator_tokenizer, build_project_tokenizer
+    from mosaic.envs.splits import load_split, split_config
+
+    cache = tmp_path / "cache"
+    train = load_split("train", split_config("train", "cpu"), cache)
+    test = load_split("test", split_config("test", "cpu"), cache)
+    train_texts = [d.text for d in train.world.documents]
+    held_out = sorted(test.world.names())
+
+    fitted = build_project_tokenizer([train])
+    generic = build_generator_tokenizer()
+    unseen_fitted = _unseen_share(fitted, train_texts, held_out)
+    unseen_generic = _unseen_share(generic, train_texts, held_out)
+    assert unseen_fitted > 0.5, unseen_fitted  # the failure this tokenizer exists to avoid
+    assert unseen_generic < 0.3, unseen_generic
+    # Same pieces on both sides: names of either world cost about the same number of tokens.
+    def mean_len(tok, names):
+        return sum(len(tok.encode(" " + n)) for n in names) / len(names)
+
+    assert abs(mean_len(generic, held_out) - mean_len(generic, sorted(train.world.names()))) < 1.0
+    # Deterministic: the shipped base model's vocabulary can be rebuilt.
+    assert build_generator_tokenizer().get_vocab() == generic.get_vocab()
