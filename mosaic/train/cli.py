@@ -82,7 +82,46 @@ def _compare(args) -> int:
     return 0
 
 
+def _pretrain(args) -> int:
+    cfg, code = _config(args)
+    if cfg is None:
+        return code
+    from mosaic.train.pretrain import BASE_MODELS_DIR, PretrainConfig, pretrain
+
+    try:
+        pc = PretrainConfig(**{k: v for k, v in (("steps", args.steps), ("lr", args.lr),
+                                                 ("batch_size", args.batch_size),
+                                                 ("vocab_size", args.vocab_size), ("seed", args.seed),
+                                                 ("eval_every", args.eval_every), ("init", args.init),
+                                                 ("copy_share", args.copy_share),
+                                                 ("world_seed_base", args.world_seed_base)) if v is not None})
+    except ValueError as exc:
+        print(f"mosaic pretrain: config error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    out = args.out or str(BASE_MODELS_DIR / f"{cfg.model.embedded_preset}-base")
+    meta = pretrain(cfg, pc, out)
+    print(f"[mosaic] pretrain: {meta['parameters'] / 1e6:.2f}M parameters, {pc.steps} steps over "
+          f"{meta['worlds']} worlds, final loss {meta['final_loss']:.3f}, {meta['seconds']:.0f} s -> {out}")
+    return 0
+
+
 def register(subparsers) -> None:
+    p = subparsers.add_parser("pretrain", help="build the embedded base model (expert rollouts over generated "
+                                               "training-partition worlds)")
+    p.add_argument("--out", help="output dir (default: the shipped base model of the embedded preset)")
+    p.add_argument("--steps", type=int, help="optimizer steps (default 1500)")
+    p.add_argument("--lr", type=float, help="peak learning rate (default 2e-3)")
+    p.add_argument("--batch-size", type=int, help="rows per step (default 16)")
+    p.add_argument("--vocab-size", type=int, help="tokenizer vocabulary (default 1024)")
+    p.add_argument("--eval-every", type=int, help="validation check interval in steps (default 250)")
+    p.add_argument("--seed", type=int, help="init / order seed (default 0)")
+    p.add_argument("--init", help="continue from this saved model directory (same tokenizer recipe)")
+    p.add_argument("--world-seed-base", type=int,
+                   help="data seed of the first world (default 1000; use fresh seeds when continuing)")
+    p.add_argument("--copy-share", type=float, help="share of each batch made of name drills (default 0.25)")
+    _add_config_args(p)
+    p.set_defaults(func=_pretrain)
+
     p = subparsers.add_parser("train", help="RL training (GRPO / broadcast / Mosaic) on the deep-search tasks")
     _add_config_args(p)
     p.set_defaults(func=_run("run_train"))

@@ -53,6 +53,21 @@ def expert_trajectories(cfg: Config, split, tokenizer, chat, *, n_tasks: int, se
     return harness.run(tasks, group_size=1, seed=seed, progress=progress, step="sft")
 
 
+def sft_step(model, rows: Sequence, opt: torch.optim.Optimizer, *, pad_id: int, device: torch.device,
+             max_grad_norm: float = 1.0) -> float:
+    """One optimizer step of token-mean cross-entropy on the sampled tokens of ``rows``; returns the loss."""
+    rows = sorted(rows, key=lambda r: len(r.prompt_ids) + len(r.completion_ids))
+    batch = collate(rows, list(range(len(rows))), pad_id=pad_id).to(device)
+    lp, _ = completion_logprobs(model, batch)
+    n = batch.loss_mask.sum().clamp(min=1)
+    loss = -(lp * batch.loss_mask).sum() / n
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    opt.step()
+    return float(loss.detach())
+
+
 @dataclass
 class SFTResult:
     steps: int
@@ -90,18 +105,10 @@ def sft_train(model, trajs: Sequence[Trajectory], cfg: Config, *, pad_id: int, d
     t0 = time.perf_counter()
     bar = tqdm(total=steps, desc="sft", disable=not progress)
     for k in range(steps):
-        idx = sorted(order[k * s.batch_size : (k + 1) * s.batch_size],
-                     key=lambda i: len(rows[i].prompt_ids) + len(rows[i].completion_ids))
-        batch = collate(rows, idx, pad_id=pad_id).to(device)
-        lp, _ = completion_logprobs(model, batch)
-        n = batch.loss_mask.sum().clamp(min=1)
-        loss = -(lp * batch.loss_mask).sum() / n
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        idx = order[k * s.batch_size : (k + 1) * s.batch_size]
+        loss = sft_step(model, [rows[i] for i in idx], opt, pad_id=pad_id, device=device)
         sched.step()
-        losses.append(float(loss.detach()))
+        losses.append(loss)
         bar.update(1)
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
     bar.close()

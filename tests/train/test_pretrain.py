@@ -1,0 +1,91 @@
+"""``mosaic pretrain``: the embedded base model from expert rollouts over generated training worlds."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mosaic.train import pretrain as pt
+from mosaic.train.config import load_config
+
+SMALL = ["model.embedded_preset=tiny", "data.n_eval_tasks=2", "harness.context_budget=300",
+         "harness.max_new_tokens=16", "harness.summary_max_new_tokens=16", "harness.max_turns=3",
+         "harness.max_sessions=3", "harness.max_total_turns=6"]
+
+
+def test_pretrain_trains_saves_and_records(tmp_path):
+    cfg = load_config("cpu", overrides=SMALL + [f"data.cache_dir={tmp_path / 'cache'}"])
+    pc = pt.PretrainConfig(steps=6, batch_size=4, lr=3e-3, warmup_steps=1, eval_every=6, eval_tasks=2,
+                           tokenizer_worlds=4, tasks_per_world=4, pool_rows=8)
+    out = tmp_path / "base"
+    meta = pt.pretrain(cfg, pc, out, progress=False)
+    from mosaic.agent.models.embedded import load_model
+
+    model, tok = load_model(out)
+    assert sum(p.numel() for p in model.parameters()) == meta["parameters"]
+    saved = json.loads((out / pt.META_FILE).read_text())
+    assert saved["config"]["steps"] == 6 and saved["worlds"] >= 2 and saved["checks"][-1]["step"] == 6
+    assert 0.0 <= saved["checks"][-1]["validation_accuracy"] <= 1.0
+    assert saved["harness"]["context_budget"] == 300
+
+
+def test_pretraining_worlds_are_training_partition_and_disjoint_from_held_out(tmp_path):
+    from mosaic.agent.tokenizer import build_generator_tokenizer
+    from mosaic.envs.names import in_partition
+    from mosaic.envs.splits import check_disjoint
+    from mosaic.train import setup
+
+    cfg = load_config("cpu", overrides=SMALL + [f"data.cache_dir={tmp_path / 'cache'}"])
+    tok = build_generator_tokenizer(n_worlds=2)
+    chat = setup.chat_format(tok)
+    pc = pt.PretrainConfig()
+    rows, info = pt._world_rows(cfg, pc, 0, tok, chat, tmp_path / "gen")
+    assert rows and info["trajectories"] == pc.tasks_per_world and info["mode"] == pc.modes[0]
+    from mosaic.envs.splits import load_split, split_config
+
+    world = load_split("train", split_config("train", "cpu", seed=pc.world_seed_base), tmp_path / "gen").world
+    assert world.config.seed == info["world_seed"]
+    assert all(in_partition(n, (0, 3)) for n in world.names())
+    check_disjoint({"pretrain": world, "validation": setup.load_split(cfg, "validation").world,
+                    "test": setup.load_split(cfg, "test").world})
+
+
+def test_missing_base_model_names_the_command(tmp_path, monkeypatch):
+    monkeypatch.setattr(pt, "BASE_MODELS_DIR", tmp_path)
+    with pytest.raises(FileNotFoundError, match="mosaic pretrain"):
+        pt.base_model_dir("tiny")
+
+
+def test_bad_pretrain_config_is_rejected():
+    with pytest.raises(ValueError, match="steps"):
+        pt.PretrainConfig(steps=0)
+    with pytest.raises(ValueError, match="pool_rows"):
+        pt.PretrainConfig(pool_rows=8, batch_size=16)
+    with pytest.raises(ValueError, match="modes"):
+        pt.PretrainConfig(modes=())
+
+
+def test_lm_step_expert_part_equals_the_sft_loss(tmp_path):
+    """The pretraining loss's expert-token term is exactly the SFT loss; context tokens add the rest."""
+    import torch
+
+    from mosaic.agent.tokenizer import build_generator_tokenizer
+    from mosaic.train import setup
+    from mosaic.train.batching import collate, completion_logprobs
+
+    from .conftest import tiny_model
+
+    cfg = load_config("cpu", overrides=SMALL + [f"data.cache_dir={tmp_path / 'cache'}"])
+    tok = build_generator_tokenizer(n_worlds=2)
+    rows, _ = pt._world_rows(cfg, pt.PretrainConfig(tasks_per_world=3), 0, tok, setup.chat_format(tok),
+                             tmp_path / "gen")
+    model = tiny_model(vocab_size=len(tok), seed=1)
+    batch = collate(rows, list(range(len(rows))), pad_id=tok.pad_token_id)
+    with torch.no_grad():
+        lp, _ = completion_logprobs(model, batch)
+    sft_loss = float(-(lp * batch.loss_mask).sum() / batch.loss_mask.sum())
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    act, ctx = pt.lm_step(model, rows, opt, pad_id=tok.pad_token_id, device=torch.device("cpu"),
+                          context_weight=0.5)
+    assert abs(act - sft_loss) < 1e-4 and ctx > 0
