@@ -2,9 +2,11 @@
 
 ``mosaic train`` with no arguments (the CPU preset) is the project's main job:
 
-1. warm start: if no SFT model for this config exists, run ``mosaic sft``
-   (scripted-expert rollouts → SFT), cached under ``sft.output_dir`` and keyed
-   by the config sections that shape it;
+1. warm start: the shipped base model (CPU preset, ``model.source=base``: built
+   by ``mosaic pretrain``, SFT on scripted-expert rollouts over generated
+   training worlds); for other sources, if no SFT model for this config
+   exists, run ``mosaic sft`` (scripted-expert rollouts → SFT), cached under
+   ``sft.output_dir`` and keyed by the config sections that shape it;
 2. evaluate the warm start on held-out **test** questions (a world disjoint
    from training) — cached in the run dir;
 3. RL steps (rollouts, gains, advantages, PPO update) with metrics, plots and
@@ -47,8 +49,13 @@ def prepare_run(cfg: Config) -> RunPlan:
 
 def _sft_key(cfg: Config) -> str:
     """Hash of everything that shapes the warm start (model, data, harness, sft)."""
-    blob = json.dumps({k: asdict(getattr(cfg, k)) for k in ("model", "data", "harness", "sft")},
-                      sort_keys=True, default=str)  # fmt: skip
+    parts = {k: asdict(getattr(cfg, k)) for k in ("model", "data", "harness", "sft")}
+    if cfg.model.source == "base":  # a rebuilt base model invalidates the warm start made from it
+        from mosaic.train.pretrain import base_model_dir
+
+        weights = base_model_dir(cfg.model.embedded_preset) / "model.safetensors"
+        parts["base_weights"] = hashlib.sha256(weights.read_bytes()).hexdigest()
+    blob = json.dumps(parts, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -104,9 +111,21 @@ def _train_sft(cfg: Config) -> Path:
 
 
 def ensure_warm_start(cfg: Config) -> Path:
-    """The SFT model directory for this config: reused when its key matches, else (re)trained."""
+    """The warm-start model directory for this config.
+
+    ``model.source=dir``: that model as it is; ``base``: the shipped base model (itself SFT on
+    scripted-expert rollouts, over hundreds of generated training worlds — an SFT on the training
+    split's one world would only teach it that world's names); otherwise the SFT model under
+    ``sft.output_dir``, reused when its key matches, else (re)trained."""
     if cfg.model.source == "dir":
         return Path(cfg.model.path)
+    if cfg.model.source == "base":  # the shipped base model is already an SFT on expert rollouts
+        from mosaic.train.pretrain import base_model_dir
+
+        path = base_model_dir(cfg.model.embedded_preset)
+        _log(f"warm start: the shipped base model {path.name} (SFT by `mosaic pretrain` on expert "
+             f"rollouts over generated training worlds)")
+        return path
     out = Path(cfg.sft.output_dir)
     meta = out / _SFT_META
     if meta.exists():

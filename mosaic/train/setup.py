@@ -36,7 +36,8 @@ def split_config_for(cfg: Config, split: str):
     from mosaic.envs.splits import split_config
 
     d = cfg.data
-    overrides = {"n_entities": d.world_entities} if d.world_entities else {}
+    n_entities = d.train_world_entities if split == "train" and d.train_world_entities else d.world_entities
+    overrides = {"n_entities": n_entities} if n_entities else {}
     sc = split_config(split, d.preset, seed=d.seed, **overrides)
     changes = {}
     if split == "train" and d.n_train_tasks:
@@ -60,14 +61,19 @@ def harness_config(cfg: Config):
 
 
 def build_base_model(cfg: Config, train_split, device: torch.device, dtype: torch.dtype):
-    """The untrained policy: an embedded model with a tokenizer trained on the *training* world
-    (held-out worlds never shape the vocabulary), or a saved / SmolLM2 model."""
+    """The policy before the warm start: the shipped pretrained base model (``base``), a freshly
+    initialised embedded model (``embedded``; tokenizer from generated training-partition worlds, so
+    no held-out world shapes the vocabulary), or a saved / SmolLM2 model."""
     src = cfg.model.source
-    if src == "embedded":
-        from mosaic.agent.models.embedded import EmbeddedModelConfig, build_model
-        from mosaic.agent.tokenizer import build_project_tokenizer
+    if src == "base":
+        from mosaic.train.pretrain import base_model_dir
 
-        tok = build_project_tokenizer([train_split], harness_config=harness_config(cfg))
+        model, tok = load_policy(base_model_dir(cfg.model.embedded_preset), device=device, dtype=dtype)
+    elif src == "embedded":
+        from mosaic.agent.models.embedded import EmbeddedModelConfig, build_model
+        from mosaic.agent.tokenizer import build_generator_tokenizer
+
+        tok = build_generator_tokenizer(harness_config=harness_config(cfg))
         mcfg = EmbeddedModelConfig.preset(cfg.model.embedded_preset)
         model = build_model(mcfg, tok, seed=cfg.model.init_seed)
     elif src == "dir":

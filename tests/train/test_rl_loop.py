@@ -13,6 +13,7 @@ from mosaic.train.config import load_config
 
 # Small enough that an untrained model's rollouts stay cheap (every cap is low).
 TINY = [
+    "model.source=embedded",
     "model.embedded_preset=tiny",
     "data.n_train_tasks=8",
     "data.n_eval_tasks=3",

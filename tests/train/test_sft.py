@@ -10,16 +10,19 @@ from mosaic.train.sft import expert_trajectories, sft_train
 
 
 def test_sft_on_expert_rollouts_learns_every_session_kind(tmp_path):
-    cfg = load_config("cpu", overrides=[f"data.cache_dir={tmp_path / 'cache'}", "sft.epochs=3", "sft.batch_size=4",
+    cfg = load_config("cpu", overrides=[f"data.cache_dir={tmp_path / 'cache'}", "model.source=embedded", "sft.epochs=5", "sft.batch_size=4",
                                         "sft.warmup_steps=2", "harness.context_budget=300"])
     train = setup.load_split(cfg, "train")
     model, tok = setup.build_base_model(cfg, train, torch.device("cpu"), torch.float32)
     chat = setup.chat_format(tok)
-    trajs = expert_trajectories(cfg, train, tok, chat, n_tasks=6, progress=False)
+    trajs = expert_trajectories(cfg, train, tok, chat, n_tasks=8, progress=False)
     kinds = {s.kind for t in trajs for s in t.sessions}
     assert {"main", "compaction"} <= kinds  # the budget forces compaction: summaries are trained too
     # Only sampled tokens carry loss: inserted (tool / template) tokens are masked out.
-    assert all(sum(s.loss_mask) < len(s.completion_ids) for t in trajs for s in t.sessions if s.kind == "main")
+    resp = tok.convert_tokens_to_ids("<tool_response>")
+    mains = [s for t in trajs for s in t.sessions if s.kind == "main"]
+    assert any(sum(s.loss_mask) < len(s.completion_ids) for s in mains)
+    assert not any(m for s in mains for i, m in zip(s.completion_ids, s.loss_mask) if i == resp)
     res = sft_train(model, trajs, cfg, pad_id=tok.pad_token_id, device=torch.device("cpu"), progress=False)
     assert res.steps > 5 and res.tokens == sum(s.num_trainable for t in trajs for s in t.sessions)
     first, last = sum(res.losses[:3]) / 3, sum(res.losses[-3:]) / 3

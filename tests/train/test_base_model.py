@@ -1,0 +1,48 @@
+"""The shipped embedded base model (``mosaic/assets/models/tiny-base``, built by ``mosaic pretrain``)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from mosaic.train import setup
+from mosaic.train.config import load_config
+from mosaic.train.pretrain import META_FILE, base_model_dir
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    cfg = load_config("cpu", overrides=[f"data.cache_dir={tmp_path_factory.mktemp('cache')}"])
+    path = base_model_dir(cfg.model.embedded_preset)
+    model, tok = setup.load_policy(path, device=torch.device("cpu"), dtype=torch.float32)
+    return cfg, path, model, tok
+
+
+def test_shipped_base_model_matches_its_recipe(base):
+    from mosaic.agent.tokenizer import build_generator_tokenizer
+
+    cfg, path, model, tok = base
+    meta = json.loads((path / META_FILE).read_text())
+    # Built for the preset that uses it: the same context budget and turn caps.
+    assert meta["harness"] == {k: getattr(cfg.harness, k) for k in meta["harness"]}
+    assert meta["embedded_preset"] == cfg.model.embedded_preset
+    assert meta["parameters"] == sum(p.numel() for p in model.parameters())
+    # The vocabulary is rebuilt exactly by the recipe (no hidden inputs).
+    rebuilt = build_generator_tokenizer(vocab_size=meta["config"]["vocab_size"],
+                                        n_worlds=meta["config"]["tokenizer_worlds"], harness_config=cfg.harness)
+    assert rebuilt.get_vocab() == tok.get_vocab()
+
+
+def test_base_model_solves_held_out_questions(base):
+    """Greedy, through the multi-session harness, on the validation world (never trained on)."""
+    from mosaic.train.evaluate import evaluate
+
+    cfg, _, model, tok = base
+    split = setup.load_split(cfg, "validation")
+    r = evaluate(cfg, model, tok, setup.chat_format(tok), split, n_tasks=16, score_gains=False, progress=False)
+    assert r.accuracy >= MIN_VALIDATION_ACCURACY, r.line()
+
+
+MIN_VALIDATION_ACCURACY = 0.25
