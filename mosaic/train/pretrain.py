@@ -157,9 +157,8 @@ def lm_step(model, rows, opt: torch.optim.Optimizer, *, pad_id: int, device: tor
     batch = collate(rows, list(range(len(rows))), pad_id=pad_id).to(device)
     ids, attn = batch.input_ids, batch.attention_mask
     act = torch.zeros_like(attn, dtype=torch.bool)  # (R, L): position holds an expert token
-    lc = batch.completion_ids.shape[1]
-    pos = batch.prompt_lens.unsqueeze(1) + torch.arange(lc, device=ids.device)
-    act.scatter_(1, pos.clamp(max=ids.shape[1] - 1), batch.loss_mask)
+    r, k = batch.loss_mask.nonzero(as_tuple=True)  # only trained tokens: padding never lands anywhere
+    act[r, batch.prompt_lens[r] + k] = True
     logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits[:, :-1]
     nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1),
                           reduction="none").view_as(ids[:, 1:])
