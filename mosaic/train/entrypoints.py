@@ -49,13 +49,8 @@ def prepare_run(cfg: Config) -> RunPlan:
 
 def _sft_key(cfg: Config) -> str:
     """Hash of everything that shapes the warm start (model, data, harness, sft)."""
-    parts = {k: asdict(getattr(cfg, k)) for k in ("model", "data", "harness", "sft")}
-    if cfg.model.source == "base":  # a rebuilt base model invalidates the warm start made from it
-        from mosaic.train.pretrain import base_model_dir
-
-        weights = base_model_dir(cfg.model.embedded_preset) / "model.safetensors"
-        parts["base_weights"] = hashlib.sha256(weights.read_bytes()).hexdigest()
-    blob = json.dumps(parts, sort_keys=True, default=str)
+    blob = json.dumps({k: asdict(getattr(cfg, k)) for k in ("model", "data", "harness", "sft")},
+                      sort_keys=True, default=str)  # fmt: skip
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -85,7 +80,7 @@ def _train_sft(cfg: Config) -> Path:
     device = setup.resolve_device(cfg)
     dtype = setup.resolve_dtype(cfg, device)
     train = setup.load_split(cfg, "train")
-    model, tok = setup.build_base_model(cfg, train, device, dtype)
+    model, tok = setup.build_base_model(cfg, device, dtype)
     chat = setup.chat_format(tok)
     out = Path(cfg.sft.output_dir)
     out.mkdir(parents=True, exist_ok=True)

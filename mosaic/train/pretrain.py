@@ -257,9 +257,3 @@ def pretrain(cfg: Config, pc: PretrainConfig, out: str | Path, *, progress: bool
             "seconds": time.perf_counter() - t0, "torch_threads": torch.get_num_threads()}
     Path(out, META_FILE).write_text(json.dumps(meta, indent=1))
     return meta
-
-
-def pretrain_config_from(args_overrides: dict) -> PretrainConfig:
-    """A :class:`PretrainConfig` from CLI values (``None`` = default)."""
-    pc = PretrainConfig()
-    return replace(pc, **{k: v for k, v in args_overrides.items() if v is not None})

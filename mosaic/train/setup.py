@@ -60,7 +60,7 @@ def harness_config(cfg: Config):
     return cfg.harness
 
 
-def build_base_model(cfg: Config, train_split, device: torch.device, dtype: torch.dtype):
+def build_base_model(cfg: Config, device: torch.device, dtype: torch.dtype):
     """The policy before the warm start: the shipped pretrained base model (``base``), a freshly
     initialised embedded model (``embedded``; tokenizer from generated training-partition worlds, so
     no held-out world shapes the vocabulary), or a saved / SmolLM2 model."""

@@ -39,8 +39,7 @@ def base_dir(tmp_path_factory):
     from mosaic.agent.models.embedded import save_model
 
     cfg = load_config("cpu", overrides=TINY + [f"data.cache_dir={tmp_path_factory.mktemp('cache')}"])
-    train = setup.load_split(cfg, "train")
-    model, tok = setup.build_base_model(cfg, train, torch.device("cpu"), torch.float32)
+    model, tok = setup.build_base_model(cfg, torch.device("cpu"), torch.float32)
     d = tmp_path_factory.mktemp("base")
     save_model(model, tok, d)
     return d, cfg.data.cache_dir

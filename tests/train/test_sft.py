@@ -13,7 +13,7 @@ def test_sft_on_expert_rollouts_learns_every_session_kind(tmp_path):
     cfg = load_config("cpu", overrides=[f"data.cache_dir={tmp_path / 'cache'}", "model.source=embedded", "sft.epochs=5", "sft.batch_size=4",
                                         "sft.warmup_steps=2", "harness.context_budget=300"])
     train = setup.load_split(cfg, "train")
-    model, tok = setup.build_base_model(cfg, train, torch.device("cpu"), torch.float32)
+    model, tok = setup.build_base_model(cfg, torch.device("cpu"), torch.float32)
     chat = setup.chat_format(tok)
     trajs = expert_trajectories(cfg, train, tok, chat, n_tasks=8, progress=False)
     kinds = {s.kind for t in trajs for s in t.sessions}
