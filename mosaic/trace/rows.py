@@ -73,12 +73,64 @@ def flatten(trajs: Sequence[Trajectory], *, count_kinds: Sequence[str] | None = 
     )
 
 
+def turn_spans(loss_mask: Sequence[bool]) -> list[tuple[int, int]]:
+    """Completion offsets ``[start, end)`` of each turn of a session.
+
+    A turn is a run of sampled (True) tokens and the inserted tokens after it (a tool
+    response, template tokens), up to where the next sampled run starts; the first turn
+    also holds any inserted tokens before it. A completion with no sampled token has no turn.
+    This is the one definition of a turn (the turn-level scorer and estimators use it).
+    """
+    m = [bool(x) for x in loss_mask]
+    starts = [i for i, x in enumerate(m) if x and (i == 0 or not m[i - 1])]
+    if not starts:
+        return []
+    starts[0] = 0
+    return [(a, b) for a, b in zip(starts, starts[1:] + [len(m)])]
+
+
+@dataclass(frozen=True)
+class TurnLayout:
+    """The turns of a batch, in :func:`flatten` session order (U turns in all).
+
+    Attributes:
+        session: (U,) index into the flattened sessions; start, end: (U,) completion offsets
+        of the turn; context: (U,) tokens in the session's context when the turn starts
+        (prompt + earlier completion); is_final: (U,) the answer turn (last turn of a final session).
+    """
+
+    session: np.ndarray
+    start: np.ndarray
+    end: np.ndarray
+    context: np.ndarray
+    is_final: np.ndarray
+
+
+def turn_layout(trajs: Sequence[Trajectory]) -> TurnLayout:
+    """Every session's :func:`turn_spans`, flattened (session order of :func:`flatten`)."""
+    sess, start, end, ctx, final = [], [], [], [], []
+    k = 0
+    for t in trajs:
+        for s in t.sessions:
+            spans = turn_spans(s.loss_mask)
+            for j, (a, b) in enumerate(spans):
+                sess.append(k)
+                start.append(a)
+                end.append(b)
+                ctx.append(len(s.prompt_ids) + a)
+                final.append(bool(s.is_final) and j == len(spans) - 1)
+            k += 1
+    i64 = lambda v: np.asarray(v, dtype=np.int64)  # noqa: E731
+    return TurnLayout(i64(sess), i64(start), i64(end), i64(ctx), np.asarray(final, dtype=bool))
+
+
 @dataclass
 class TrainingRow:
     """One session as a training example.
 
     ``loss_mask`` is True on tokens the policy sampled (the only tokens trained on).
-    ``advantage`` is the session's scalar advantage (filled by the trainer).
+    ``advantage`` is the session's scalar advantage (filled by the trainer);
+    ``token_advantages``, when set, gives each completion token its own (turn-level estimators).
     """
 
     traj_index: int
@@ -92,6 +144,7 @@ class TrainingRow:
     logprobs: list[float]
     reward: float
     advantage: float = 0.0
+    token_advantages: list[float] | None = None
 
     @property
     def input_ids(self) -> list[int]:

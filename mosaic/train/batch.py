@@ -1,46 +1,128 @@
-"""Glue from trajectories (+ scored gains) to the advantage estimators.
+"""The trainer's one path from trajectories to advantages and training rows.
 
-The trainer calls :func:`compute_advantages` with the batch's trajectories and,
-for the estimators that need them, the gains from :mod:`mosaic.train.scorer`;
-it gets back one advantage per session in :func:`mosaic.trace.flatten` order —
-the order of :func:`mosaic.trace.to_rows` — and the estimator's metrics.
+``rl_step`` calls :func:`score_for` (the gains the configured estimator asks for,
+scored with the rollout policy), :func:`compute_advantages` (the estimator from
+``mosaic.core.estimators`` on an :class:`AdvantageBatch` built here) and
+:func:`training_rows` (one row per session, with per-token advantages for turn-level
+estimators). What an estimator needs is read from its registry entry
+(``Estimator.needs``, ``Estimator.level``), never from a copy of its name.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
 from typing import Sequence
 
+import numpy as np
 import torch
 
-from mosaic.core.estimators import AdvantageBatch, get_estimator
+from mosaic.core.estimators import AdvantageBatch, Estimator, EstimatorParams, get_estimator
 from mosaic.trace.graph import Trajectory, kind_names
-from mosaic.trace.rows import flatten
-from mosaic.train.config import AlgoConfig
+from mosaic.trace.rows import TrainingRow, TurnLayout, flatten, to_rows, turn_layout, turn_spans
+from mosaic.train.config import AlgoConfig, Config
+from mosaic.train.scorer import score_gains, score_turns
 
-__all__ = ["advantage_batch", "compute_advantages"]
+__all__ = ["Scores", "estimator_params", "advantage_batch", "compute_advantages", "training_rows", "score_for"]
 
 
-def advantage_batch(trajs: Sequence[Trajectory], gains=None, *, count_kinds: Sequence[str] | None = None) -> AdvantageBatch:
-    """An :class:`AdvantageBatch` from trajectories; ``gains``: (S,) in flatten order or None."""
+@dataclass
+class Scores:
+    """Information gains of a batch, as the estimator asked for them (None where not scored)."""
+
+    gains: torch.Tensor | None = None
+    """(S,) session gains in flatten order."""
+    is_final: torch.Tensor | None = None
+    """(S,) final flags of the scored sessions."""
+    turn_gains: torch.Tensor | None = None
+    """(U,) turn gains in :func:`~mosaic.trace.turn_layout` order."""
+    metrics: dict[str, float] | None = None
+
+
+def estimator_params(algo: AlgoConfig) -> EstimatorParams:
+    """The estimator knobs of ``algo`` (fields of the same name)."""
+    return EstimatorParams(**{f.name: getattr(algo, f.name) for f in fields(EstimatorParams)})
+
+
+def advantage_batch(trajs: Sequence[Trajectory], gains=None, *, count_kinds: Sequence[str] | None = None,
+                    layout: TurnLayout | None = None, turn_gains=None,
+                    context_budget: int | None = None) -> AdvantageBatch:  # fmt: skip
+    """An :class:`AdvantageBatch` from trajectories; ``gains``: (S,) in flatten order or None;
+    ``layout`` (+ ``turn_gains`` (U,), ``context_budget`` for the half-budget flags) for turn-level fields."""
     fb = flatten(trajs, count_kinds=count_kinds)
     g = None
     if gains is not None:
         g = torch.as_tensor(gains, dtype=torch.float32)
         if g.shape != (len(fb.kinds),):
             raise ValueError(f"gains has shape {tuple(g.shape)}, expected ({len(fb.kinds)},) sessions in flatten order")
+    turns: dict[str, torch.Tensor | None] = {}
+    if layout is not None:
+        turns["turn_session"] = torch.from_numpy(layout.session)
+        turns["turn_is_final"] = torch.from_numpy(layout.is_final)
+        if turn_gains is not None:
+            turns["turn_gains"] = torch.as_tensor(turn_gains, dtype=torch.float32)
+        if context_budget is not None:
+            main = fb.kinds[layout.session] == 0  # KIND_CODES["main"]
+            turns["turn_over_half"] = torch.from_numpy(main & (layout.context > context_budget / 2))
     return AdvantageBatch(
         rewards=torch.from_numpy(fb.rewards), group_ids=torch.from_numpy(fb.group_ids),
         session_counts=torch.from_numpy(fb.session_counts), success=torch.from_numpy(fb.success),
         session_traj=torch.from_numpy(fb.session_traj), kinds=torch.from_numpy(fb.kinds),
-        is_final=torch.from_numpy(fb.is_final), gains=g,
+        is_final=torch.from_numpy(fb.is_final), gains=g, **turns,
     )  # fmt: skip
 
 
-def compute_advantages(trajs: Sequence[Trajectory], algo: AlgoConfig, gains=None) -> tuple[torch.Tensor, dict[str, float]]:
-    """Per-session advantages (S,) with the configured estimator, and its metrics."""
-    est = get_estimator(algo.estimator)
-    if est.needs_gains and gains is None:
-        raise ValueError(f"algo.estimator={algo.estimator!r} needs information gains: score the batch first")
-    batch = advantage_batch(trajs, gains if est.needs_gains else None, count_kinds=algo.count_kinds)
-    return est(batch, rho=algo.rho, delta=algo.delta, lam=algo.lam, norm_by_std=algo.norm_by_std, eps=algo.eps,
-               kind_names=kind_names())  # fmt: skip
+def compute_advantages(trajs: Sequence[Trajectory], cfg: Config, scores: Scores | None = None, *,
+                       layout: TurnLayout | None = None) -> tuple[torch.Tensor, dict[str, float]]:  # fmt: skip
+    """Advantages with ``cfg.algo.estimator`` — (S,) per session or (U,) per turn (``Estimator.level``) —
+    and the estimator's metrics. ``layout`` is built here when the estimator needs turns and none is given."""
+    est = get_estimator(cfg.algo.estimator)
+    scores = scores or Scores()
+    if est.needs_gains and scores.gains is None:
+        raise ValueError(f"algo.estimator={est.name!r} needs information gains: score the batch first")
+    if "turn_gains" in est.needs and scores.turn_gains is None:
+        raise ValueError(f"algo.estimator={est.name!r} needs turn-level gains: score the turns first")
+    if est.needs_turns and layout is None:
+        layout = turn_layout(trajs)
+    batch = advantage_batch(trajs, scores.gains if est.needs_gains else None, count_kinds=cfg.algo.count_kinds,
+                            layout=layout if est.needs_turns else None, turn_gains=scores.turn_gains,
+                            context_budget=cfg.harness.context_budget if "turn_over_half" in est.needs else None)
+    return est(batch, estimator_params(cfg.algo), kind_names=kind_names())
+
+
+def training_rows(trajs: Sequence[Trajectory], adv: torch.Tensor, est: Estimator,
+                  layout: TurnLayout | None = None) -> list[TrainingRow]:  # fmt: skip
+    """One row per session with its advantage; a turn-level estimator's (U,) advantages are spread over
+    each turn's completion tokens (``TrainingRow.token_advantages``)."""
+    if est.level == "session":
+        return to_rows(trajs, adv.tolist())
+    layout = layout if layout is not None else turn_layout(trajs)
+    rows = to_rows(trajs)
+    if adv.shape != (len(layout.session),):
+        raise ValueError(f"turn advantages have shape {tuple(adv.shape)}, expected ({len(layout.session)},) turns")
+    per_row = [np.zeros(len(r.completion_ids), dtype=np.float64) for r in rows]
+    for u, (k, a, b) in enumerate(zip(layout.session, layout.start, layout.end)):
+        per_row[k][a:b] = float(adv[u])
+    for r, v in zip(rows, per_row):
+        r.token_advantages = v.tolist()
+        trained = v[np.asarray(r.loss_mask, dtype=bool)]
+        r.advantage = float(trained.mean()) if trained.size else 0.0  # for reading; the loss uses the tokens'
+    return rows
+
+
+def score_for(est: Estimator, trajs: Sequence[Trajectory], model, chat, algo: AlgoConfig) -> Scores:
+    """Score what ``est`` needs with ``model`` (the rollout policy, before the update; SPEC §4.4, §4.7)."""
+    out = Scores(metrics={})
+    if est.needs_gains:
+        res = score_gains(trajs, model, chat.answer_probe, method=algo.scorer, max_batch_tokens=algo.score_batch_tokens)
+        out.gains, out.is_final = res.gains, res.is_final
+        out.metrics.update(res.stats.as_metrics())
+    if "turn_gains" in est.needs:
+        res = score_turns(trajs, model, chat.answer_probe, method=algo.scorer, header_ids=chat.generation_header_ids,
+                          max_batch_tokens=algo.score_batch_tokens)  # fmt: skip
+        per_session = [len(turn_spans(s.loss_mask)) for t in trajs for s in t.sessions]
+        got = [int(g.numel()) for g in res.gains]
+        if got != per_session:
+            raise RuntimeError(f"turn scorer returned {sum(got)} turn gains for {sum(per_session)} turns")
+        out.turn_gains = torch.cat([g.to(torch.float32) for g in res.gains]) if res.gains else torch.zeros(0)
+        out.metrics.update(res.stats.as_metrics())
+    return out

@@ -41,9 +41,8 @@ class PackedRow:
 
     @staticmethod
     def of(row: TrainingRow, index: int) -> "PackedRow":
-        n = len(row.completion_ids)
         return PackedRow(list(row.prompt_ids), list(row.completion_ids), list(row.loss_mask), list(row.logprobs),
-                         [row.advantage] * n, [index if m else -1 for m in row.loss_mask], row.traj_index)  # fmt: skip
+                         _advantages(row), [index if m else -1 for m in row.loss_mask], row.traj_index)  # fmt: skip
 
     @property
     def input_ids(self) -> list[int]:
@@ -69,11 +68,18 @@ class PackedRow:
         span = range(shift, shift + len(row.completion_ids))
         if any(self.loss_mask[k] for k, m in zip(span, row.loss_mask) if m):
             return False  # both would train the same position: keep them apart
-        for k, (m, lp) in zip(span, zip(row.loss_mask, row.logprobs)):
+        for k, m, lp, a in zip(span, row.loss_mask, row.logprobs, _advantages(row)):
             if m:
                 self.loss_mask[k], self.logprobs[k] = True, lp
-                self.token_advantages[k], self.token_rows[k] = row.advantage, index
+                self.token_advantages[k], self.token_rows[k] = a, index
         return True
+
+
+def _advantages(row: TrainingRow) -> list[float]:
+    """Per-completion-token advantages of a row: its own list, else the session's scalar on every token."""
+    if row.token_advantages is not None:
+        return list(row.token_advantages)
+    return [row.advantage] * len(row.completion_ids)
 
 
 def pack_rows(rows: Sequence[TrainingRow], indices: Sequence[int] | None = None) -> list[PackedRow]:

@@ -31,6 +31,8 @@ from typing import Any, Mapping
 
 import numpy as np
 import torch
+from safetensors.torch import save_file
+from safetensors.torch import load_file
 
 __all__ = ["CheckpointState", "save_checkpoint", "load_checkpoint", "find_latest", "list_checkpoints",
            "is_complete", "resolve_resume", "capture_rng", "restore_rng"]  # fmt: skip
@@ -136,7 +138,6 @@ def _save_model(model, tokenizer, d: Path) -> None:
     if hasattr(model, "save_pretrained"):
         model.save_pretrained(d, safe_serialization=True)
     else:
-        from safetensors.torch import save_file
 
         save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, str(d / "model.safetensors"))
     if tokenizer is not None:
@@ -144,7 +145,6 @@ def _save_model(model, tokenizer, d: Path) -> None:
 
 
 def _load_model(model, d: Path) -> None:
-    from safetensors.torch import load_file
 
     files = sorted(d.glob("*.safetensors"))
     if not files:

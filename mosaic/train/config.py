@@ -14,7 +14,8 @@ CPU, fp32), ``paper`` (batch 16, group 8, 1,000 tasks, one epoch, bf16 on a
 GPU; SPEC §8's setting with a smaller model — point ``model.source=dir`` and
 ``model.path`` at a larger one).
 
-This module imports nothing heavy (no torch) so that config errors come back fast.
+The estimator names come from the one registry, ``mosaic.core.estimators.ESTIMATORS``
+(importing it loads torch: about a second before a config error comes back).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from typing import Any, Literal, Sequence, get_args, get_origin
 import yaml
 
 from mosaic.agent.config import HarnessConfig
+from mosaic.core.estimators import ESTIMATORS
 
 __all__ = [
     "ConfigError",
@@ -53,7 +55,6 @@ __all__ = [
 
 EMBEDDED_PRESETS = ("tiny", "cpu")
 """Names of ``mosaic.agent.models.embedded.PRESETS`` (kept here so config loads without torch; a test keeps them equal)."""
-ESTIMATORS = ("grpo", "broadcast", "mosaic", "mosaic-traj", "mosaic-session")
 LOSS_AGG = ("trajectory-token-mean", "token-mean", "session-token-mean")
 
 
@@ -177,9 +178,10 @@ class AlgoConfig(_Section):
     """Advantage estimator and PPO loss (SPEC §4-§5)."""
 
     _section: typing.ClassVar[str] = "algo"
-    estimator: Literal["grpo", "broadcast", "mosaic", "mosaic-traj", "mosaic-session"] = "mosaic"
-    """``grpo`` (single-session only), ``broadcast`` (§4.2), ``mosaic-traj`` (§4.3), ``mosaic-session``
-    (GRPO + gains), ``mosaic`` (§4.3 + §4.4)."""
+    estimator: str = "mosaic"
+    """A name of ``mosaic.core.estimators.ESTIMATORS``: ``grpo`` (single-session only), ``broadcast`` (§4.2),
+    ``mosaic-traj`` (§4.3), ``mosaic-session`` (GRPO + gains), ``mosaic`` (§4.3 + §4.4), ``turn-level``
+    (IGPO-style, §4.7), ``fold`` (FoldGRPO-style, §4.8)."""
     rho: float = 0.2
     """ρ, strength of the session-count rank term in mixed groups (§4.3)."""
     delta: float = 0.1
@@ -190,10 +192,12 @@ class AlgoConfig(_Section):
     """Divide by the group std (GRPO); False = Dr. GRPO."""
     eps: float = 1e-6
     """Added to standard deviations."""
+    gamma: float = 0.0
+    """Discount of later turns' gains in the ``turn-level`` estimator (0: each turn its own gain)."""
+    fold_penalty: float = 1.0
+    """p of the ``fold`` estimator: subtracted on main turns taken past half the context budget."""
     count_kinds: tuple[str, ...] | None = None
     """Session kinds counted in ``n_i`` (§4.3); None = all kinds."""
-    gain_mode: Literal["merge", "own"] = "merge"
-    """Subagent gain states: the parent's context around the call (``merge``) or the subagent's own (``own``)."""
     scorer: Literal["cached", "reference"] = "cached"
     """Gain scorer: KV-cache probes (fast) or from-scratch re-encoding (slow reference)."""
     score_batch_tokens: int = 16384
@@ -210,15 +214,13 @@ class AlgoConfig(_Section):
     """Length normalisation of the loss (SPEC §5)."""
 
     def _validate(self) -> None:
+        self._need(self.estimator in ESTIMATORS, "estimator", f"must be one of {', '.join(sorted(ESTIMATORS))}")
         self._need(0 <= self.rho < 1, "rho", "must be in [0, 1) so the multiplier stays positive")
-        self._positive("delta", "lam", "kl_coef", allow_zero=True)
+        self._need(0 <= self.gamma <= 1, "gamma", "must be in [0, 1]")
+        self._positive("delta", "lam", "kl_coef", "fold_penalty", allow_zero=True)
         self._positive("eps", "score_batch_tokens", "clip_low", "clip_high")
         self._need(self.clip_low < 1, "clip_low", "must be < 1")
         self._need(self.clip_ratio_c is None or self.clip_ratio_c > 1, "clip_ratio_c", "must be > 1 or null")
-
-    @property
-    def needs_gains(self) -> bool:
-        return self.estimator in ("mosaic", "mosaic-session")
 
 
 @dataclass(frozen=True)
@@ -270,6 +272,9 @@ class TrainConfig(_Section):
     """Samples per held-out question."""
     eval_temperature: float = 0.0
     """Evaluation sampling temperature; 0 = greedy."""
+    heldout_split: Literal["test", "validation", "none"] = "test"
+    """Split of the warm-start and final held-out evaluations: ``test`` for a final arm (look at it once),
+    ``validation`` while choosing settings, ``none`` to skip both (``mosaic experiment`` evaluates itself)."""
     save_every: int = 10
     """Checkpoint every N steps (and at the end); 0 = only at the end."""
     keep_last: int = 2
@@ -342,13 +347,11 @@ class Config:
     sft: SFTConfig = field(default_factory=SFTConfig)
 
     def __post_init__(self) -> None:
-        if self.algo.estimator == "grpo" and self.harness.mode != "single":
+        if ESTIMATORS[self.algo.estimator].single_session and self.harness.mode != "single":
             raise ConfigError(
-                f"config key 'algo.estimator': 'grpo' is single-session and needs harness.mode=single "
+                f"config key 'algo.estimator': {self.algo.estimator!r} is single-session and needs harness.mode=single "
                 f"(got harness.mode={self.harness.mode!r}; use 'broadcast' for multi-session rollouts)"
             )
-        if self.algo.gain_mode == "own" and "fork" in self.harness.mode:
-            raise ConfigError("config key 'algo.gain_mode': 'own' is not implemented by the harness yet (use 'merge')")
 
     def replace(self, **sections: Any) -> "Config":
         return dataclasses.replace(self, **sections)

@@ -23,7 +23,22 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import torch
+
+from mosaic.train import setup
+from mosaic.train.checkpoint import load_checkpoint, save_checkpoint
 from mosaic.train.config import Config, dump_config, resolve_steps
+from mosaic.train.evaluate import evaluate, paired_outcomes
+from mosaic.train.optim import build_optimizer, build_scheduler
+from mosaic.train.rl import RLState, make_reference, rl_step
+from mosaic.train.runlog import RunLogger, write_summary
+from mosaic.train.stats import paired_bootstrap
+from mosaic.train.checkpoint import resolve_resume
+from mosaic.agent.models.embedded import save_model
+from mosaic.trace import load_trajectories, write_jsonl
+from mosaic.train.sft import expert_trajectories, sft_train
+from mosaic.train.checkpoint import find_latest
+from mosaic.train.evaluate import evaluate
 
 __all__ = ["RunPlan", "prepare_run", "run_train", "run_sft", "run_eval", "ensure_warm_start"]
 
@@ -40,7 +55,6 @@ class RunPlan:
 
 def prepare_run(cfg: Config) -> RunPlan:
     """Resolve the resume point (fails loud on a bad ``train.resume`` path) and the run dir; writes nothing."""
-    from mosaic.train.checkpoint import resolve_resume
 
     run_dir = Path(cfg.train.run_dir)
     return RunPlan(run_dir=run_dir, resume_from=resolve_resume(cfg.train.resume, run_dir),
@@ -68,12 +82,7 @@ def run_sft(cfg: Config) -> int:
 
 
 def _train_sft(cfg: Config) -> Path:
-    import torch
 
-    from mosaic.agent.models.embedded import save_model
-    from mosaic.trace import load_trajectories, write_jsonl
-    from mosaic.train import setup
-    from mosaic.train.sft import expert_trajectories, sft_train
 
     t0 = time.perf_counter()
     torch.manual_seed(cfg.train.seed)
@@ -115,9 +124,7 @@ def ensure_warm_start(cfg: Config) -> Path:
     if cfg.model.source == "dir":
         return Path(cfg.model.path)
     if cfg.model.source == "base":  # the shipped base model is already an SFT on expert rollouts
-        from mosaic.train.pretrain import base_model_dir
-
-        path = base_model_dir(cfg.model.embedded_preset)
+        path = setup.base_model_dir(cfg.model.embedded_preset)
         _log(f"warm start: the shipped base model {path.name} (SFT by `mosaic pretrain` on expert "
              f"rollouts over generated training worlds)")
         return path
@@ -139,9 +146,6 @@ def ensure_warm_start(cfg: Config) -> Path:
 
 def run_eval(cfg: Config, checkpoint: str | None, out: str | None) -> int:
     """``mosaic eval``: accuracy (95 % CI) and session statistics of a model on ``data.eval_split``."""
-    from mosaic.train import setup
-    from mosaic.train.checkpoint import find_latest
-    from mosaic.train.evaluate import evaluate
 
     device = setup.resolve_device(cfg)
     dtype = setup.resolve_dtype(cfg, device)
@@ -175,59 +179,59 @@ def run_eval(cfg: Config, checkpoint: str | None, out: str | None) -> int:
 
 def run_train(cfg: Config) -> int:
     """``mosaic train``: warm start (cached) → held-out eval → RL → held-out eval and paired CI."""
-    import torch
-
-    from mosaic.train import setup
-    from mosaic.train.checkpoint import load_checkpoint, save_checkpoint
-    from mosaic.train.evaluate import evaluate, paired_outcomes
-    from mosaic.train.optim import build_optimizer, build_scheduler
-    from mosaic.train.rl import RLState, make_reference, rl_step
-    from mosaic.train.runlog import RunLogger
-    from mosaic.train.stats import paired_bootstrap
-
     t_start = time.perf_counter()
     plan = prepare_run(cfg)
-    run_dir = plan.run_dir
-    run_dir.mkdir(parents=True, exist_ok=True)
-    device = setup.resolve_device(cfg)
-    dtype = setup.resolve_dtype(cfg, device)
+    plan.run_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.train.seed)
-
-    warm = ensure_warm_start(cfg)
-    model, tok = setup.load_policy(warm, device=device, dtype=dtype)
+    device = setup.resolve_device(cfg)
+    model, tok = setup.load_policy(ensure_warm_start(cfg), device=device, dtype=setup.resolve_dtype(cfg, device))
     chat = setup.chat_format(tok)
+    held = None if cfg.train.heldout_split == "none" else setup.load_split(cfg, cfg.train.heldout_split)
+    base = _heldout_eval(cfg, plan.run_dir, "warmstart", model, tok, chat, held) if held is not None else None
+    _rl_loop(cfg, plan, model, tok, chat, device)
+    if held is not None:
+        final = _heldout_eval(cfg, plan.run_dir, "final", model, tok, chat, held)
+        extra = _report_gain(cfg, plan.run_dir, base, final, time.perf_counter() - t_start)
+        write_summary(plan.run_dir, title=f"mosaic train ({cfg.algo.estimator})", extra=extra)
+    return 0
+
+
+def _heldout_eval(cfg: Config, run_dir: Path, name: str, model, tok, chat, split) -> dict:
+    """Evaluate on the held-out split (``eval_<name>.jsonl`` outcomes); the warm start's result is
+    cached in the run dir so a resumed run reuses it."""
+    meta = run_dir / f"eval_{name}.json"
+    where = cfg.train.heldout_split
+    if name == "warmstart" and meta.exists() and (run_dir / f"eval_{name}.jsonl").exists():
+        res = json.loads(meta.read_text())
+        _log(f"warm start on {where} (cached): {100 * res['accuracy']:.1f} %")
+        return res
+    r = evaluate(cfg, model, tok, chat, split, n_tasks=cfg.data.n_eval_tasks or len(split.tasks),
+                 samples=cfg.train.eval_samples, temperature=cfg.train.eval_temperature,
+                 out=run_dir / f"eval_{name}.jsonl", progress=False)  # fmt: skip
+    res = {"split": where, "accuracy": r.accuracy, "lo": r.lo, "hi": r.hi, "outcomes": r.outcomes,
+           "metrics": r.metrics}  # fmt: skip
+    meta.write_text(json.dumps(res))
+    _log(r.line(f"{'warm start' if name == 'warmstart' else 'after RL'} on {where}"))
+    return res
+
+
+def _rl_loop(cfg: Config, plan: RunPlan, model, tok, chat, device) -> None:
+    """RL steps from the resume point to the end: metrics, samples, checkpoints."""
     train = setup.load_split(cfg, "train")
-    test = setup.load_split(cfg, "test")
-    n_test = cfg.data.n_eval_tasks or len(test.tasks)
-
-    # Held-out baseline: the warm start on the test world (cached so a resumed run reuses it).
-    base_file = run_dir / "eval_warmstart.jsonl"
-    base_meta = run_dir / "eval_warmstart.json"
-    if base_meta.exists() and base_file.exists():
-        base = json.loads(base_meta.read_text())
-        _log(f"warm start on test (cached): {100 * base['accuracy']:.1f} %")
-    else:
-        r = evaluate(cfg, model, tok, chat, test, n_tasks=n_test, samples=cfg.train.eval_samples,
-                     temperature=cfg.train.eval_temperature, out=base_file, progress=False)  # fmt: skip
-        base = {"accuracy": r.accuracy, "lo": r.lo, "hi": r.hi, "outcomes": r.outcomes, "metrics": r.metrics}
-        base_meta.write_text(json.dumps(base))
-        _log(r.line("warm start on test"))
-
     steps = resolve_steps(cfg, len(train.tasks))
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, steps * cfg.optim.ppo_epochs * cfg.optim.mini_batches)
     start = 0
     if plan.resume_from is not None:
-        ck = load_checkpoint(plan.resume_from, model=model, optimizer=optimizer, scheduler=scheduler)
-        start = ck.step
+        start = load_checkpoint(plan.resume_from, model=model, optimizer=optimizer, scheduler=scheduler).step
         _log(f"resumed from {plan.resume_from} at step {start}")
     ref = make_reference(model) if cfg.algo.kl_coef > 0 else None
     st = RLState(cfg, model, tok, chat, train, optimizer, scheduler, device, ref_model=ref)
     val = setup.load_split(cfg, cfg.data.eval_split) if cfg.train.eval_every else None
-
-    logger = RunLogger(run_dir, config_yaml=plan.config_yaml, total_steps=steps, start_step=start,
+    logger = RunLogger(plan.run_dir, config_yaml=plan.config_yaml, total_steps=steps, start_step=start,
                        tensorboard=cfg.train.tensorboard, wandb=cfg.train.wandb, log_every=cfg.train.log_every,
                        plot_every=cfg.train.plot_every, title=f"mosaic train ({cfg.algo.estimator})")  # fmt: skip
+    extra: dict[str, str] | None = None
     try:
         for step in range(start, steps):
             m = rl_step(st, step)
@@ -240,31 +244,33 @@ def run_train(cfg: Config) -> int:
             if cfg.train.rollout_samples:
                 logger.log_samples(n, [_sample(t, tok) for t in st.last_trajs[: cfg.train.rollout_samples]])
             if (cfg.train.save_every and n % cfg.train.save_every == 0) or n == steps:
-                save_checkpoint(run_dir, n, model=model, tokenizer=tok, optimizer=optimizer, scheduler=scheduler,
+                save_checkpoint(plan.run_dir, n, model=model, tokenizer=tok, optimizer=optimizer, scheduler=scheduler,
                                 state={"step": n, "estimator": cfg.algo.estimator}, keep_last=cfg.train.keep_last)
-
-        final_file = run_dir / "eval_final.jsonl"
-        r = evaluate(cfg, model, tok, chat, test, n_tasks=n_test, samples=cfg.train.eval_samples,
-                     temperature=cfg.train.eval_temperature, out=final_file, progress=False)  # fmt: skip
-        a, b = paired_outcomes(r.outcomes, {k: v for k, v in base["outcomes"].items()})
-        cmp = paired_bootstrap(a, b, seed=cfg.train.seed)
-        verdict = "excludes 0" if (cmp.lo > 0 or cmp.hi < 0) else "includes 0"
-        _log(r.line("after RL on test"))
-        _log(f"held-out gain over the warm start: {100 * cmp.diff:+.1f} points "
-             f"(95 % paired bootstrap CI [{100 * cmp.lo:+.1f}, {100 * cmp.hi:+.1f}], {verdict}; "
-             f"{cmp.wins} wins / {cmp.losses} losses / {cmp.ties} ties on {cmp.n_questions} questions)")
-        extra = {"warm start test accuracy": f"{100 * base['accuracy']:.1f} %",
-                 "final test accuracy": f"{100 * r.accuracy:.1f} % [{100 * r.lo:.1f}, {100 * r.hi:.1f}]",
-                 "held-out gain (paired 95 % CI)": f"{100 * cmp.diff:+.1f} [{100 * cmp.lo:+.1f}, {100 * cmp.hi:+.1f}]",
-                 "wall time": f"{time.perf_counter() - t_start:.0f} s"}  # fmt: skip
-        (run_dir / "result.json").write_text(json.dumps({
-            "warm_start": {k: base[k] for k in ("accuracy", "lo", "hi")},
-            "final": {"accuracy": r.accuracy, "lo": r.lo, "hi": r.hi},
-            "gain": asdict(cmp), "final_metrics": r.metrics, "seconds": time.perf_counter() - t_start,
-        }, indent=1))
+        extra = {"steps": str(steps)}
     finally:
-        logger.close(extra=locals().get("extra"))
-    return 0
+        logger.close(extra=extra)
+
+
+def _report_gain(cfg: Config, run_dir: Path, base: dict, final: dict, seconds: float) -> dict[str, str]:
+    """Paired held-out gain of the final model over the warm start → log line, ``result.json`` and the
+    lines for the run's summary."""
+    a, b = paired_outcomes(final["outcomes"], base["outcomes"])
+    cmp = paired_bootstrap(a, b, seed=cfg.train.seed)
+    verdict = "excludes 0" if (cmp.lo > 0 or cmp.hi < 0) else "includes 0"
+    _log(f"held-out gain over the warm start: {100 * cmp.diff:+.1f} points "
+         f"(95 % paired bootstrap CI [{100 * cmp.lo:+.1f}, {100 * cmp.hi:+.1f}], {verdict}; "
+         f"{cmp.wins} wins / {cmp.losses} losses / {cmp.ties} ties on {cmp.n_questions} questions)")
+    (run_dir / "result.json").write_text(json.dumps({
+        "split": cfg.train.heldout_split,
+        "warm_start": {k: base[k] for k in ("accuracy", "lo", "hi")},
+        "final": {k: final[k] for k in ("accuracy", "lo", "hi")},
+        "gain": asdict(cmp), "final_metrics": final["metrics"], "seconds": seconds,
+    }, indent=1))
+    where = cfg.train.heldout_split
+    return {f"warm start {where} accuracy": f"{100 * base['accuracy']:.1f} %",
+            f"final {where} accuracy": f"{100 * final['accuracy']:.1f} % [{100 * final['lo']:.1f}, {100 * final['hi']:.1f}]",
+            "held-out gain (paired 95 % CI)": f"{100 * cmp.diff:+.1f} [{100 * cmp.lo:+.1f}, {100 * cmp.hi:+.1f}]",
+            "wall time": f"{seconds:.0f} s"}  # fmt: skip
 
 
 def _sample(traj, tok) -> dict:

@@ -18,8 +18,13 @@ from typing import Sequence
 
 import numpy as np
 
+from mosaic.agent.harness import DeepSearchEnv, Harness
 from mosaic.trace import Trajectory
 from mosaic.train.config import Config
+from mosaic.train.metrics import rollout_metrics
+from mosaic.train.scorer import score_gains as score_gains_
+from mosaic.train.setup import sampling_policy
+from mosaic.train.stats import accuracy_ci
 
 
 @dataclass
@@ -43,21 +48,14 @@ def evaluate(cfg: Config, model, tokenizer, chat, split, *, n_tasks: int | None 
              temperature: float = 0.0, seed: int = 0, score_gains: bool = True, progress: bool = True,
              out: str | Path | None = None) -> EvalResult:
     """Accuracy of ``model`` on ``split`` through the harness; optional outcomes file ``out``."""
-    from mosaic.agent.harness import DeepSearchEnv, Harness
-    from mosaic.train.metrics import rollout_metrics
-    from mosaic.train.setup import harness_config, sampling_policy
-    from mosaic.train.stats import accuracy_ci
-
     t0 = time.perf_counter()
     tasks = split.tasks[: n_tasks or len(split.tasks)]
     policy = sampling_policy(cfg, model, tokenizer, temperature=temperature, seed=seed)
-    harness = Harness(policy, chat, DeepSearchEnv(split), harness_config(cfg))
+    harness = Harness(policy, chat, DeepSearchEnv(split), cfg.harness)
     trajs = harness.run(tasks, group_size=samples, seed=seed, progress=progress, step="eval")
     gains = is_final = None
     if score_gains:
-        from mosaic.train.scorer import score_gains as _score
-
-        res = _score(trajs, model, chat.answer_probe, max_batch_tokens=cfg.algo.score_batch_tokens)
+        res = score_gains_(trajs, model, chat.answer_probe, max_batch_tokens=cfg.algo.score_batch_tokens)
         gains, is_final = res.gains.numpy(), res.is_final.numpy()
     metrics = rollout_metrics(trajs, gains, is_final)
     outcomes: dict[str, list[float]] = {}

@@ -30,23 +30,29 @@ from pathlib import Path
 import torch
 
 from mosaic.train.config import Config
+from mosaic.train.setup import BASE_MODELS_DIR, base_model_dir
+from mosaic.agent.expert import ExpertPolicy
+from mosaic.agent.harness import DeepSearchEnv, Harness
+from mosaic.envs.splits import load_split, split_config
+from mosaic.trace import to_rows
+from mosaic.train.batching import pack_rows
+from mosaic.train.sft import expert_noise
+from mosaic.train.batching import PackedRow
+import torch.nn.functional as F
+from mosaic.train.batching import collate
+from tqdm.auto import tqdm
+from mosaic.agent.models.embedded import EmbeddedModelConfig, build_model, save_model
+from mosaic.agent.tokenizer import build_generator_tokenizer
+from mosaic.train import setup
+from mosaic.train.evaluate import evaluate
+from mosaic.train.optim import lr_factor
+from mosaic.agent.models.embedded import load_model
 
 log = logging.getLogger(__name__)
 
 __all__ = ["PretrainConfig", "pretrain", "BASE_MODELS_DIR", "base_model_dir"]
 
-BASE_MODELS_DIR = Path(__file__).resolve().parent.parent / "assets" / "models"
 META_FILE = "mosaic_pretrain.json"
-
-
-def base_model_dir(preset: str) -> Path:
-    """The shipped base model for embedded preset ``preset`` (raises if it was never built)."""
-    path = BASE_MODELS_DIR / f"{preset}-base"
-    if not (path / "config.json").exists():
-        raise FileNotFoundError(
-            f"no shipped base model for embedded preset {preset!r} at {path}; build it with "
-            f"`mosaic pretrain model.embedded_preset={preset}` or use model.source=embedded")
-    return path
 
 
 @dataclass(frozen=True)
@@ -107,12 +113,6 @@ class PretrainConfig:
 
 def _world_rows(cfg: Config, pc: PretrainConfig, k: int, tok, chat, cache_dir: Path) -> tuple[list, dict]:
     """Packed training rows of expert rollouts over pretraining world ``k``."""
-    from mosaic.agent.expert import ExpertPolicy
-    from mosaic.agent.harness import DeepSearchEnv, Harness
-    from mosaic.envs.splits import load_split, split_config
-    from mosaic.trace import to_rows
-    from mosaic.train.batching import pack_rows
-    from mosaic.train.sft import expert_noise
 
     sc = replace(split_config("train", cfg.data.preset, seed=pc.world_seed_base + k), n_tasks=pc.tasks_per_world)
     split = load_split("train", sc, cache_dir=cache_dir)
@@ -129,7 +129,6 @@ def _world_rows(cfg: Config, pc: PretrainConfig, k: int, tok, chat, cache_dir: P
 def copy_drill(rng: random.Random, tok, names: list[str]):
     """One name drill as a training row (loss on the answer): repeat a list of names, or look up the
     name a key maps to in a list of pairs."""
-    from mosaic.train.batching import PackedRow
 
     if rng.random() < 0.5:
         pick = rng.sample(names, rng.randint(2, 5))
@@ -150,9 +149,7 @@ def lm_step(model, rows, opt: torch.optim.Optimizer, *, pad_id: int, device: tor
             context_weight: float, max_grad_norm: float = 1.0) -> tuple[float, float]:
     """One step of next-token loss over whole sequences: token mean over the expert's tokens plus
     ``context_weight`` × token mean over every other real token. Returns both means."""
-    import torch.nn.functional as F
 
-    from mosaic.train.batching import collate
 
     batch = collate(rows, list(range(len(rows))), pad_id=pad_id).to(device)
     ids, attn = batch.input_ids, batch.attention_mask
@@ -176,13 +173,7 @@ def lm_step(model, rows, opt: torch.optim.Optimizer, *, pad_id: int, device: tor
 
 def pretrain(cfg: Config, pc: PretrainConfig, out: str | Path, *, progress: bool = True) -> dict:
     """Train the embedded base model ``cfg.model.embedded_preset`` and save it to ``out``."""
-    from tqdm.auto import tqdm
 
-    from mosaic.agent.models.embedded import EmbeddedModelConfig, build_model, save_model
-    from mosaic.agent.tokenizer import build_generator_tokenizer
-    from mosaic.train import setup
-    from mosaic.train.evaluate import evaluate
-    from mosaic.train.optim import lr_factor
 
     t0 = time.perf_counter()
     torch.manual_seed(pc.seed)
@@ -191,7 +182,6 @@ def pretrain(cfg: Config, pc: PretrainConfig, out: str | Path, *, progress: bool
                                     harness_config=cfg.harness)
     chat = setup.chat_format(tok)
     if pc.init:
-        from mosaic.agent.models.embedded import load_model
 
         model, init_tok = load_model(pc.init)
         if init_tok.get_vocab() != tok.get_vocab():

@@ -18,15 +18,22 @@ import copy
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from mosaic.core.estimators import AdvantageBatch, get_estimator
+from mosaic.agent.chat import ChatFormat
+from mosaic.agent.harness import DeepSearchEnv, Harness
+from mosaic.core.estimators import get_estimator
 from mosaic.core.loss import policy_loss, token_weights
-from mosaic.trace import Trajectory, flatten, kind_names, to_rows
+from mosaic.envs.splits import Split
+from mosaic.trace import Trajectory, turn_layout
+from mosaic.train.batch import compute_advantages, score_for, training_rows
 from mosaic.train.batching import collate, completion_logprobs, micro_batches, pack_rows
 from mosaic.train.config import Config
+from mosaic.train.metrics import rollout_metrics
+from mosaic.train.setup import sampling_policy
 
 
 @dataclass
@@ -34,14 +41,14 @@ class RLState:
     """What one step needs besides the config; built once per run."""
 
     cfg: Config
-    model: Any
-    tokenizer: Any
-    chat: Any
-    split: Any
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    chat: ChatFormat
+    split: Split
     optimizer: torch.optim.Optimizer
-    scheduler: Any
+    scheduler: torch.optim.lr_scheduler.LRScheduler
     device: torch.device
-    ref_model: Any = None
+    ref_model: PreTrainedModel | None = None
     last_trajs: list[Trajectory] = field(default_factory=list)
 
 
@@ -68,7 +75,7 @@ def tasks_for_step(split, step: int, batch_tasks: int, seed: int) -> list:
     return uniq
 
 
-def make_reference(model) -> Any:
+def make_reference(model: PreTrainedModel) -> PreTrainedModel:
     ref = copy.deepcopy(model)
     ref.eval()
     for p in ref.parameters():
@@ -77,32 +84,10 @@ def make_reference(model) -> Any:
 
 
 def rollout(st: RLState, tasks: Sequence, step: int) -> list[Trajectory]:
-    from mosaic.agent.harness import DeepSearchEnv, Harness
-    from mosaic.train.setup import harness_config, sampling_policy
-
     cfg = st.cfg
     policy = sampling_policy(cfg, st.model, st.tokenizer, seed=cfg.train.seed * 1_000_003 + step)
-    harness = Harness(policy, st.chat, DeepSearchEnv(st.split), harness_config(cfg))
+    harness = Harness(policy, st.chat, DeepSearchEnv(st.split), cfg.harness)
     return harness.run(tasks, group_size=cfg.train.group_size, seed=cfg.train.seed + step, step=step)
-
-
-def advantages_for(st: RLState, trajs: Sequence[Trajectory], gains: torch.Tensor | None):
-    cfg = st.cfg
-    fb = flatten(trajs, count_kinds=cfg.algo.count_kinds)
-    batch = AdvantageBatch(
-        rewards=torch.as_tensor(fb.rewards),
-        group_ids=torch.as_tensor(fb.group_ids),
-        session_counts=torch.as_tensor(fb.session_counts),
-        success=torch.as_tensor(fb.success),
-        session_traj=torch.as_tensor(fb.session_traj),
-        kinds=torch.as_tensor(fb.kinds),
-        is_final=torch.as_tensor(fb.is_final),
-        gains=gains,
-    )
-    a = cfg.algo
-    adv, metrics = get_estimator(a.estimator)(batch, rho=a.rho, delta=a.delta, lam=a.lam,
-                                              norm_by_std=a.norm_by_std, eps=a.eps, kind_names=kind_names())
-    return adv, metrics
 
 
 def update(st: RLState, rows, *, temperature: float) -> dict[str, float]:
@@ -171,10 +156,8 @@ def update(st: RLState, rows, *, temperature: float) -> dict[str, float]:
 
 def rl_step(st: RLState, step: int) -> dict[str, float]:
     """Run training step ``step`` (0-based) and return its metrics."""
-    from mosaic.train.metrics import rollout_metrics
-    from mosaic.train.scorer import score_gains
-
     cfg = st.cfg
+    est = get_estimator(cfg.algo.estimator)
     t0 = time.perf_counter()
     tasks = tasks_for_step(st.split, step, cfg.train.batch_tasks, cfg.train.seed)
     trajs = rollout(st, tasks, step)
@@ -182,17 +165,12 @@ def rl_step(st: RLState, step: int) -> dict[str, float]:
     t_gen = time.perf_counter() - t0
 
     t1 = time.perf_counter()
-    gains = is_final = None
-    score_metrics: dict[str, float] = {}
-    if cfg.algo.needs_gains:
-        res = score_gains(trajs, st.model, st.chat.answer_probe, method=cfg.algo.scorer,
-                          max_batch_tokens=cfg.algo.score_batch_tokens)
-        gains, is_final = res.gains, res.is_final
-        score_metrics = res.stats.as_metrics()
+    scores = score_for(est, trajs, st.model, st.chat, cfg.algo)
     t_score = time.perf_counter() - t1
 
-    adv, adv_metrics = advantages_for(st, trajs, gains)
-    rows = to_rows(trajs, adv.tolist())
+    layout = turn_layout(trajs) if est.needs_turns else None
+    adv, adv_metrics = compute_advantages(trajs, cfg, scores, layout=layout)
+    rows = training_rows(trajs, adv, est, layout)
 
     t2 = time.perf_counter()
     upd = update(st, rows, temperature=cfg.rollout.temperature)
@@ -200,9 +178,10 @@ def rl_step(st: RLState, step: int) -> dict[str, float]:
 
     total = time.perf_counter() - t0
     tokens = sum(len(r.prompt_ids) + len(r.completion_ids) for r in rows)
-    m = rollout_metrics(trajs, None if gains is None else gains.numpy(), None if is_final is None else is_final.numpy())
+    m = rollout_metrics(trajs, None if scores.gains is None else scores.gains.numpy(),
+                        None if scores.is_final is None else scores.is_final.numpy())  # fmt: skip
     m.update(adv_metrics)
-    m.update(score_metrics)
+    m.update(scores.metrics or {})
     m.update(upd)
     m.update({"timing_s/gen": t_gen, "timing_s/score": t_score, "timing_s/update": t_update,
               "timing_s/step": total, "perf/throughput": tokens / max(total, 1e-9),

@@ -30,6 +30,8 @@ import warnings
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+from tqdm import tqdm
+
 from mosaic.train.metrics import CONSOLE_ORDER
 
 __all__ = ["RunLogger", "format_console_line", "read_metrics", "make_plots", "write_summary"]
@@ -87,7 +89,7 @@ def _truncate_jsonl(p: Path, keep_upto: int) -> None:
 
 def make_plots(run_dir: str | Path) -> list[Path]:
     """Regenerate ``plots/*.png`` from ``metrics.jsonl`` (matplotlib, Agg backend)."""
-    import matplotlib
+    import matplotlib  # here, not at module level: the Agg backend must be chosen before pyplot loads
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -186,7 +188,7 @@ class RunLogger:
         self._samples = open(self._samples_path, "a")
         self._tb = None
         if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard import SummaryWriter  # heavy (loads tensorboard): only when enabled
 
             self._tb = SummaryWriter(log_dir=str(self.run_dir / "tb"), purge_step=start_step + 1 if start_step else None)
         self._wandb = None
@@ -200,15 +202,11 @@ class RunLogger:
                 warnings.warn("train.wandb=offline but wandb is not installed; skipping wandb", stacklevel=2)
         self._bar = None
         if console:
-            from tqdm import tqdm
-
             self._bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True, file=sys.stderr)
 
     def write(self, text: str) -> None:
         """A console line that keeps the progress bar intact."""
         if self._bar is not None:
-            from tqdm import tqdm
-
             tqdm.write(text, file=sys.stdout)
         else:
             print(text, flush=True)

@@ -50,6 +50,8 @@ from typing import Callable, Literal, Sequence
 import torch
 
 from mosaic.trace.graph import Session, StateRef, Trajectory
+from mosaic.trace.rows import turn_spans
+from transformers import DynamicCache
 
 __all__ = [
     "Probe",
@@ -366,7 +368,6 @@ def _run_cached(model, hosts: list[_Host], stats: ScoreStats, *, max_batch_token
                 Kb, Vb = K[rows], V[rows]  # (n, Hkv, Lmax, D)
                 g = gidx[:, None, :, None].expand(-1, Kb.shape[1], -1, Kb.shape[3])
                 cache_data.append((Kb.gather(2, g), Vb.gather(2, g)))
-            from transformers import DynamicCache
 
             cache = DynamicCache(ddp_cache_data=cache_data)
             pid = torch.zeros(n, Pm, dtype=torch.long)
@@ -505,9 +506,8 @@ def score_reference(trajs: Sequence[Trajectory], model, probe_fn: ProbeFn) -> Sc
 def turn_boundaries(session: Session, header_ids: Sequence[int] | None = None) -> list[int]:
     """State lengths for turn-level probing: the prompt, then the end of every turn.
 
-    A turn is a run of True (sampled) ``loss_mask`` tokens followed by a run of
-    False (inserted: tool response, template) tokens; it ends where the next
-    True run starts, or at the end of the completion. Returns lengths into
+    Turns are :func:`mosaic.trace.turn_spans` (a run of sampled tokens and the inserted
+    tokens after it, up to the next sampled run). Returns lengths into
     ``prompt_ids + completion_ids``, increasing, starting at the prompt.
 
     ``header_ids``: the chat format's generation header (``ChatFormat.generation_header_ids``,
@@ -517,16 +517,8 @@ def turn_boundaries(session: Session, header_ids: Sequence[int] | None = None) -
     appended cleanly, as for the session-level states.
     """
     p = len(session.prompt_ids)
-    m = [bool(x) for x in session.loss_mask]
     toks = session.tokens()
-    raw = [p]
-    seen_true = False
-    for i, x in enumerate(m):
-        if x and seen_true and not m[i - 1]:
-            raw.append(p + i)
-        seen_true = seen_true or x
-    if seen_true:
-        raw.append(p + len(m))
+    raw = [p] + [p + end for _, end in turn_spans(session.loss_mask)]
     if not header_ids:
         return raw
     h = list(header_ids)

@@ -2,7 +2,7 @@
 
 Splits, the harness configuration, the policy model + tokenizer and the
 sampling policy are built here, once, so that SFT, RL and evaluation agree on
-every setting. Heavy imports live inside the functions.
+every setting.
 """
 
 from __future__ import annotations
@@ -13,9 +13,19 @@ from pathlib import Path
 
 import torch
 
+from mosaic.agent.chat import ChatFormat
+from mosaic.agent.models.embedded import EmbeddedModelConfig, build_model, load_model
+from mosaic.agent.models.smollm2 import load_smollm2
+from mosaic.agent.policies.local import LocalPolicy, LocalPolicyConfig
+from mosaic.agent.tokenizer import build_generator_tokenizer
+from mosaic.envs.splits import Split, split_config
+from mosaic.envs.splits import load_split as _load_split
 from mosaic.train.config import Config
 
 log = logging.getLogger(__name__)
+
+BASE_MODELS_DIR = Path(__file__).resolve().parent.parent / "assets" / "models"
+"""Where the shipped base models live (``<preset>-base``, built by ``mosaic pretrain``)."""
 
 
 def resolve_device(cfg: Config) -> torch.device:
@@ -33,8 +43,6 @@ def resolve_dtype(cfg: Config, device: torch.device) -> torch.dtype:
 
 def split_config_for(cfg: Config, split: str):
     """The env's split config with the run's overrides (world size, task counts, hop mix)."""
-    from mosaic.envs.splits import split_config
-
     d = cfg.data
     n_entities = d.train_world_entities if split == "train" and d.train_world_entities else d.world_entities
     overrides = {"n_entities": n_entities} if n_entities else {}
@@ -49,15 +57,18 @@ def split_config_for(cfg: Config, split: str):
     return replace(sc, **changes) if changes else sc
 
 
-def load_split(cfg: Config, split: str):
-    from mosaic.envs.splits import load_split as _load
-
-    return _load(split, split_config_for(cfg, split), cache_dir=cfg.data.cache_dir)
+def load_split(cfg: Config, split: str) -> Split:
+    return _load_split(split, split_config_for(cfg, split), cache_dir=cfg.data.cache_dir)
 
 
-def harness_config(cfg: Config):
-    """The run's ``mosaic.agent.config.HarnessConfig`` (the config's ``harness`` section, as it is)."""
-    return cfg.harness
+def base_model_dir(preset: str) -> Path:
+    """The shipped base model for embedded preset ``preset`` (raises if it was never built)."""
+    path = BASE_MODELS_DIR / f"{preset}-base"
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(
+            f"no shipped base model for embedded preset {preset!r} at {path}; build it with "
+            f"`mosaic pretrain model.embedded_preset={preset}` or use model.source=embedded")
+    return path
 
 
 def build_base_model(cfg: Config, device: torch.device, dtype: torch.dtype):
@@ -66,36 +77,25 @@ def build_base_model(cfg: Config, device: torch.device, dtype: torch.dtype):
     no held-out world shapes the vocabulary), or a saved / SmolLM2 model."""
     src = cfg.model.source
     if src == "base":
-        from mosaic.train.pretrain import base_model_dir
-
         model, tok = load_policy(base_model_dir(cfg.model.embedded_preset), device=device, dtype=dtype)
     elif src == "embedded":
-        from mosaic.agent.models.embedded import EmbeddedModelConfig, build_model
-        from mosaic.agent.tokenizer import build_generator_tokenizer
-
-        tok = build_generator_tokenizer(harness_config=harness_config(cfg))
+        tok = build_generator_tokenizer(harness_config=cfg.harness)
         mcfg = EmbeddedModelConfig.preset(cfg.model.embedded_preset)
         model = build_model(mcfg, tok, seed=cfg.model.init_seed)
     elif src == "dir":
         model, tok = load_policy(cfg.model.path, device=device, dtype=dtype)
     else:  # smollm2
-        from mosaic.agent.models.smollm2 import load_smollm2
-
         model, tok = load_smollm2()
     return model.to(device=device, dtype=dtype), tok
 
 
 def load_policy(path: str | Path, *, device: torch.device, dtype: torch.dtype):
     """A saved model directory (ours or any HF causal LM with a fast tokenizer)."""
-    from mosaic.agent.models.embedded import load_model
-
     model, tok = load_model(path, device=device, dtype=dtype)
     return model, tok
 
 
-def chat_format(tokenizer):
-    from mosaic.agent.chat import ChatFormat
-
+def chat_format(tokenizer) -> ChatFormat:
     chat = ChatFormat(tokenizer)
     chat.check_prefix_preservation()
     return chat
@@ -103,8 +103,6 @@ def chat_format(tokenizer):
 
 def sampling_policy(cfg: Config, model, tokenizer, *, temperature: float | None = None, seed: int = 0):
     """A batched KV-cache :class:`~mosaic.agent.policies.local.LocalPolicy` over the live model."""
-    from mosaic.agent.policies.local import LocalPolicy, LocalPolicyConfig
-
     r = cfg.rollout
     pc = LocalPolicyConfig(
         temperature=r.temperature if temperature is None else temperature,

@@ -23,6 +23,10 @@ from mosaic.trace import Trajectory, to_rows
 from mosaic.train.batching import collate, completion_logprobs, pack_rows
 from mosaic.train.config import Config
 from mosaic.train.optim import lr_factor
+from mosaic.agent.expert import ExpertNoise
+from mosaic.agent.expert import ExpertPolicy
+from mosaic.agent.harness import DeepSearchEnv, Harness
+from tqdm.auto import tqdm
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +38,6 @@ def expert_noise(rate: float):
     information gain can see) at ``rate``; wrong queries, redundant searches and
     extra sessions (which cost budget) at ``rate / 2``.
     """
-    from mosaic.agent.expert import ExpertNoise
 
     return ExpertNoise(wrong_query=rate / 2, redundant_search=rate / 2, early_guess=rate,
                        lossy_summary=rate, extra_session=rate / 2)  # fmt: skip
@@ -43,13 +46,10 @@ def expert_noise(rate: float):
 def expert_trajectories(cfg: Config, split, tokenizer, chat, *, n_tasks: int, seed: int = 0,
                         progress: bool = True) -> list[Trajectory]:
     """Roll the scripted expert over the first ``n_tasks`` tasks of ``split``."""
-    from mosaic.agent.expert import ExpertPolicy
-    from mosaic.agent.harness import DeepSearchEnv, Harness
-    from mosaic.train.setup import harness_config
 
     tasks = split.tasks[:n_tasks]
     policy = ExpertPolicy(tokenizer, tasks, expert_noise(cfg.sft.expert_noise), seed=seed)
-    harness = Harness(policy, chat, DeepSearchEnv(split), harness_config(cfg))
+    harness = Harness(policy, chat, DeepSearchEnv(split), cfg.harness)
     return harness.run(tasks, group_size=1, seed=seed, progress=progress, step="sft")
 
 
@@ -81,7 +81,6 @@ class SFTResult:
 def sft_train(model, trajs: Sequence[Trajectory], cfg: Config, *, pad_id: int, device: torch.device,
               seed: int = 0, progress: bool = True) -> SFTResult:
     """Next-token cross-entropy on sampled tokens only (token mean per optimizer step)."""
-    from tqdm.auto import tqdm
 
     s = cfg.sft
     sessions = [r for r in to_rows(trajs) if r.num_trainable > 0]

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Literal
 
 import numpy as np
+from statistics import NormalDist
 
 __all__ = ["wilson_ci", "accuracy_ci", "AccuracyCI", "paired_bootstrap", "PairedComparison",
            "load_outcomes", "align_outcomes", "compare_outcome_files", "format_comparison"]  # fmt: skip
@@ -39,7 +40,6 @@ VALUE_KEYS = ("correct", "success", "reward", "score")
 
 
 def _z(ci: float) -> float:
-    from statistics import NormalDist
 
     if not 0 < ci < 1:
         raise ValueError(f"ci must be in (0, 1), got {ci}")

@@ -107,18 +107,17 @@ def test_direct_construction_is_validated():
         RolloutConfig(top_p=0.0)
     with pytest.raises(ConfigError, match="'optim.micro_batch_size'"):
         OptimConfig(micro_batch_size=0)
-    assert AlgoConfig(estimator="mosaic").needs_gains and not AlgoConfig(estimator="broadcast").needs_gains
+    with pytest.raises(ConfigError, match="'algo.estimator': must be one of .*turn-level"):
+        AlgoConfig(estimator="igpo")
 
 
 def test_keys_documented_and_consistent_with_peers():
     keys = config_keys()
     assert "algo.lam" in keys and "train.group_size" in keys and len(keys) == len(set(keys))
     from mosaic.core.loss import LOSS_AGG_MODES
-    from mosaic.core.estimators import ESTIMATORS
-    from mosaic.train.config import EMBEDDED_PRESETS, ESTIMATORS as CFG_EST, LOSS_AGG
+    from mosaic.train.config import EMBEDDED_PRESETS, LOSS_AGG
 
     assert set(LOSS_AGG) == set(LOSS_AGG_MODES)
-    assert set(CFG_EST) == set(ESTIMATORS)
     from mosaic.agent.models.embedded import PRESETS as EMB
 
     assert set(EMBEDDED_PRESETS) == set(EMB)

@@ -52,9 +52,9 @@ def test_pretraining_worlds_are_training_partition_and_disjoint_from_held_out(tm
 
 
 def test_missing_base_model_names_the_command(tmp_path, monkeypatch):
-    monkeypatch.setattr(pt, "BASE_MODELS_DIR", tmp_path)
+    monkeypatch.setattr(setup, "BASE_MODELS_DIR", tmp_path)
     with pytest.raises(FileNotFoundError, match="mosaic pretrain"):
-        pt.base_model_dir("tiny")
+        setup.base_model_dir("tiny")
 
 
 def test_bad_pretrain_config_is_rejected():

@@ -93,7 +93,8 @@ def test_update_changes_every_parameter_and_lowers_the_loss(base_dir, tmp_path):
 
 @pytest.mark.parametrize("estimator, mode", [("grpo", "single"), ("broadcast", "compaction"),
                                              ("mosaic-traj", "compaction"), ("mosaic-session", "compaction"),
-                                             ("mosaic", "compaction"), ("mosaic", "fork")])
+                                             ("mosaic", "compaction"), ("mosaic", "fork"),
+                                             ("turn-level", "compaction"), ("fold", "compaction")])
 def test_each_estimator_runs_a_step(base_dir, tmp_path, estimator, mode):
     cfg = _cfg(base_dir, tmp_path, f"algo.estimator={estimator}", f"harness.mode={mode}")
     st = _state(cfg)
@@ -101,7 +102,7 @@ def test_each_estimator_runs_a_step(base_dir, tmp_path, estimator, mode):
     for key in ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", "timing_s/gen", "timing_s/score",
                 "timing_s/update", "perf/throughput", "critic/advantages/mean", "session/per_traj"):
         assert key in m, key
-    if estimator in ("mosaic", "mosaic-session"):
+    if estimator in ("mosaic", "mosaic-session", "turn-level"):
         non_final = sum(len(t.sessions) - 1 for t in st.last_trajs)
         assert (m["score/probes"] > 0) == (non_final > 0)
     assert all(v == v for v in m.values() if isinstance(v, float))  # no NaN
@@ -121,10 +122,10 @@ def test_killed_run_resumes_to_the_same_parameters_and_metrics(base_dir, tmp_pat
             raise KeyboardInterrupt("killed")
         return real_step(st, step)
 
-    monkeypatch.setattr(rl, "rl_step", dying)
+    monkeypatch.setattr(entrypoints, "rl_step", dying)
     with pytest.raises(KeyboardInterrupt):
         entrypoints.run_train(killed)
-    monkeypatch.setattr(rl, "rl_step", real_step)
+    monkeypatch.setattr(entrypoints, "rl_step", real_step)
     assert entrypoints.run_train(killed) == 0  # train.resume=auto picks up ckpt-2
 
     from safetensors.torch import load_file
