@@ -19,6 +19,7 @@ COMMAND_MODULES = (
     "mosaic.agent.serve_cli",
     "mosaic.train.cli",
     "mosaic.capture.cli",
+    "mosaic.experiment.cli",
 )
 
 

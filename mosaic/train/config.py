@@ -49,6 +49,7 @@ __all__ = [
     "preset_config",
     "load_config",
     "dump_config",
+    "loads_config",
     "config_keys",
     "apply_overrides",
 ]
@@ -596,6 +597,17 @@ def load_config(preset: str | None = None, yaml_path: str | Path | None = None,
     tree["preset"] = base_name
     tree = apply_overrides(tree, overrides)
     return _build(Config, tree, "")
+
+
+def loads_config(text: str) -> Config:
+    """A :class:`Config` from the YAML text :func:`dump_config` writes (validated like :func:`load_config`)."""
+    try:
+        doc = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config text is not valid YAML: {exc}") from None
+    if not isinstance(doc, dict):
+        raise ConfigError("config text must hold a mapping of sections")
+    return _build(Config, _merge(_to_plain(Config()), doc), "")
 
 
 def dump_config(cfg: Config) -> str:

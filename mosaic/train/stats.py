@@ -33,7 +33,9 @@ import numpy as np
 from statistics import NormalDist
 
 __all__ = ["wilson_ci", "accuracy_ci", "AccuracyCI", "paired_bootstrap", "PairedComparison",
-           "load_outcomes", "align_outcomes", "compare_outcome_files", "format_comparison"]  # fmt: skip
+           "load_outcomes", "align_outcomes", "compare_outcome_files", "format_comparison", "sign_test",
+           "sign_flip_test", "seed_permutation_test", "holm", "seed_question_ci", "SeedCI", "compare_arms",
+           "ArmComparison", "detectable_difference", "Power"]  # fmt: skip
 
 ID_KEYS = ("question_id", "task_id", "id")
 VALUE_KEYS = ("correct", "success", "reward", "score")
@@ -137,7 +139,7 @@ class PairedComparison:
     lo: float
     hi: float
     p_value: float
-    """Two-sided bootstrap p-value of ``diff = 0``: ``2 * min(P(d* <= 0), P(d* >= 0))``, capped at 1."""
+    """Exact two-sided sign test of the per-question differences (:func:`sign_test`; ties dropped)."""
     n_questions: int
     n_boot: int
     ci: float
@@ -161,9 +163,8 @@ def paired_bootstrap(a, b, *, ci: float = 0.95, n_boot: int = 10000, seed: int =
     d = qa - qb  # (Q,) per-question difference; resampling d keeps pairs together
     boot = _bootstrap_means(d, n_boot, seed)
     lo, hi = np.quantile(boot, [(1 - ci) / 2, (1 + ci) / 2])
-    p = min(1.0, 2 * min(float((boot <= 0).mean()), float((boot >= 0).mean())))
     return PairedComparison(acc_a=float(qa.mean()), acc_b=float(qb.mean()), diff=float(d.mean()), lo=float(lo),
-                            hi=float(hi), p_value=p, n_questions=len(d), n_boot=n_boot, ci=ci,
+                            hi=float(hi), p_value=sign_test(d), n_questions=len(d), n_boot=n_boot, ci=ci,
                             wins=int((d > 0).sum()), losses=int((d < 0).sum()), ties=int((d == 0).sum()))  # fmt: skip
 
 
@@ -248,6 +249,188 @@ def format_comparison(c: PairedComparison, name_a: str = "A", name_b: str = "B")
         f"questions: {c.n_questions}   bootstrap resamples: {c.n_boot}",
         f"accuracy {name_a}: {pct(c.acc_a)} %   {name_b}: {pct(c.acc_b)} %",
         f"difference ({name_a} - {name_b}): {pct(c.diff)} points, {int(100 * c.ci)}% CI "
-        f"[{pct(c.lo)}, {pct(c.hi)}], bootstrap p = {c.p_value:.4f}",
+        f"[{pct(c.lo)}, {pct(c.hi)}], exact sign test p = {c.p_value:.4f}",
         f"per question: {name_a} better {c.wins}, {name_b} better {c.losses}, tied {c.ties}",
     ])  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- exact tests, seeds, power
+
+
+def sign_test(d) -> float:
+    """Exact two-sided sign test of per-question differences ``d`` (ties dropped): the binomial test of
+    ``wins`` out of ``wins + losses`` at 1/2 (``scipy.stats.binomtest(w, n, 0.5).pvalue``). On 0/1
+    outcomes with one sample per question this is McNemar's exact test."""
+    d = np.asarray(d, dtype=np.float64)
+    w, n = int((d > 0).sum()), int((d != 0).sum())
+    if n == 0:
+        return 1.0
+    k = min(w, n - w)
+    log_pmf = [math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1) - n * math.log(2) for i in range(k + 1)]
+    return min(1.0, 2.0 * float(np.exp(log_pmf).sum())) if 2 * k != n else 1.0
+
+
+def sign_flip_test(d, *, n_perm: int = 200_000, seed: int = 0, exact_max: int = 20) -> float:
+    """Two-sided sign-flip permutation test of ``mean(d) = 0`` (d: per-question paired differences).
+
+    Exact (all ``2^m`` flips of the ``m`` non-zero differences) when ``m <= exact_max``, otherwise
+    ``n_perm`` random flips with the ``(1 + hits) / (1 + n_perm)`` correction."""
+    d = np.asarray(d, dtype=np.float64)
+    d = d[d != 0]
+    m = len(d)
+    if m == 0:
+        return 1.0
+    obs = abs(d.sum())
+    tol = 1e-12 * max(1.0, obs)
+    if m <= exact_max:
+        signs = ((np.arange(2**m)[:, None] >> np.arange(m)) & 1) * 2 - 1
+        return float((np.abs(signs @ d) >= obs - tol).mean())
+    rng = np.random.default_rng(seed)
+    hits = 0
+    for start in range(0, n_perm, 20_000):
+        s = rng.integers(0, 2, size=(min(20_000, n_perm - start), m)) * 2 - 1
+        hits += int((np.abs(s @ d) >= obs - tol).sum())
+    return (1 + hits) / (1 + n_perm)
+
+
+def seed_permutation_test(a, b) -> float:
+    """Exact two-sided permutation test that two arms' per-seed accuracies ``a`` (S_a,) and ``b`` (S_b,)
+    come from one distribution: every split of the pooled runs into groups of S_a and S_b
+    (``scipy.stats.permutation_test`` with ``permutation_type='independent'`` and all splits). The unit
+    is the training run, so seed-to-seed variance is in the test; with 5 + 5 seeds the smallest p is 2/252."""
+    from itertools import combinations
+
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    pooled = np.concatenate([a, b])
+    n, k = len(pooled), len(a)
+    obs = abs(a.mean() - b.mean())
+    total = pooled.sum()
+    hits = count = 0
+    for idx in combinations(range(n), k):
+        sa = pooled[list(idx)].sum()
+        diff = abs(sa / k - (total - sa) / (n - k))
+        hits += diff >= obs - 1e-12
+        count += 1
+    return hits / count
+
+
+def holm(p_values) -> list[float]:
+    """Holm's step-down adjusted p-values (family-wise error), in the input order."""
+    p = np.asarray(p_values, dtype=np.float64)
+    m = len(p)
+    order = np.argsort(p, kind="stable")
+    adj = np.empty(m)
+    running = 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (m - rank) * p[i]))
+        adj[i] = running
+    return adj.tolist()
+
+
+@dataclass(frozen=True)
+class SeedCI:
+    """Accuracy over training seeds and questions."""
+
+    accuracy: float
+    lo: float
+    hi: float
+    seeds: int
+    questions: int
+    per_seed: tuple[float, ...]
+
+
+def _two_stage(x: np.ndarray, n_boot: int, rng) -> np.ndarray:
+    """Bootstrap means of an (S, Q) matrix: resample seeds, and questions (the same draw for every seed)."""
+    s, q = x.shape
+    out = np.empty(n_boot)
+    for i in range(n_boot):
+        rs, rq = rng.integers(0, s, s), rng.integers(0, q, q)
+        out[i] = x[np.ix_(rs, rq)].mean()
+    return out
+
+
+def seed_question_ci(x, *, ci: float = 0.95, n_boot: int = 4000, seed: int = 0) -> SeedCI:
+    """Mean accuracy of an (S seeds, Q questions) matrix of per-question means, with a percentile
+    interval from a two-stage bootstrap over seeds and questions."""
+    x = np.asarray(x, dtype=np.float64)
+    if x.ndim != 2 or x.size == 0:
+        raise ValueError(f"need an (S, Q) matrix of per-question means, got shape {x.shape}")
+    boot = _two_stage(x, n_boot, np.random.default_rng(seed))
+    lo, hi = np.quantile(boot, [(1 - ci) / 2, (1 + ci) / 2])
+    return SeedCI(float(x.mean()), float(lo), float(hi), x.shape[0], x.shape[1], tuple(x.mean(1).tolist()))
+
+
+@dataclass(frozen=True)
+class ArmComparison:
+    """Arm A − arm B on the same questions, over training seeds."""
+
+    diff: float
+    lo: float
+    hi: float
+    p_sign: float
+    """Exact sign test on per-question differences (seed-averaged): questions are the unit."""
+    p_seeds: float
+    """Exact permutation test on per-seed accuracies: training runs are the unit."""
+    wins: int
+    losses: int
+    ties: int
+    seeds_a: int
+    seeds_b: int
+    questions: int
+
+
+def compare_arms(a, b, *, ci: float = 0.95, n_boot: int = 4000, seed: int = 0) -> ArmComparison:
+    """Paired (same questions) comparison of two arms given (S_a, Q) and (S_b, Q) per-question means.
+
+    The interval resamples questions (the same draw for both arms, so question difficulty cancels) and
+    each arm's seeds independently (different training runs)."""
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    if a.shape[1] != b.shape[1]:
+        raise ValueError(f"arms must be evaluated on the same questions: {a.shape[1]} vs {b.shape[1]}")
+    rng = np.random.default_rng(seed)
+    q = a.shape[1]
+    boot = np.empty(n_boot)
+    for i in range(n_boot):
+        rq = rng.integers(0, q, q)
+        ra, rb = rng.integers(0, a.shape[0], a.shape[0]), rng.integers(0, b.shape[0], b.shape[0])
+        boot[i] = a[np.ix_(ra, rq)].mean() - b[np.ix_(rb, rq)].mean()
+    lo, hi = np.quantile(boot, [(1 - ci) / 2, (1 + ci) / 2])
+    d = a.mean(0) - b.mean(0)
+    return ArmComparison(float(d.mean()), float(lo), float(hi), sign_test(d), seed_permutation_test(a.mean(1), b.mean(1)),
+                         int((d > 0).sum()), int((d < 0).sum()), int((d == 0).sum()), a.shape[0], b.shape[0], q)
+
+
+@dataclass(frozen=True)
+class Power:
+    """Smallest difference detectable at ``power`` (two-sided ``alpha``) and what it is made of."""
+
+    mde: float
+    seed_var: float
+    """Variance of one run's accuracy across training seeds (pooled over arms)."""
+    question_var: float
+    """Variance across questions of the seed-averaged per-question difference."""
+    seeds: int
+    questions: int
+    table: dict[str, float]
+    """MDE for other grid sizes: ``"S seeds x Q questions"`` → difference."""
+
+
+def detectable_difference(arms: list[np.ndarray], *, alpha: float = 0.05, power: float = 0.8,
+                          seeds_options=(5, 10, 20, 40), question_factors=(1, 3, 9)) -> Power:  # fmt: skip
+    """MDE of a two-arm difference from the measured variances of (S, Q) per-question-mean matrices.
+
+    ``SE² = 2 v_seed / S + v_q / Q`` — the seed term from the spread of per-run accuracies (on the same
+    questions), the question term from the spread of per-question differences between arms; MDE =
+    ``(z_{1-alpha/2} + z_power) * SE`` (normal approximation)."""
+    z = NormalDist().inv_cdf(1 - alpha / 2) + NormalDist().inv_cdf(power)
+    seed_vars = [float(np.var(x.mean(1), ddof=1)) for x in arms if x.shape[0] > 1]
+    v_seed = float(np.mean(seed_vars)) if seed_vars else 0.0
+    diffs = [arms[i].mean(0) - arms[j].mean(0) for i in range(len(arms)) for j in range(i + 1, len(arms))]
+    v_q = float(np.mean([np.var(d, ddof=1) for d in diffs])) if diffs else 0.0
+    s, q = arms[0].shape
+
+    def mde(n_s: int, n_q: int) -> float:
+        return z * math.sqrt(2 * v_seed / n_s + v_q / n_q)
+
+    table = {f"{n_s} seeds x {f * q} questions": mde(n_s, f * q) for n_s in seeds_options for f in question_factors}
+    return Power(mde(s, q), v_seed, v_q, s, q, table)

@@ -1,0 +1,79 @@
+"""``mosaic experiment GRID.yaml`` (run a grid) and ``mosaic experiment report WORK_DIR``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+__all__ = ["register"]
+
+EXIT_USAGE = 2
+
+
+def _work_dir(args, grid) -> Path:
+    return Path(args.work) if args.work else Path("runs") / "experiments" / grid.name
+
+
+def _run(args) -> int:
+    from mosaic.experiment.runner import plan, print_plan, run_grid
+    from mosaic.experiment.spec import GridError, load_grid
+
+    if args.jobs < 1:
+        print("mosaic experiment: --jobs must be >= 1", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        grid = load_grid(args.target)
+    except GridError as exc:
+        print(f"mosaic experiment: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    work = _work_dir(args, grid)
+    print_plan(grid, plan(grid, work), work, args.jobs)
+    if args.dry_run:
+        return 0
+    failed = run_grid(grid, work, jobs=args.jobs)
+    if failed:
+        print(f"mosaic experiment: {failed} unit(s) failed; rerun the same command to retry them", file=sys.stderr)
+        return 1
+    if args.report:
+        return _report_dir(work, Path(args.report))
+    return 0
+
+
+def _report_dir(work: Path, out: Path) -> int:
+    from mosaic.experiment.report import write_report
+
+    paths = write_report(work, out)
+    for p in paths:
+        print(p)
+    return 0
+
+
+def _dispatch(args) -> int:
+    if args.target == "report":
+        if not args.rest:
+            print("mosaic experiment report: give the grid's work dir (runs/experiments/<grid>)", file=sys.stderr)
+            return EXIT_USAGE
+        work = Path(args.rest[0])
+        if not (work / "grid.yaml").is_file():
+            print(f"mosaic experiment report: {work} is not a grid work dir (no grid.yaml)", file=sys.stderr)
+            return EXIT_USAGE
+        return _report_dir(work, Path(args.out) if args.out else Path("reports") / work.name)
+    if args.rest:
+        print(f"mosaic experiment: unexpected arguments {args.rest}", file=sys.stderr)
+        return EXIT_USAGE
+    return _run(args)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "experiment", help="run a grid of `mosaic train` runs (arms x settings x seeds) and report it",
+        description="mosaic experiment GRID.yaml [--jobs N] [--dry-run] | mosaic experiment report WORK_DIR [--out DIR]")
+    p.add_argument("target", help="a grid file, or 'report'")
+    p.add_argument("rest", nargs="*", help="for 'report': the grid's work dir")
+    p.add_argument("--jobs", type=int, default=1, help="units run at once (each gets cores / jobs threads)")
+    p.add_argument("--dry-run", action="store_true", help="print the plan and its estimated cost, run nothing")
+    p.add_argument("--work", help="work dir (default runs/experiments/<grid name>)")
+    p.add_argument("--report", metavar="DIR", help="after the grid, write its report to DIR")
+    p.add_argument("--out", help="for 'report': where report.md, results.json and plots go (default reports/<grid>)")
+    p.set_defaults(func=_dispatch)

@@ -1,0 +1,200 @@
+"""Run a grid: every (arm, setting, seed) ``mosaic train`` run, then every held-out evaluation.
+
+Work directory layout (``runs/experiments/<grid>`` by default)::
+
+    grid.yaml                       the grid file as run
+    runs/<arm>-<setting>-s<seed>-<key>/   a ``mosaic train`` run dir (config hash in the name)
+        done.json                   written when training finished
+        evals/<eval>.jsonl|.json    per-question outcomes and metrics of the final model
+    warmstart/eval-<hash>/evals/<eval>.jsonl|.json   the warm start, once per evaluation config
+
+A unit of work (one run's training and its evaluations, or one warm-start
+evaluation) runs in its own process (``python -m mosaic.experiment.job``), so
+``--jobs N`` runs N at once with ``cores / N`` threads each. A rerun skips what
+is done: finished runs (``done.json``), finished evaluations, and resumes a
+killed training run from its last checkpoint (``train.resume=auto``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from statistics import median
+
+import yaml
+
+from mosaic.experiment.spec import EvalSpec, Grid, RunSpec
+from mosaic.train.config import dump_config, load_config
+
+__all__ = ["Unit", "plan", "run_grid", "print_plan", "DONE", "run_dir", "warm_dir"]
+
+DONE = "done.json"
+PRIOR_STEP_S_PER_ROLLOUT = 12.4 / 32
+"""Prior cost before anything ran here: the CPU preset's measured RL step (12.4 s for 4 x 8 rollouts)."""
+PRIOR_EVAL_S_PER_TRAJ = 0.18
+"""Prior cost of one evaluation trajectory (128 x 4 in about 90 s on 2 cores)."""
+
+
+def run_dir(work: Path, r: RunSpec) -> Path:
+    return work / "runs" / r.name
+
+
+def warm_dir(work: Path, grid: Grid, setting: str) -> Path:
+    """Where the warm start's evaluations under ``setting`` go: keyed by the evaluation config's hash."""
+    ecfg = load_config(grid.preset, overrides=grid.eval_overrides(setting))
+    blob = json.dumps({k: dataclasses.asdict(getattr(ecfg, k)) for k in ("model", "data", "harness")},
+                      sort_keys=True, default=str)  # what shapes an evaluation of the warm start
+    return work / "warmstart" / f"eval-{hashlib.sha256(blob.encode()).hexdigest()[:10]}"
+
+
+@dataclass
+class Unit:
+    """One process's work: a run's training (unless done) and its missing evaluations, or a warm-start evaluation."""
+
+    name: str
+    dir: Path
+    train: bool
+    evals: list[EvalSpec]
+    config_yaml: str
+    """Training config (runs) or evaluation config (warm start)."""
+    eval_config_yaml: str
+    run: RunSpec | None = None
+
+    @property
+    def todo(self) -> bool:
+        return self.train or bool(self.evals)
+
+
+def _eval_done(d: Path, e: EvalSpec) -> bool:
+    meta = d / "evals" / f"{e.name}.json"
+    if not meta.exists():
+        return False
+    try:
+        return json.loads(meta.read_text()).get("key") == e.key()
+    except (OSError, ValueError):
+        return False
+
+
+def plan(grid: Grid, work: Path) -> list[Unit]:
+    """Every unit of the grid with what is left to do (warm-start evaluations first)."""
+    units, seen = [], set()
+    for setting in grid.settings:
+        d = warm_dir(work, grid, setting)
+        if d in seen:  # settings that differ only in training share the warm start's evaluation
+            continue
+        seen.add(d)
+        ecfg = dump_config(load_config(grid.preset, overrides=grid.eval_overrides(setting)))
+        units.append(Unit(f"warmstart/{d.name}", d, False, [e for e in grid.evals if not _eval_done(d, e)],
+                          ecfg, ecfg))  # fmt: skip
+    for r in grid.runs:
+        d = run_dir(work, r)
+        cfg = dataclasses.replace(r.config, train=dataclasses.replace(r.config.train, run_dir=str(d)))
+        ecfg = load_config(grid.preset, overrides=grid.eval_overrides(r.setting))
+        units.append(Unit(r.name, d, not (d / DONE).exists(), [e for e in grid.evals if not _eval_done(d, e)],
+                          dump_config(cfg), dump_config(ecfg), r))  # fmt: skip
+    return units
+
+
+# ----------------------------------------------------------------------------- cost
+
+
+def measured_costs(work: Path) -> dict[str, float]:
+    """Seconds per rollout of a training step and per evaluation trajectory, from what ran in ``work``."""
+    step, per_traj = [], []
+    for done in (work / "runs").glob(f"*/{DONE}"):
+        try:
+            d = json.loads(done.read_text())
+            step.append(d["step_s"] / max(1, d["rollouts_per_step"]))
+        except (OSError, ValueError, KeyError):
+            continue
+    for meta in work.glob("**/evals/*.json"):
+        try:
+            d = json.loads(meta.read_text())
+            per_traj.append(d["seconds"] / max(1, d["trajectories"]))
+        except (OSError, ValueError, KeyError):
+            continue
+    return {"step_s_per_rollout": median(step) if step else PRIOR_STEP_S_PER_ROLLOUT,
+            "eval_s_per_traj": median(per_traj) if per_traj else PRIOR_EVAL_S_PER_TRAJ,
+            "measured_runs": len(step), "measured_evals": len(per_traj)}  # fmt: skip
+
+
+def unit_cost(u: Unit, costs: dict[str, float]) -> float:
+    s = sum(e.n_tasks * e.samples for e in u.evals) * costs["eval_s_per_traj"]
+    if u.train and u.run is not None:
+        t = u.run.config.train
+        steps = t.steps or 20
+        s += steps * t.batch_tasks * t.group_size * costs["step_s_per_rollout"]
+    return s
+
+
+def print_plan(grid: Grid, units: list[Unit], work: Path, jobs: int, out=sys.stdout) -> float:
+    costs = measured_costs(work)
+    src = (f"measured here ({costs['measured_runs']} runs, {costs['measured_evals']} evaluations)"
+           if costs["measured_runs"] or costs["measured_evals"] else "prior (CPU preset figures, 2 cores)")  # fmt: skip
+    print(f"grid {grid.name}: {len(grid.arms)} arms x {len(grid.settings)} settings x {len(grid.seeds)} seeds = "
+          f"{len(grid.runs)} runs; {len(grid.evals)} evaluations each ({', '.join(e.name for e in grid.evals)})",
+          file=out)  # fmt: skip
+    print(f"work dir: {work}", file=out)
+    total = 0.0
+    for u in units:
+        c = unit_cost(u, costs)
+        total += c
+        state = "done" if not u.todo else ("train+" if u.train else "") + f"{len(u.evals)} evals"
+        if u.train and (u.dir / "checkpoints").is_dir():
+            state += " (resumes)"
+        print(f"  {u.name:<48} {state:<22} ~{c / 60:5.1f} min", file=out)
+    print(f"estimated cost: {total / 60:.1f} CPU-job minutes, about {total / 60 / max(1, jobs):.1f} min wall with "
+          f"--jobs {jobs} (per-rollout step {costs['step_s_per_rollout']:.2f} s, per eval trajectory "
+          f"{costs['eval_s_per_traj']:.3f} s; {src})", file=out)  # fmt: skip
+    return total
+
+
+# ----------------------------------------------------------------------------- execution
+
+
+def _launch(u: Unit, threads: int) -> tuple[Unit, int, float]:
+    u.dir.mkdir(parents=True, exist_ok=True)
+    job = {"name": u.name, "dir": str(u.dir), "train": u.train, "config_yaml": u.config_yaml,
+           "eval_config_yaml": u.eval_config_yaml, "evals": [asdict(e) | {"key": e.key()} for e in u.evals],
+           "warm_start": u.run is None}  # fmt: skip
+    (u.dir / "job.json").write_text(json.dumps(job, indent=1))
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), MOSAIC_THREADS=str(threads))
+    t0 = time.perf_counter()
+    with open(u.dir / "job.log", "a") as log:
+        rc = subprocess.call([sys.executable, "-m", "mosaic.experiment.job", str(u.dir / "job.json")],
+                             stdout=log, stderr=subprocess.STDOUT, env=env)  # fmt: skip
+    return u, rc, time.perf_counter() - t0
+
+
+def run_grid(grid: Grid, work: Path, *, jobs: int = 1, out=sys.stdout) -> int:
+    """Run every unit left to do, ``jobs`` at once; returns the number of failed units."""
+    work.mkdir(parents=True, exist_ok=True)
+    if grid.path is not None:
+        shutil.copyfile(grid.path, work / "grid.yaml")
+    else:
+        (work / "grid.yaml").write_text(yaml.safe_dump({"name": grid.name}))
+    units = [u for u in plan(grid, work) if u.todo]
+    if not units:
+        print(f"grid {grid.name}: everything is done", file=out)
+        return 0
+    threads = max(1, (os.cpu_count() or 1) // jobs)
+    failed = 0
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        futures = [pool.submit(_launch, u, threads) for u in units]
+        for i, f in enumerate(as_completed(futures), 1):
+            u, rc, secs = f.result()
+            status = "ok" if rc == 0 else f"FAILED (exit {rc}; see {u.dir / 'job.log'})"
+            failed += rc != 0
+            print(f"[{i}/{len(units)}] {u.name}: {status} in {secs / 60:.1f} min "
+                  f"(elapsed {(time.perf_counter() - t0) / 60:.1f} min)", file=out, flush=True)  # fmt: skip
+    return failed

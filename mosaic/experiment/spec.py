@@ -1,0 +1,194 @@
+"""The grid file of ``mosaic experiment``: arms × settings × seeds, and the held-out evaluations.
+
+```yaml
+name: compaction                  # the grid's name (report title)
+preset: cpu                       # base preset of every run
+common: [harness.mode=compaction] # overrides every run gets
+arms:                             # arm name -> overrides (the estimator, the harness mode it needs)
+  broadcast: [algo.estimator=broadcast]
+  mosaic: [algo.estimator=mosaic]
+settings:                         # optional: setting name -> overrides (e.g. a learning-rate sweep)
+  base: []
+seeds: [0, 1, 2, 3, 4]            # train.seed of each run
+evals:                            # every run's final model, and the warm start once, on each
+  - {name: test, split: test, data_seed: 0, n_tasks: 128, samples: 4, temperature: 0.5}
+```
+
+Everything is checked by :func:`load_grid` before any work: unknown fields, wrong
+types, duplicate names, and every run's config (resolved with
+``mosaic.train.config.load_config``) — a bad grid fails naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from mosaic.train.config import Config, ConfigError, dump_config, load_config
+
+__all__ = ["GridError", "EvalSpec", "Grid", "RunSpec", "load_grid", "parse_grid"]
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+RUN_KEYS_SET_BY_RUNNER = ("train.run_dir", "train.heldout_split")
+
+
+class GridError(ValueError):
+    """An invalid grid file; the message names the field."""
+
+
+@dataclass(frozen=True)
+class EvalSpec:
+    """One held-out evaluation: a split of the worlds of ``data_seed``."""
+
+    name: str
+    split: str = "test"
+    """``test`` (held out; look once per final arm) or ``validation`` (for choosing settings)."""
+    data_seed: int = 0
+    """World seed: other seeds are other worlds (their test names are still held out)."""
+    n_tasks: int = 128
+    samples: int = 4
+    temperature: float = 0.5
+    seed: int = 0
+    """Sampling seed: the same for every arm, so arms see the same questions and sample streams."""
+
+    def overrides(self) -> list[str]:
+        return [f"data.seed={self.data_seed}", f"data.n_eval_tasks={self.n_tasks}"]
+
+    def key(self) -> str:
+        blob = f"{self.split}|{self.data_seed}|{self.n_tasks}|{self.samples}|{self.temperature}|{self.seed}"
+        return hashlib.sha256(blob.encode()).hexdigest()[:10]
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One ``mosaic train`` run of the grid."""
+
+    arm: str
+    setting: str
+    seed: int
+    config: Config
+    key: str
+    """Hash of the resolved config (run dir excluded): the run's identity."""
+
+    @property
+    def name(self) -> str:
+        return f"{self.arm}-{self.setting}-s{self.seed}-{self.key[:8]}"
+
+
+@dataclass(frozen=True)
+class Grid:
+    name: str
+    preset: str
+    common: tuple[str, ...]
+    arms: dict[str, tuple[str, ...]]
+    settings: dict[str, tuple[str, ...]]
+    seeds: tuple[int, ...]
+    evals: tuple[EvalSpec, ...]
+    path: Path | None = None
+    runs: tuple[RunSpec, ...] = field(default=())
+
+    def eval_overrides(self, setting: str) -> list[str]:
+        """Overrides of the evaluation config of a setting: every arm (and the warm start) is evaluated
+        with the same harness and sampling — the grid's common and setting overrides, no arm's."""
+        return [*self.common, *self.settings[setting], "train.heldout_split=none"]
+
+
+def _need(cond: bool, where: str, why: str) -> None:
+    if not cond:
+        raise GridError(f"grid field '{where}': {why}")
+
+
+def _overrides(v: Any, where: str) -> tuple[str, ...]:
+    if v is None:
+        return ()
+    _need(isinstance(v, list) and all(isinstance(x, str) for x in v), where,
+          "must be a list of 'section.field=value' strings")  # fmt: skip
+    for x in v:
+        _need("=" in x, where, f"{x!r} must look like section.field=value")
+        _need(not x.split("=", 1)[0].strip().startswith(RUN_KEYS_SET_BY_RUNNER), where,
+              f"{x.split('=', 1)[0]} is set by the runner")  # fmt: skip
+    return tuple(v)
+
+
+def _named(v: Any, where: str) -> dict[str, tuple[str, ...]]:
+    _need(isinstance(v, dict) and len(v) > 0, where, "must be a non-empty mapping of name -> list of overrides")
+    out = {}
+    for k, ov in v.items():
+        _need(isinstance(k, str) and bool(_NAME.match(k)), f"{where}.{k}", "names use letters, digits, '_', '.', '-'")
+        out[k] = _overrides(ov, f"{where}.{k}")
+    return out
+
+
+def _eval(v: Any, i: int) -> EvalSpec:
+    where = f"evals[{i}]"
+    _need(isinstance(v, dict), where, "must be a mapping")
+    known = set(EvalSpec.__dataclass_fields__)
+    for k in v:
+        _need(k in known, f"{where}.{k}", f"unknown field (known: {', '.join(sorted(known))})")
+    _need(isinstance(v.get("name"), str) and bool(_NAME.match(v["name"])), f"{where}.name", "a name is required")
+    for k in ("data_seed", "n_tasks", "samples", "seed"):
+        if k in v:
+            _need(isinstance(v[k], int) and not isinstance(v[k], bool), f"{where}.{k}", "must be an integer")
+    _need(v.get("split", "test") in ("test", "validation"), f"{where}.split", "must be 'test' or 'validation'")
+    _need(v.get("n_tasks", 1) > 0 and v.get("samples", 1) > 0, where, "n_tasks and samples must be > 0")
+    t = v.get("temperature", 0.5)
+    _need(isinstance(t, (int, float)) and not isinstance(t, bool) and 0 <= t < 100, f"{where}.temperature",
+          "must be a number >= 0")  # fmt: skip
+    return EvalSpec(**v)
+
+
+def config_key(cfg: Config) -> str:
+    """Hash of the resolved config with the run dir left out (a run's identity)."""
+    text = dump_config(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, run_dir="-")))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def parse_grid(doc: Any, path: Path | None = None) -> Grid:
+    """A validated :class:`Grid` from a parsed YAML document (every run config resolved)."""
+    _need(isinstance(doc, dict), "(top)", "the grid file must hold a mapping")
+    known = {"name", "preset", "common", "arms", "settings", "seeds", "evals"}
+    for k in doc:
+        _need(k in known, str(k), f"unknown field (known: {', '.join(sorted(known))})")
+    name = doc.get("name", path.stem if path else "grid")
+    _need(isinstance(name, str) and bool(_NAME.match(name)), "name", "must be a simple name")
+    preset = doc.get("preset", "cpu")
+    _need(isinstance(preset, str), "preset", "must be a string")
+    seeds = doc.get("seeds", [0])
+    _need(isinstance(seeds, list) and len(seeds) > 0 and all(isinstance(s, int) and not isinstance(s, bool)
+                                                             for s in seeds), "seeds", "must be a list of integers")
+    _need(len(set(seeds)) == len(seeds), "seeds", "must not repeat")
+    evals = doc.get("evals")
+    _need(isinstance(evals, list) and len(evals) > 0, "evals", "must list at least one evaluation")
+    ev = tuple(_eval(e, i) for i, e in enumerate(evals))
+    _need(len({e.name for e in ev}) == len(ev), "evals", "names must be unique")
+    g = Grid(name=name, preset=preset, common=_overrides(doc.get("common"), "common"),
+             arms=_named(doc.get("arms"), "arms"), settings=_named(doc.get("settings") or {"base": []}, "settings"),
+             seeds=tuple(seeds), evals=ev, path=path)  # fmt: skip
+    runs = []
+    for seed in g.seeds:  # seed-major: a grid stopped half-way has every arm on its first seeds
+        for setting, set_ov in g.settings.items():
+            for arm, arm_ov in g.arms.items():
+                ov = [*g.common, *set_ov, *arm_ov, f"train.seed={seed}", "train.heldout_split=none"]
+                try:
+                    cfg = load_config(preset, overrides=ov)
+                except ConfigError as exc:
+                    raise GridError(f"grid field 'arms.{arm}' / 'settings.{setting}': {exc}") from None
+                runs.append(RunSpec(arm, setting, seed, cfg, config_key(cfg)))
+    return Grid(**{**g.__dict__, "runs": tuple(runs)})
+
+
+def load_grid(path: str | Path) -> Grid:
+    p = Path(path)
+    if not p.is_file():
+        raise GridError(f"grid file {str(p)!r} does not exist")
+    try:
+        doc = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as exc:
+        raise GridError(f"grid file {str(p)!r} is not valid YAML: {exc}") from None
+    return parse_grid(doc, p)
