@@ -16,13 +16,20 @@ def _work_dir(args, grid) -> Path:
 
 
 def _run(args) -> int:
+    import yaml
+
     from mosaic.experiment.runner import plan, print_plan, run_grid
-    from mosaic.experiment.spec import GridError, load_grid
+    from mosaic.experiment.spec import QUICK_GRID, GridError, load_grid, parse_grid
 
     if args.jobs < 1:
         print("mosaic experiment: --jobs must be >= 1", file=sys.stderr)
         return EXIT_USAGE
     try:
+        if args.quick:
+            work = _work_dir(args, parse_grid(QUICK_GRID))
+            work.mkdir(parents=True, exist_ok=True)
+            (work / "quick.yaml").write_text(yaml.safe_dump(QUICK_GRID, sort_keys=False))
+            args.target = str(work / "quick.yaml")
         grid = load_grid(args.target)
     except GridError as exc:
         print(f"mosaic experiment: {exc}", file=sys.stderr)
@@ -59,8 +66,8 @@ def _dispatch(args) -> int:
             print(f"mosaic experiment report: {work} is not a grid work dir (no grid.yaml)", file=sys.stderr)
             return EXIT_USAGE
         return _report_dir(work, Path(args.out) if args.out else Path("reports") / work.name)
-    if args.rest:
-        print(f"mosaic experiment: unexpected arguments {args.rest}", file=sys.stderr)
+    if args.rest or (args.target is None) == (not args.quick):
+        print("mosaic experiment: give one grid file, or --quick", file=sys.stderr)
         return EXIT_USAGE
     return _run(args)
 
@@ -68,8 +75,10 @@ def _dispatch(args) -> int:
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "experiment", help="run a grid of `mosaic train` runs (arms x settings x seeds) and report it",
-        description="mosaic experiment GRID.yaml [--jobs N] [--dry-run] | mosaic experiment report WORK_DIR [--out DIR]")
-    p.add_argument("target", help="a grid file, or 'report'")
+        description="mosaic experiment GRID.yaml [--jobs N] [--dry-run] [--report DIR] | mosaic experiment --quick | "
+                    "mosaic experiment report WORK_DIR [--out DIR]")
+    p.add_argument("target", nargs="?", help="a grid file, or 'report'")
+    p.add_argument("--quick", action="store_true", help="run the built-in smoke grid (2 arms x 2 seeds, 3 steps)")
     p.add_argument("rest", nargs="*", help="for 'report': the grid's work dir")
     p.add_argument("--jobs", type=int, default=1, help="units run at once (each gets cores / jobs threads)")
     p.add_argument("--dry-run", action="store_true", help="print the plan and its estimated cost, run nothing")

@@ -154,7 +154,7 @@ def print_plan(grid: Grid, units: list[Unit], work: Path, jobs: int, out=sys.std
         print(f"  {u.name:<48} {state:<22} ~{c / 60:5.1f} min", file=out)
     print(f"estimated cost: {total / 60:.1f} CPU-job minutes, about {total / 60 / max(1, jobs):.1f} min wall with "
           f"--jobs {jobs} (per-rollout step {costs['step_s_per_rollout']:.2f} s, per eval trajectory "
-          f"{costs['eval_s_per_traj']:.3f} s; {src})", file=out)  # fmt: skip
+          f"{costs['eval_s_per_traj']:.3f} s; {src})", file=out, flush=True)  # fmt: skip
     return total
 
 

@@ -32,7 +32,7 @@ import yaml
 
 from mosaic.train.config import Config, ConfigError, dump_config, load_config
 
-__all__ = ["GridError", "EvalSpec", "Grid", "RunSpec", "load_grid", "parse_grid"]
+__all__ = ["GridError", "EvalSpec", "Grid", "RunSpec", "load_grid", "parse_grid", "QUICK_GRID"]
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 RUN_KEYS_SET_BY_RUNNER = ("train.run_dir", "train.heldout_split")
@@ -181,6 +181,22 @@ def parse_grid(doc: Any, path: Path | None = None) -> Grid:
                     raise GridError(f"grid field 'arms.{arm}' / 'settings.{setting}': {exc}") from None
                 runs.append(RunSpec(arm, setting, seed, cfg, config_key(cfg)))
     return Grid(**{**g.__dict__, "runs": tuple(runs)})
+
+
+QUICK_GRID = {
+    "name": "quick",
+    "preset": "cpu",
+    "common": ["train.steps=2", "train.batch_tasks=2", "train.group_size=2", "train.save_every=1",
+               "train.tensorboard=false", "train.plot_every=0", "train.rollout_samples=0", "harness.max_turns=4",
+               "harness.max_sessions=3", "harness.max_total_turns=6"],
+    "arms": {"broadcast": ["algo.estimator=broadcast"], "mosaic": ["algo.estimator=mosaic"]},
+    "seeds": [0, 1],
+    "evals": [{"name": "val", "split": "validation", "n_tasks": 4, "samples": 1, "temperature": 0.5},
+              {"name": "test", "split": "test", "n_tasks": 4, "samples": 1, "temperature": 0.5},
+              {"name": "test-d1", "split": "test", "data_seed": 1, "n_tasks": 4, "samples": 1, "temperature": 0.5}],
+}
+"""``mosaic experiment --quick``: 2 arms x 2 seeds, 2 steps of 2 x 2 rollouts (a smoke test of the
+runner, the statistics and the report, not an experiment)."""
 
 
 def load_grid(path: str | Path) -> Grid:

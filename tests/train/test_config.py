@@ -121,3 +121,11 @@ def test_keys_documented_and_consistent_with_peers():
     from mosaic.agent.models.embedded import PRESETS as EMB
 
     assert set(EMBEDDED_PRESETS) == set(EMB)
+
+
+@pytest.mark.parametrize("override", ["optim.lr=.inf", "rollout.temperature=.inf", "rollout.temperature=.nan",
+                                      "algo.lam=-.inf", "optim.lr=inf"])
+def test_non_finite_numbers_are_rejected(override):
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError, match=f"'{key}': must be a finite number"):
+        load_config(overrides=[override])

@@ -1,0 +1,210 @@
+"""``mosaic experiment report WORK_DIR``: a grid's results as ``report.md``, ``results.json`` and plots.
+
+Per arm (and setting): accuracy over seeds and questions with a 95 % interval (two-stage bootstrap),
+its paired difference to the warm start, sessions per trajectory by kind, the positive-gain share by
+kind, sampled tokens per trajectory and seconds per training step. Per pair of arms on the same
+questions: the difference with its interval, an exact sign test on per-question differences and an
+exact permutation test over training seeds, both Holm-corrected across the pairs shown. The
+evaluations named ``pool`` (default: every ``test`` evaluation) are also pooled into one headline
+table (questions of every world together). The smallest difference the grid can detect at 80 % power
+is estimated from the measured variances.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+from statistics import median
+
+import numpy as np
+
+from mosaic.experiment.runner import DONE, run_dir, warm_dir
+from mosaic.experiment.spec import Grid, load_grid
+from mosaic.train.runlog import read_metrics
+from mosaic.train.stats import compare_arms, detectable_difference, holm, seed_question_ci
+
+__all__ = ["collect", "write_report"]
+
+PAPER = {  # SPEC §8 (Qwen3.5-4B, BrowseComp; one run, no intervals)
+    "compaction": {"mosaic - broadcast (points)": 3.5, "broadcast - grpo (points)": 0.6,
+                   "sessions per trajectory": "about 25 % fewer with mosaic",
+                   "positive-gain share": "47.7 % -> 59.9 %"},
+    "forks": {"mosaic - broadcast (points)": 1.0, "mosaic - grpo (points)": 0.55,
+              "broadcast - grpo": "below single-session"},
+}
+
+
+def _outcomes(path: Path) -> dict[str, float]:
+    """Per-question mean outcome of an evaluation's JSONL."""
+    per: dict[str, list[float]] = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            r = json.loads(line)
+            per.setdefault(str(r["question_id"]), []).append(float(r["correct"]))
+    return {q: float(np.mean(v)) for q, v in per.items()}
+
+
+def _eval_record(d: Path, name: str) -> tuple[dict[str, float], dict] | None:
+    j, m = d / "evals" / f"{name}.jsonl", d / "evals" / f"{name}.json"
+    if not (j.exists() and m.exists()):
+        return None
+    return _outcomes(j), json.loads(m.read_text())
+
+
+def collect(grid: Grid, work: Path) -> dict:
+    """Everything finished in ``work``: per (arm, setting) the per-seed outcomes of each evaluation, metrics."""
+    groups: dict[str, dict] = {}
+    for r in grid.runs:
+        d = run_dir(work, r)
+        g = groups.setdefault(f"{r.arm}/{r.setting}", {"arm": r.arm, "setting": r.setting, "seeds": {}})
+        if not (d / DONE).exists():
+            continue
+        evals = {e.name: _eval_record(d, e.name) for e in grid.evals}
+        curve = [(m["step"], m.get("critic/score/mean")) for m in read_metrics(d) if "step" in m]
+        steps = [m["timing_s/step"] for m in read_metrics(d) if "timing_s/step" in m]
+        g["seeds"][r.seed] = {"evals": {k: v for k, v in evals.items() if v is not None}, "curve": curve,
+                              "step_s": median(steps) if steps else float("nan"),
+                              "done": json.loads((d / DONE).read_text())}  # fmt: skip
+    warm = {}
+    for setting in grid.settings:
+        d = warm_dir(work, grid, setting)
+        warm[setting] = {e.name: rec for e in grid.evals if (rec := _eval_record(d, e.name)) is not None}
+    return {"groups": groups, "warm": warm}
+
+
+def _matrix(seeds: dict, evals: list[str]) -> tuple[np.ndarray, list[str]] | None:
+    """(S, Q) per-question means over the seeds that finished every evaluation in ``evals`` (questions
+    of several evaluations concatenated, ids prefixed by the evaluation's name)."""
+    rows, qids = [], None
+    for s in sorted(seeds):
+        ev = seeds[s]["evals"]
+        if not all(e in ev for e in evals):
+            continue
+        ids = [f"{e}:{q}" for e in evals for q in sorted(ev[e][0])]
+        vals = [ev[e][0][q] for e in evals for q in sorted(ev[e][0])]
+        if qids is None:
+            qids = ids
+        elif ids != qids:
+            raise ValueError(f"seed {s} was evaluated on other questions than the others ({evals})")
+        rows.append(vals)
+    return (np.array(rows), qids) if rows else None
+
+
+def _mean_metric(seeds: dict, evals: list[str], prefix: str) -> dict[str, float]:
+    vals: dict[str, list[float]] = {}
+    for s in seeds.values():
+        for e in evals:
+            if e in s["evals"]:
+                for k, v in s["evals"][e][1]["metrics"].items():
+                    if k.startswith(prefix):
+                        vals.setdefault(k[len(prefix):], []).append(v)
+    return {k: float(np.mean(v)) for k, v in sorted(vals.items())}
+
+
+def _table(grid: Grid, data: dict, evals: list[str], label: str) -> dict:
+    """Arms and pairs on the evaluations ``evals`` (pooled when several)."""
+    arms, mats = {}, {}
+    for key, g in data["groups"].items():
+        got = _matrix(g["seeds"], evals)
+        if got is None:
+            continue
+        x, qids = got
+        ci = seed_question_ci(x)
+        w = data["warm"].get(g["setting"], {})
+        row = {"arm": g["arm"], "setting": g["setting"], **asdict(ci)}
+        if all(e in w for e in evals):
+            wq = np.array([w[e][0][q.split(":", 1)[1]] for e in evals for q in qids if q.startswith(f"{e}:")])
+            row["warm_start"] = float(wq.mean())
+            vs = compare_arms(x, wq[None, :])
+            row["vs_warm_start"] = {k: getattr(vs, k) for k in ("diff", "lo", "hi", "p_sign")}
+            row["seeds_improving"] = int((x.mean(1) > wq.mean()).sum())
+        row["sessions"] = _mean_metric(g["seeds"], evals, "session/count/")
+        row["pos_gain_share"] = _mean_metric(g["seeds"], evals, "session/pos_gain_share/")
+        row["tokens_per_traj"] = _mean_metric(g["seeds"], evals, "response_length/").get("mean", float("nan"))
+        row["step_s"] = float(np.nanmedian([s["step_s"] for s in g["seeds"].values()]))
+        arms[key], mats[key] = row, x
+    keys = list(arms)
+    pairs = []
+    for i in range(len(keys)):
+        for j in range(i + 1, len(keys)):
+            a, b = keys[i], keys[j]
+            if arms[a]["setting"] != arms[b]["setting"] or mats[a].shape[1] != mats[b].shape[1]:
+                continue
+            c = compare_arms(mats[a], mats[b])
+            pairs.append({"a": a, "b": b, **asdict(c)})
+    for name in ("p_sign", "p_seeds"):
+        for p, adj in zip(pairs, holm([p[name] for p in pairs])):
+            p[f"{name}_holm"] = adj
+    power = None
+    by_setting: dict[str, list[np.ndarray]] = {}
+    for k, x in mats.items():
+        by_setting.setdefault(arms[k]["setting"], []).append(x)
+    cand = [v for v in by_setting.values() if len(v) >= 2 and all(x.shape[0] >= 2 for x in v)]
+    if cand:
+        power = asdict(detectable_difference(max(cand, key=len)))
+    return {"label": label, "evals": evals, "arms": arms, "pairs": pairs, "power": power}
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}"
+
+
+def _md_table(t: dict) -> list[str]:
+    out = [f"### {t['label']}", "", "| arm | setting | seeds | questions | accuracy % [95 % CI] | warm start % | "
+           "Δ vs warm start [95 % CI] | seeds > warm | sessions/traj (main, compaction, subagent) | "
+           "positive-gain share | sampled tokens/traj | s/step |", "|" + " --- |" * 12]  # fmt: skip
+    for r in t["arms"].values():
+        s = r["sessions"]
+        vw = r.get("vs_warm_start")
+        out.append(
+            f"| {r['arm']} | {r['setting']} | {r['seeds']} | {r['questions']} | {_pct(r['accuracy'])} "
+            f"[{_pct(r['lo'])}, {_pct(r['hi'])}] | {_pct(r['warm_start']) if 'warm_start' in r else '–'} | "
+            + (f"{float(vw['diff']) * 100:+.1f} [{float(vw['lo']) * 100:+.1f}, {float(vw['hi']) * 100:+.1f}]" if vw else "–")
+            + f" | {r.get('seeds_improving', '–')}/{r['seeds']} | {s.get('main', 0):.2f}, {s.get('compaction', 0):.2f}, "
+            f"{s.get('subagent', 0):.2f} | {r['pos_gain_share'].get('all', float('nan')):.3f} | "
+            f"{r['tokens_per_traj']:.0f} | {r['step_s']:.1f} |")  # fmt: skip
+    if t["pairs"]:
+        out += ["", "| A − B | Δ points [95 % CI] | wins/losses/ties | sign test p (Holm) | seed permutation p (Holm) |",
+                "| --- | --- | --- | --- | --- |"]  # fmt: skip
+        for p in t["pairs"]:
+            out.append(f"| {p['a']} − {p['b']} | {100 * p['diff']:+.1f} [{100 * p['lo']:+.1f}, {100 * p['hi']:+.1f}] | "
+                       f"{p['wins']}/{p['losses']}/{p['ties']} | {p['p_sign']:.3g} ({p['p_sign_holm']:.3g}) | "
+                       f"{p['p_seeds']:.3g} ({p['p_seeds_holm']:.3g}) |")  # fmt: skip
+    if t["power"]:
+        pw = t["power"]
+        out += ["", f"Smallest difference detectable at 80 % power (two-sided 5 %) with this grid "
+                f"({pw['seeds']} seeds × {pw['questions']} questions): **{100 * pw['mde']:.1f} points** "
+                f"(seed-to-seed variance {pw['seed_var']:.2e}, per-question difference variance "
+                f"{pw['question_var']:.2e}). Other sizes: "
+                + "; ".join(f"{k}: {100 * v:.1f}" for k, v in pw["table"].items()) + "."]  # fmt: skip
+    return out + [""]
+
+
+def write_report(work: Path, out: Path) -> list[Path]:
+    """Write ``report.md``, ``results.json`` and ``plots/*.png`` for the grid in ``work``."""
+    from mosaic.experiment.plots import make_plots
+
+    grid = load_grid(work / "grid.yaml")
+    data = collect(grid, work)
+    tests = [e.name for e in grid.evals if e.split == "test"]
+    tables = [_table(grid, data, [e.name], f"{e.name} ({e.split}, data seed {e.data_seed}, {e.n_tasks} questions "
+                                           f"× {e.samples} samples at T {e.temperature})") for e in grid.evals]
+    if len(tests) > 1:
+        tables.insert(0, _table(grid, data, tests, f"pooled over {', '.join(tests)} (headline)"))
+    out.mkdir(parents=True, exist_ok=True)
+    results = {"grid": grid.name, "work": str(work), "tables": tables,
+               "paper": PAPER.get(grid.name.split("-")[0]), "runs_done": sum(len(g["seeds"]) for g in data["groups"].values()),
+               "runs": len(grid.runs)}  # fmt: skip
+    (out / "results.json").write_text(json.dumps(results, indent=1, default=float))
+    plots = make_plots(grid, data, out / "plots")
+    md = [f"# Grid `{grid.name}`", "", f"{results['runs_done']} of {results['runs']} runs finished. Arms: "
+          + ", ".join(f"`{a}` ({' '.join(ov) or 'preset'})" for a, ov in grid.arms.items()) + f"; seeds {list(grid.seeds)}; "
+          f"common overrides: `{' '.join(grid.common) or '-'}`.", ""]  # fmt: skip
+    for t in tables:
+        md += _md_table(t)
+    if results["paper"]:
+        md += ["### The paper (SPEC §8; one run, no intervals)", ""] + [f"- {k}: {v}" for k, v in results["paper"].items()] + [""]
+    md += ["### Plots", ""] + [f"![{p.stem}](plots/{p.name})" for p in plots] + [""]
+    (out / "report.md").write_text("\n".join(md))
+    return [out / "report.md", out / "results.json", *plots]

