@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 import types
 import typing
@@ -446,11 +447,13 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if tp is float:
         if isinstance(value, str):  # YAML 1.1 reads "1e-6" as a string
             try:
-                return float(value)
+                value = float(value)
             except ValueError:
                 raise bad("must be a number") from None
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise bad("must be a number")
+        if not (isinstance(value, int) or math.isfinite(value)):  # ".inf" / ".nan" would slip through every "> 0"
+            raise bad("must be a finite number")
         return float(value)
     if tp is str:
         if isinstance(value, bool) or value is None or isinstance(value, (list, dict)):

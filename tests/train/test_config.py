@@ -1,4 +1,5 @@
 import dataclasses
+import re
 
 import pytest
 
@@ -64,6 +65,15 @@ def test_bad_overrides_fail_with_the_key(override, fragment):
     with pytest.raises(ConfigError) as exc:
         load_config(overrides=[override])
     assert fragment in str(exc.value)
+
+
+@pytest.mark.parametrize("override", ["optim.lr=.inf", "rollout.temperature=.inf", "optim.lr=.nan",
+                                      "rollout.temperature=.nan", "algo.lam=-.inf", "optim.lr=inf", "optim.lr=nan"])
+def test_non_finite_numbers_are_rejected_with_the_key(override):
+    # issue 11: `train optim.lr=.inf` and `rollout.temperature=.inf` were accepted (inf passes every "> 0").
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError, match=f"config key '{re.escape(key)}': must be a finite number"):
+        load_config(overrides=[override])
 
 
 def test_grpo_with_single_mode_is_fine():
