@@ -46,6 +46,7 @@ def _run(fn_name: str):
         if cfg is None:
             return code
         from mosaic.train import entrypoints
+        from mosaic.train.checkpoint import CheckpointError
 
         try:
             if fn_name == "run_eval":
@@ -60,6 +61,9 @@ def _run(fn_name: str):
         except NotImplementedError as exc:
             print(f"mosaic {args.command}: not implemented yet: {exc}", file=sys.stderr)
             return 1
+        except CheckpointError as exc:  # a resume that must not go on (changed config) or a corrupt checkpoint
+            print(f"mosaic {args.command}: {exc}", file=sys.stderr)
+            return EXIT_CONFIG
 
     return cmd
 

@@ -178,7 +178,7 @@ def run_train(cfg: Config) -> int:
     import torch
 
     from mosaic.train import setup
-    from mosaic.train.checkpoint import load_checkpoint, save_checkpoint
+    from mosaic.train.checkpoint import check_resume_config, load_checkpoint, save_checkpoint
     from mosaic.train.evaluate import evaluate, paired_outcomes
     from mosaic.train.optim import build_optimizer, build_scheduler
     from mosaic.train.rl import RLState, make_reference, rl_step
@@ -221,6 +221,7 @@ def run_train(cfg: Config) -> int:
         ck = load_checkpoint(plan.resume_from, model=model, optimizer=optimizer, scheduler=scheduler)
         start = ck.step
         _log(f"resumed from {plan.resume_from} at step {start}")
+        check_resume_config(plan.resume_from.parent.parent, plan.config_yaml, cfg.train.resume_force, state=ck.state)
     ref = make_reference(model) if cfg.algo.kl_coef > 0 else None
     st = RLState(cfg, model, tok, chat, train, optimizer, scheduler, device, ref_model=ref)
     val = setup.load_split(cfg, cfg.data.eval_split) if cfg.train.eval_every else None
