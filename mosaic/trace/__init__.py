@@ -14,6 +14,7 @@ from mosaic.trace.graph import (
 from mosaic.trace.rows import FlatBatch, TrainingRow, flatten, to_rows
 from mosaic.trace.storage import (
     SCHEMA_VERSION,
+    BadRecordWarning,
     JsonlWriter,
     StorageError,
     TornLineWarning,
@@ -28,6 +29,6 @@ from mosaic.trace.storage import (
 __all__ = [
     "KIND_CODES", "Session", "StateRef", "TraceError", "Trajectory", "kind_names", "register_kind",
     "validate", "validate_all", "FlatBatch", "TrainingRow", "flatten", "to_rows", "SCHEMA_VERSION",
-    "JsonlWriter", "StorageError", "TornLineWarning", "iter_jsonl", "load_trajectories", "read_jsonl",
+    "BadRecordWarning", "JsonlWriter", "StorageError", "TornLineWarning", "iter_jsonl", "load_trajectories", "read_jsonl",
     "read_parquet", "write_jsonl", "write_parquet",
 ]
