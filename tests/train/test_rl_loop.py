@@ -107,6 +107,21 @@ def test_each_estimator_runs_a_step(base_dir, tmp_path, estimator, mode):
     assert all(v == v for v in m.values() if isinstance(v, float))  # no NaN
 
 
+def _train_killed_at(cfg, at_step, monkeypatch):
+    """``run_train`` killed (KeyboardInterrupt) when it reaches step ``at_step``."""
+    real_step = rl.rl_step
+
+    def dying(st, step):
+        if step == at_step:
+            raise KeyboardInterrupt("killed")
+        return real_step(st, step)
+
+    monkeypatch.setattr(rl, "rl_step", dying)
+    with pytest.raises(KeyboardInterrupt):
+        entrypoints.run_train(cfg)
+    monkeypatch.setattr(rl, "rl_step", real_step)
+
+
 def test_killed_run_resumes_to_the_same_parameters_and_metrics(base_dir, tmp_path, monkeypatch):
     common = ["algo.estimator=mosaic", "train.steps=3", "train.save_every=1", "train.keep_last=5",
               "train.eval_every=0"]
@@ -114,17 +129,7 @@ def test_killed_run_resumes_to_the_same_parameters_and_metrics(base_dir, tmp_pat
     assert entrypoints.run_train(full) == 0
 
     killed = _cfg(base_dir, tmp_path / "b", *common)
-    real_step = rl.rl_step
-
-    def dying(st, step):
-        if step == 2:
-            raise KeyboardInterrupt("killed")
-        return real_step(st, step)
-
-    monkeypatch.setattr(rl, "rl_step", dying)
-    with pytest.raises(KeyboardInterrupt):
-        entrypoints.run_train(killed)
-    monkeypatch.setattr(rl, "rl_step", real_step)
+    _train_killed_at(killed, 2, monkeypatch)
     assert entrypoints.run_train(killed) == 0  # train.resume=auto picks up ckpt-2
 
     from safetensors.torch import load_file
@@ -156,18 +161,7 @@ def test_resume_with_a_changed_config_is_refused_unless_forced(base_dir, tmp_pat
     from mosaic.train.checkpoint import CheckpointError
 
     common = ["train.steps=2", "train.save_every=1", "train.eval_every=0"]
-    first = _cfg(base_dir, tmp_path, "algo.estimator=broadcast", *common)
-    real_step = rl.rl_step
-
-    def dying(st, step):
-        if step == 1:
-            raise KeyboardInterrupt("killed")
-        return real_step(st, step)
-
-    monkeypatch.setattr(rl, "rl_step", dying)
-    with pytest.raises(KeyboardInterrupt):
-        entrypoints.run_train(first)
-    monkeypatch.setattr(rl, "rl_step", real_step)
+    _train_killed_at(_cfg(base_dir, tmp_path, "algo.estimator=broadcast", *common), 1, monkeypatch)
     changed = _cfg(base_dir, tmp_path, "algo.estimator=mosaic", "optim.lr=0.5", *common)
     with pytest.raises(CheckpointError) as exc:
         entrypoints.run_train(changed)
