@@ -4,13 +4,31 @@ Every command that reads a split takes ``--split``, ``--preset`` (paper | cpu),
 ``--seed``, ``--cache-dir`` and dotted overrides ``--set key=value`` (keys:
 ``n_tasks``, ``task_seed``, ``snippet_tokens``, ``snippet_mode``,
 ``hop_mix=2:0.5,3:0.5``, ``world.<field>``). Heavy imports stay inside commands.
+
+Bad arguments (a count below its minimum, an unknown or ill-typed ``--set``, a
+missing or unreadable input, an unwritable output) exit with status 2 and one
+line naming the flag, before any work; never a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
+from pathlib import Path
+
+EXIT_USAGE = 2
+
+
+class UsageError(ValueError):
+    """A bad command-line argument; the message names the flag."""
+
+
+# Least value of each integer flag (checked before any work).
+_MINIMA = {"k": ("-k", 1), "snippet_tokens": ("--snippet-tokens", 1), "head": ("--head", 0),
+           "max_new_tokens": ("--max-new-tokens", 1), "searches_per_hop": ("--searches-per-hop", 1),
+           "budget": ("--budget", 1)}  # fmt: skip
 
 
 def _add_split_args(p: argparse.ArgumentParser, default_split: str = "validation") -> None:
@@ -34,6 +52,8 @@ def parse_value(text: str):
 
 
 def split_config_from_args(args: argparse.Namespace):
+    """The split config of ``--split/--preset/--seed/--set``; :class:`UsageError` naming the ``--set``
+    item that is malformed, unknown or out of range."""
     import dataclasses
 
     from mosaic.envs.splits import split_config
@@ -41,26 +61,71 @@ def split_config_from_args(args: argparse.Namespace):
     world_over, top_over = {}, {}
     for item in args.overrides:
         if "=" not in item:
-            raise SystemExit(f"--set expects KEY=VALUE, got {item!r}")
+            raise UsageError(f"--set expects KEY=VALUE, got {item!r}")
         key, value = item.split("=", 1)
         if key.startswith("world."):
             world_over[key[len("world."):]] = parse_value(value)
         elif key == "hop_mix":
-            top_over[key] = tuple((int(k), float(w)) for k, w in
-                                  (pair.split(":") for pair in value.split(",")))
+            try:
+                top_over[key] = tuple((int(k), float(w)) for k, w in
+                                      (pair.split(":") for pair in value.split(",")))
+            except ValueError:
+                raise UsageError(f"--set hop_mix={value}: expected HOPS:WEIGHT[,HOPS:WEIGHT...], "
+                                 f"e.g. hop_mix=2:0.5,3:0.5") from None
         else:
             top_over[key] = parse_value(value)
-    cfg = split_config(args.split, args.preset, seed=args.seed, **world_over)
+    given = " ".join(f"--set {x}" for x in args.overrides)
+    try:
+        cfg = split_config(args.split, args.preset, seed=args.seed, **world_over)
+    except TypeError as exc:
+        raise UsageError(f"{given}: unknown world field ({exc})") from None
+    except ValueError as exc:
+        raise UsageError(f"{given}: {exc}") from None
     try:
         return dataclasses.replace(cfg, **top_over)
     except TypeError as exc:
-        raise SystemExit(f"bad --set key: {exc}") from None
+        raise UsageError(f"{given}: bad key or value ({exc})") from None
+    except ValueError as exc:
+        raise UsageError(f"{given}: {exc}") from None
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    """Flags with a least value, and ``--cache-dir``, checked before any work."""
+    for dest, (flag, least) in _MINIMA.items():
+        value = getattr(args, dest, None)
+        for v in value if isinstance(value, list) else [value]:
+            if v is not None and v < least:
+                raise UsageError(f"{flag} must be >= {least}, got {v}")
+    cache = getattr(args, "cache_dir", None)
+    if cache is not None and Path(cache).exists() and not Path(cache).is_dir():
+        raise UsageError(f"--cache-dir {cache}: not a directory")
+
+
+def _guarded(fn):
+    """Run a ``data`` command; a bad argument is one line on stderr and exit status 2."""
+
+    @functools.wraps(fn)
+    def cmd(args: argparse.Namespace) -> int:
+        try:
+            _check_args(args)
+            return fn(args)
+        except UsageError as exc:
+            print(f"mosaic data {args.data_command}: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+
+    return cmd
 
 
 def _load(args: argparse.Namespace):
     from mosaic.envs.splits import load_split
 
-    return load_split(args.split, split_config_from_args(args), args.cache_dir)
+    cfg = split_config_from_args(args)
+    try:
+        return load_split(args.split, cfg, args.cache_dir)
+    except ValueError as exc:  # some split fields are only checked while generating (hop_mix, snippet_mode)
+        if not args.overrides:
+            raise
+        raise UsageError(f"{' '.join(f'--set {x}' for x in args.overrides)}: {exc}") from None
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -85,8 +150,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_show(args: argparse.Namespace) -> int:
     split = _load(args)
     if not 0 <= args.index < len(split.tasks):
-        print(f"--index must be in [0, {len(split.tasks)})", file=sys.stderr)
-        return 2
+        raise UsageError(f"--index must be in [0, {len(split.tasks)}), got {args.index}")
     t = split.tasks[args.index]
     if args.json:
         print(json.dumps(t.to_json(), indent=2))
@@ -120,6 +184,11 @@ def cmd_score(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from mosaic.envs.export import export_parquet, load_parquet
 
+    out = Path(args.out)
+    blocked = next((p for p in [out.parent, *out.parent.parents] if p.exists()), None)
+    if out.is_dir() or (blocked is not None and not blocked.is_dir()):
+        raise UsageError(f"--out {args.out}: cannot write a file there"
+                         + (f" ({blocked} is not a directory)" if blocked is not None and not blocked.is_dir() else ""))
     split = _load(args)
     path = export_parquet(split.tasks, args.out)
     back = load_parquet(path)
@@ -135,7 +204,15 @@ def cmd_import(args: argparse.Namespace) -> int:
 
     from mosaic.envs.export import load_parquet
 
-    tasks = load_parquet(args.path)
+    path = Path(args.path)
+    if not path.is_file():
+        raise UsageError(f"PATH {path}: " + ("is a directory" if path.is_dir() else "no such file"))
+    try:
+        tasks = load_parquet(path)
+    except Exception as exc:  # noqa: BLE001 — any reader failure: a file that is not an export
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        raise UsageError(f"PATH {path}: not a task Parquet file written by `mosaic data export` "
+                         f"({type(exc).__name__}: {first[:200]})") from None
     hops = collections.Counter(t.hops for t in tasks)
     splits = collections.Counter(t.split for t in tasks)
     print(f"{args.path}: {len(tasks)} tasks, splits={dict(splits)}, hops={dict(sorted(hops.items()))}")
@@ -172,36 +249,36 @@ def register(subparsers) -> None:
     p = sub.add_parser("generate", help="generate (or load) a split and print its summary")
     _add_split_args(p, "train")
     p.add_argument("--recall", action="store_true", help="also measure gold-hop retrieval (top-3)")
-    p.set_defaults(func=cmd_generate)
+    p.set_defaults(func=_guarded(cmd_generate))
 
     p = sub.add_parser("show", help="print one task: question, answer, gold chain")
     _add_split_args(p)
     p.add_argument("--index", type=int, default=0)
     p.add_argument("--json", action="store_true")
-    p.set_defaults(func=cmd_show)
+    p.set_defaults(func=_guarded(cmd_show))
 
     p = sub.add_parser("search", help="run the search tool on a split's world")
     _add_split_args(p)
     p.add_argument("query")
     p.add_argument("-k", type=int, default=3)
     p.add_argument("--snippet-tokens", type=int, default=None)
-    p.set_defaults(func=cmd_search)
+    p.set_defaults(func=_guarded(cmd_search))
 
     p = sub.add_parser("score", help="score a model message against a ground truth")
     p.add_argument("text", help='the model message, e.g. "<answer>Port Osk</answer>"')
     p.add_argument("ground_truth")
     p.add_argument("--metric", choices=("em", "f1"), default="em")
-    p.set_defaults(func=cmd_score)
+    p.set_defaults(func=_guarded(cmd_score))
 
     p = sub.add_parser("export", help="write a split as verl-layout Parquet (and read it back)")
     _add_split_args(p, "train")
     p.add_argument("--out", required=True)
-    p.set_defaults(func=cmd_export)
+    p.set_defaults(func=_guarded(cmd_export))
 
     p = sub.add_parser("import", help="read a verl-layout Parquet file written by export")
     p.add_argument("path")
     p.add_argument("--head", type=int, default=3)
-    p.set_defaults(func=cmd_import)
+    p.set_defaults(func=_guarded(cmd_import))
 
     p = sub.add_parser("calibrate", help="searches and sessions per hop count under a context budget")
     _add_split_args(p)
@@ -211,4 +288,4 @@ def register(subparsers) -> None:
     p.add_argument("--searches-per-hop", type=int, default=1)
     p.add_argument("--tokenizer", choices=("proxy", "bpe"), default="proxy")
     p.add_argument("--snippet-tokens", type=int, default=None)
-    p.set_defaults(func=cmd_calibrate)
+    p.set_defaults(func=_guarded(cmd_calibrate))

@@ -19,6 +19,7 @@ index.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Literal
 
@@ -47,6 +48,93 @@ class TraceError(ValueError):
     """A trajectory or session record that breaks the data model; the message names the field."""
 
 
+MAX_TOKEN_ID = 2**31 - 1
+"""Largest token id a record may hold (ids are stored as int32; real vocabularies are far smaller)."""
+LOGPROB_TOLERANCE = 1e-3
+"""A log-prob may exceed 0 by this much (rounding in low-precision samplers); more is not a log-prob."""
+
+
+# Strict field decoding: a record read from a file is checked, never coerced (``1.9`` is not an id,
+# ``"false"`` is not a mask value). Errors name the field (and the list index).
+
+
+def _show(v: Any) -> str:
+    r = repr(v)
+    return r if len(r) <= 40 else r[:37] + "..."
+
+
+def _int(v: Any, name: str, *, optional: bool = False) -> int | None:
+    if v is None and optional:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TraceError(f"field {name!r}: must be an integer, got {_show(v)}")
+    return int(v)
+
+
+def _str(v: Any, name: str, *, optional: bool = False) -> str | None:
+    if v is None and optional:
+        return None
+    if not isinstance(v, str):
+        raise TraceError(f"field {name!r}: must be a string, got {_show(v)}")
+    return v
+
+
+def _bool(v: Any, name: str) -> bool:
+    if not isinstance(v, bool):
+        raise TraceError(f"field {name!r}: must be true or false, got {_show(v)}")
+    return v
+
+
+def _number(v: Any, name: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise TraceError(f"field {name!r}: must be a number, got {_show(v)}")
+    return float(v)
+
+
+def _list(v: Any, name: str) -> list:
+    if not isinstance(v, list):
+        raise TraceError(f"field {name!r}: must be a list, got {_show(v)}")
+    return v
+
+
+def _int_list(v: Any, name: str) -> list[int]:
+    if all(type(t) is int for t in _list(v, name)):
+        return list(v)
+    return [_int(t, f"{name}[{i}]") for i, t in enumerate(v)]  # type: ignore[misc]
+
+
+def _bool_list(v: Any, name: str) -> list[bool]:
+    if all(type(t) is bool for t in _list(v, name)):
+        return list(v)
+    return [_bool(t, f"{name}[{i}]") for i, t in enumerate(v)]
+
+
+def _float_list(v: Any, name: str) -> list[float]:
+    if all(type(t) is float for t in _list(v, name)):
+        return list(v)
+    return [_number(t, f"{name}[{i}]") for i, t in enumerate(v)]
+
+
+def _dict(v: Any, name: str) -> dict[str, Any]:
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise TraceError(f"field {name!r}: must be an object, got {_show(v)}")
+    return dict(v)
+
+
+def _check_ids(ids: list[int], name: str) -> None:
+    if ids and (min(ids) < 0 or max(ids) > MAX_TOKEN_ID):
+        i, t = next((i, t) for i, t in enumerate(ids) if not 0 <= t <= MAX_TOKEN_ID)
+        raise TraceError(f"field '{name}[{i}]': token id {t} is outside [0, {MAX_TOKEN_ID}]")
+
+
+def _check_logprobs(lps: list[float], name: str) -> None:
+    for i, x in enumerate(lps):
+        if not -math.inf < x <= LOGPROB_TOLERANCE:  # also catches NaN
+            raise TraceError(f"field '{name}[{i}]': log-prob {x} is not finite and <= 0")
+
+
 @dataclass(frozen=True)
 class StateRef:
     """A context the answer likelihood is measured in.
@@ -72,7 +160,9 @@ class StateRef:
             return None
         if not isinstance(d, dict):
             raise TraceError(f"state reference must be an object, got {type(d).__name__}")
-        return StateRef(session=d.get("session"), upto=d.get("upto"), state=d.get("state"))
+        return StateRef(session=_int(d.get("session"), "session", optional=True),
+                        upto=_int(d.get("upto"), "upto", optional=True),
+                        state=_int(d.get("state"), "state", optional=True))
 
 
 @dataclass
@@ -143,27 +233,34 @@ class Session:
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> "Session":
+        """Decode a session record strictly: every field must have its type (no coercion)."""
+        if not isinstance(d, dict):
+            raise TraceError(f"session record must be an object, got {_show(d)}")
         try:
+            refs = {}
+            for key in ("state_before", "state_after"):
+                try:
+                    refs[key] = StateRef.from_dict(d.get(key))
+                except TraceError as exc:
+                    raise TraceError(f"field {key!r}: {exc}") from None
             return Session(
-                id=int(d["id"]),
-                kind=str(d["kind"]),
-                parent=None if d.get("parent") is None else int(d["parent"]),
-                edge=d.get("edge"),
-                prompt_ids=[int(t) for t in d["prompt_ids"]],
-                completion_ids=[int(t) for t in d.get("completion_ids", [])],
-                loss_mask=[bool(m) for m in d.get("loss_mask", [])],
-                logprobs=[float(x) for x in d.get("logprobs", [])],
-                end_reason=str(d.get("end_reason", "")),
-                is_final=bool(d.get("is_final", False)),
-                state_before=StateRef.from_dict(d.get("state_before")),
-                state_after=StateRef.from_dict(d.get("state_after")),
-                num_turns=int(d.get("num_turns", 0)),
-                meta=dict(d.get("meta") or {}),
+                id=_int(d["id"], "id"),
+                kind=_str(d["kind"], "kind"),
+                parent=_int(d.get("parent"), "parent", optional=True),
+                edge=_str(d.get("edge"), "edge", optional=True),
+                prompt_ids=_int_list(d["prompt_ids"], "prompt_ids"),
+                completion_ids=_int_list(d.get("completion_ids", []), "completion_ids"),
+                loss_mask=_bool_list(d.get("loss_mask", []), "loss_mask"),
+                logprobs=_float_list(d.get("logprobs", []), "logprobs"),
+                end_reason=_str(d.get("end_reason", ""), "end_reason"),
+                is_final=_bool(d.get("is_final", False), "is_final"),
+                state_before=refs["state_before"],
+                state_after=refs["state_after"],
+                num_turns=_int(d.get("num_turns", 0), "num_turns"),
+                meta=_dict(d.get("meta"), "meta"),
             )
         except KeyError as exc:
             raise TraceError(f"session record is missing field {exc.args[0]!r}") from None
-        except (TypeError, ValueError) as exc:
-            raise TraceError(f"session record has a field of the wrong type: {exc}") from None
 
 
 @dataclass
@@ -242,31 +339,43 @@ class Trajectory:
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> "Trajectory":
+        """Decode a trajectory record strictly; a :class:`TraceError` names the session and field."""
         if not isinstance(d, dict):
             raise TraceError(f"trajectory record must be an object, got {type(d).__name__}")
         try:
+            tid = _str(d["id"], "id")
             sessions = d["sessions"]
             if not isinstance(sessions, list):
                 raise TraceError("trajectory field 'sessions' must be a list")
-            return Trajectory(
-                id=str(d["id"]),
-                task_id=str(d["task_id"]),
-                group_id=str(d["group_id"]),
-                sessions=[Session.from_dict(s) for s in sessions],
-                reward=float(d.get("reward", 0.0)),
-                success=bool(d.get("success", False)),
-                answer=d.get("answer"),
-                ground_truth=d.get("ground_truth"),
-                end_reason=str(d.get("end_reason", "")),
-                states=[[int(t) for t in st] for st in d.get("states", [])],
-                meta=dict(d.get("meta") or {}),
-            )
+            decoded = []
+            for k, s in enumerate(sessions):
+                try:
+                    decoded.append(Session.from_dict(s))
+                except TraceError as exc:
+                    raise TraceError(f"trajectory {tid!r} session {k} {exc}") from None
+            try:
+                states = [_int_list(st, f"states[{i}]") for i, st in enumerate(_list(d.get("states", []), "states"))]
+                return Trajectory(
+                    id=tid,  # type: ignore[arg-type]
+                    task_id=_str(d["task_id"], "task_id"),  # type: ignore[arg-type]
+                    group_id=_str(d["group_id"], "group_id"),  # type: ignore[arg-type]
+                    sessions=decoded,
+                    reward=_number(d.get("reward", 0.0), "reward"),
+                    success=_bool(d.get("success", False), "success"),
+                    answer=_str(d.get("answer"), "answer", optional=True),
+                    ground_truth=_str(d.get("ground_truth"), "ground_truth", optional=True),
+                    end_reason=_str(d.get("end_reason", ""), "end_reason"),  # type: ignore[arg-type]
+                    states=states,
+                    meta=_dict(d.get("meta"), "meta"),
+                )
+            except TraceError as exc:
+                raise TraceError(f"trajectory {tid!r} {exc}") from None
         except KeyError as exc:
             raise TraceError(f"trajectory record is missing field {exc.args[0]!r}") from None
-        except (TypeError, ValueError) as exc:
-            if isinstance(exc, TraceError):
+        except TraceError as exc:
+            if str(exc).startswith(("trajectory", "session")):
                 raise
-            raise TraceError(f"trajectory record has a field of the wrong type: {exc}") from None
+            raise TraceError(f"trajectory {exc}") from None
 
 
 def _check_ref(traj: Trajectory, s: Session, name: str, ref: StateRef | None) -> None:
@@ -295,6 +404,8 @@ def validate(traj: Trajectory) -> Trajectory:
     - exactly one final session, and it is a ``main`` session;
     - ``loss_mask`` and ``logprobs`` have the length of ``completion_ids``;
     - state references point inside the trajectory;
+    - token ids (prompt, completion, explicit states) are in ``[0, MAX_TOKEN_ID]``; log-probs are
+      finite and ``<= LOGPROB_TOLERANCE``; ``num_turns >= 0``;
     - reward is finite and in [0, 1].
     Returns the trajectory so calls can be chained.
     """
@@ -303,6 +414,11 @@ def validate(traj: Trajectory) -> Trajectory:
         raise TraceError(f"trajectory {tid!r} field 'sessions': no sessions")
     if not (0.0 <= traj.reward <= 1.0):  # also False for NaN
         raise TraceError(f"trajectory {tid!r} field 'reward': {traj.reward} is not in [0, 1]")
+    for i, st in enumerate(traj.states):
+        try:
+            _check_ids(st, f"states[{i}]")
+        except TraceError as exc:
+            raise TraceError(f"trajectory {tid!r} {exc}") from None
     n = len(traj.sessions)
     for k, s in enumerate(traj.sessions):
         where = f"trajectory {tid!r} session {k}"
@@ -320,6 +436,14 @@ def validate(traj: Trajectory) -> Trajectory:
                 f"{where} field 'logprobs': length {len(s.logprobs)} != "
                 f"{len(s.completion_ids)} completion tokens"
             )
+        try:
+            _check_ids(s.prompt_ids, "prompt_ids")
+            _check_ids(s.completion_ids, "completion_ids")
+            _check_logprobs(s.logprobs, "logprobs")
+        except TraceError as exc:
+            raise TraceError(f"{where} {exc}") from None
+        if s.num_turns < 0:
+            raise TraceError(f"{where} field 'num_turns': {s.num_turns} is negative")
         if s.parent is None:
             if s.edge is not None:
                 raise TraceError(f"{where} field 'edge': a root session has no incoming edge, got {s.edge!r}")

@@ -9,6 +9,14 @@ that names the file and line.
 
 Parquet: one row per trajectory, sessions as a nested list column; the schema
 version is stored in the file's key-value metadata and checked on load.
+
+Both readers decode strictly (types are checked, never coerced: ``"false"`` is
+not a mask value, ``1.9`` not a token id) and validate ranges (ids in
+``[0, 2**31)``, finite log-probs ``<= 0``) and unique trajectory ids; the first
+bad record fails with :class:`StorageError` naming ``file:line`` (JSONL) or
+``file: row`` (Parquet) and the field. ``lenient=True`` skips each bad record
+instead, with a :class:`BadRecordWarning` per record and one summary warning
+that counts them.
 """
 
 from __future__ import annotations
@@ -33,6 +41,35 @@ class StorageError(TraceError):
 
 class TornLineWarning(UserWarning):
     """The last line of a JSONL file was incomplete (a crash mid-write) and was skipped."""
+
+
+class BadRecordWarning(UserWarning):
+    """``lenient=True``: a record that does not decode or validate was skipped (the message says why)."""
+
+
+class _Skipper:
+    """Strict: raise the error. Lenient: warn per skipped record and count them."""
+
+    def __init__(self, path, lenient: bool):
+        self.path, self.lenient, self.skipped = path, lenient, 0
+
+    def bad(self, exc: StorageError) -> None:
+        if not self.lenient:
+            raise exc
+        self.skipped += 1
+        warnings.warn(f"{exc} (skipped: lenient)", BadRecordWarning, stacklevel=4)
+
+    def summary(self, total: int) -> None:
+        if self.skipped:
+            warnings.warn(f"{self.path}: skipped {self.skipped} bad record(s) of {total} (lenient)",
+                          BadRecordWarning, stacklevel=4)
+
+
+def _check_unique(traj: Trajectory, where: str, seen: dict[str, str]) -> None:
+    first = seen.get(traj.id)
+    if first is not None:
+        raise StorageError(f"{where}: trajectory field 'id': duplicate id {traj.id!r} (first at {first})")
+    seen[traj.id] = where
 
 
 # --------------------------------------------------------------------------- JSONL
@@ -139,12 +176,14 @@ def _decode_record(obj: object, where: str) -> Trajectory:
         raise StorageError(f"{where}: {exc}") from None
 
 
-def iter_json_lines(path: str | os.PathLike, *, error: type[Exception] | None = None) -> Iterator[tuple[str, Any]]:
+def iter_json_lines(path: str | os.PathLike, *, error: type[Exception] | None = None,
+                    on_error: Any = None) -> Iterator[tuple[str, Any]]:
     """``(where, object)`` for each JSON line of an append-only file (``where`` = ``file:line``).
 
     Only the very last line, not terminated by a newline, can be torn by a crash:
     it is skipped with a :class:`TornLineWarning`. A broken line anywhere else
-    raises ``error`` (default :class:`StorageError`) naming file and line.
+    raises ``error`` (default :class:`StorageError`) naming file and line, or, when
+    ``on_error`` is given, is passed to it (which may raise) and skipped.
     """
     error = error or StorageError
     data = Path(path).read_bytes()
@@ -163,21 +202,47 @@ def iter_json_lines(path: str | os.PathLike, *, error: type[Exception] | None = 
             if i == last and not data.rstrip(b" \t\r").endswith(b"\n"):
                 warnings.warn(f"{where}: skipped a torn last line ({len(raw)} bytes)", TornLineWarning, stacklevel=3)
                 return
-            raise error(f"{where}: corrupted line ({exc})") from None
+            if on_error is None:
+                raise error(f"{where}: corrupted line ({exc})") from None
+            on_error(error(f"{where}: corrupted line ({exc})"))
+            continue
         yield where, obj
 
 
-def iter_jsonl(path: str | os.PathLike) -> Iterator[Trajectory]:
-    """Yield trajectories from a JSONL file, skipping (with a warning) a torn last line."""
+def iter_jsonl(path: str | os.PathLike, *, lenient: bool = False) -> Iterator[Trajectory]:
+    """Yield trajectories from a JSONL file, skipping (with a warning) a torn last line.
+
+    A bad record (corrupt line, wrong type, out-of-range value, duplicate id) raises
+    :class:`StorageError` naming ``file:line`` and the field; ``lenient=True`` skips it with a
+    :class:`BadRecordWarning` and ends with a warning counting the skipped records."""
     path = Path(path)
     if not path.exists():
         raise StorageError(f"{path}: no such file")
-    for where, obj in iter_json_lines(path):
-        yield _decode_record(obj, where)
+    if path.is_dir():
+        raise StorageError(f"{path}: is a directory, not a JSONL file")
+    skip = _Skipper(path, lenient)
+    seen: dict[str, str] = {}
+    total = 0
+
+    def corrupt(exc: StorageError) -> None:
+        nonlocal total
+        total += 1
+        skip.bad(exc)
+
+    for where, obj in iter_json_lines(path, on_error=corrupt):
+        total += 1
+        try:
+            traj = _decode_record(obj, where)
+            _check_unique(traj, where, seen)
+        except StorageError as exc:
+            skip.bad(exc)
+            continue
+        yield traj
+    skip.summary(total)
 
 
-def read_jsonl(path: str | os.PathLike) -> list[Trajectory]:
-    return list(iter_jsonl(path))
+def read_jsonl(path: str | os.PathLike, *, lenient: bool = False) -> list[Trajectory]:
+    return list(iter_jsonl(path, lenient=lenient))
 
 
 def write_jsonl(path: str | os.PathLike, trajs: Iterable[Trajectory]) -> int:
@@ -260,7 +325,38 @@ def write_parquet(path: str | os.PathLike, trajs: Iterable[Trajectory]) -> int:
     return len(rows)
 
 
-def read_parquet(path: str | os.PathLike) -> list[Trajectory]:
+_REQUIRED_COLUMNS = ("id", "task_id", "group_id", "sessions")
+
+
+def _parquet_row(d: dict[str, Any]) -> dict[str, Any]:
+    """A Parquet row (nested Arrow structs) → the JSON record layout; TraceError names the field."""
+    sessions = d.get("sessions")
+    if isinstance(sessions, list):
+        for k, s in enumerate(sessions):
+            if not isinstance(s, dict):
+                continue  # Session.from_dict names it
+            try:
+                s["meta"] = json.loads(s.get("meta") or "{}")
+            except (TypeError, ValueError) as exc:
+                raise TraceError(f"session {k} field 'meta': not a JSON object ({exc})") from None
+            for key in ("state_before", "state_after"):
+                ref = s.get(key)
+                if isinstance(ref, dict):
+                    s[key] = {"state": ref.get("state")} if ref.get("state") is not None else {
+                        "session": ref.get("session"), "upto": ref.get("upto")}
+    try:
+        d["meta"] = json.loads(d.get("meta") or "{}")
+    except (TypeError, ValueError) as exc:
+        raise TraceError(f"field 'meta': not a JSON object ({exc})") from None
+    return d
+
+
+def read_parquet(path: str | os.PathLike, *, lenient: bool = False) -> list[Trajectory]:
+    """Trajectories from a Parquet file written by :func:`write_parquet`.
+
+    Foreign or broken files (no or bad Mosaic metadata, a missing column) raise
+    :class:`StorageError`; a bad row raises it naming ``file: row i`` and the field, or is skipped
+    with a :class:`BadRecordWarning` when ``lenient=True``."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -274,34 +370,47 @@ def read_parquet(path: str | os.PathLike) -> list[Trajectory]:
     meta = (table.schema.metadata or {}).get(_PARQUET_META_KEY)
     if meta is None:
         raise StorageError(f"{path}: Parquet file carries no Mosaic schema metadata")
-    info = json.loads(meta)
+    try:
+        info = json.loads(meta)
+    except (UnicodeDecodeError, ValueError):
+        info = None
+    if not isinstance(info, dict):
+        raise StorageError(f"{path}: Parquet metadata {_PARQUET_META_KEY.decode()!r} is not a JSON object "
+                           f"({meta[:80]!r})")
     if info.get("schema") != SCHEMA or info.get("schema_version") != SCHEMA_VERSION:
         raise StorageError(
             f"{path}: schema {info.get('schema')!r} version {info.get('schema_version')!r} is not "
             f"supported (reads {SCHEMA!r} version {SCHEMA_VERSION})"
         )
+    missing = [c for c in _REQUIRED_COLUMNS if c not in table.schema.names]
+    if missing:
+        raise StorageError(f"{path}: missing column(s) {', '.join(map(repr, missing))} "
+                           f"(has {', '.join(table.schema.names)})")
+    try:
+        rows = table.to_pylist()
+    except (pa.ArrowException, ValueError, TypeError) as exc:
+        raise StorageError(f"{path}: cannot decode the rows ({exc})") from None
+    skip = _Skipper(path, lenient)
+    seen: dict[str, str] = {}
     out = []
-    for i, d in enumerate(table.to_pylist()):
-        for s in d["sessions"]:
-            s["meta"] = json.loads(s["meta"] or "{}")
-            for key in ("state_before", "state_after"):
-                ref = s[key]
-                if ref is not None:
-                    s[key] = {"state": ref["state"]} if ref["state"] is not None else {
-                        "session": ref["session"], "upto": ref["upto"]}
-        d["meta"] = json.loads(d["meta"] or "{}")
+    for i, d in enumerate(rows):
+        where = f"{path}: row {i}"
         try:
-            out.append(validate(Trajectory.from_dict(d)))
+            traj = validate(Trajectory.from_dict(_parquet_row(d)))
+            _check_unique(traj, where, seen)
         except TraceError as exc:
-            raise StorageError(f"{path}: row {i}: {exc}") from None
+            skip.bad(exc if isinstance(exc, StorageError) else StorageError(f"{where}: {exc}"))
+            continue
+        out.append(traj)
+    skip.summary(len(rows))
     return out
 
 
-def load_trajectories(path: str | os.PathLike) -> list[Trajectory]:
-    """Read a ``.jsonl`` or ``.parquet`` file of trajectories (by suffix)."""
+def load_trajectories(path: str | os.PathLike, *, lenient: bool = False) -> list[Trajectory]:
+    """Read a ``.jsonl`` or ``.parquet`` file of trajectories (by suffix); ``lenient``: see the readers."""
     p = Path(path)
     if p.suffix == ".parquet":
-        return read_parquet(p)
+        return read_parquet(p, lenient=lenient)
     if p.suffix in (".jsonl", ".json"):
-        return read_jsonl(p)
+        return read_jsonl(p, lenient=lenient)
     raise StorageError(f"{p}: unknown trajectory file type {p.suffix!r} (use .jsonl or .parquet)")

@@ -7,7 +7,7 @@ A checkpoint is a directory ``<run_dir>/checkpoints/ckpt-<step>/`` holding
 - ``rng.pt``: python, numpy, torch CPU and CUDA RNG states and every named
   generator passed in (``torch.Generator`` or ``numpy.random.Generator``);
 - ``trainer_state.json``: step and free-form JSON state (data cursor, ...);
-- ``COMPLETE``: a manifest (every file and its size), written last.
+- ``COMPLETE``: a manifest (every file, its size and its sha256), written last.
 
 Atomicity: everything is written into ``ckpt-<step>.tmp/``, each file fsynced,
 the manifest written, the directory renamed to ``ckpt-<step>/`` (an atomic
@@ -16,15 +16,29 @@ replaced atomically (write ``latest.tmp``, fsync, ``os.replace``). A kill at any
 moment leaves either the old state or the new one: ``*.tmp`` directories and
 directories whose manifest is missing or does not match the files on disk are
 ignored by :func:`find_latest`, which falls back to the newest complete one.
+
+Integrity: :func:`verify_checkpoint` checks the manifest against the files
+(names, sizes, sha256 content hashes) and says what is wrong (missing file,
+corrupt safetensors header, unreadable ``*.pt``, hash mismatch);
+:func:`load_checkpoint` refuses a checkpoint that does not verify, and
+``resume=auto`` falls back to the newest one that does, printing each one it
+skipped and why. The ``latest`` pointer must name a ``ckpt-<step>`` directory
+of the run itself: ``../..``, absolute paths and symlinks leading out of the
+run directory are rejected. :func:`check_resume_config` lists, key by key, how
+the resolved config of a resumed run differs from the one the run was started
+with and refuses to go on unless forced (``train.resume_force=true``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
 import re
 import shutil
+import struct
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -34,12 +48,17 @@ import torch
 from safetensors.torch import save_file
 from safetensors.torch import load_file
 
-__all__ = ["CheckpointState", "save_checkpoint", "load_checkpoint", "find_latest", "list_checkpoints",
-           "is_complete", "resolve_resume", "capture_rng", "restore_rng"]  # fmt: skip
+__all__ = ["CheckpointState", "CheckpointError", "save_checkpoint", "load_checkpoint", "find_latest",
+           "list_checkpoints", "is_complete", "verify_checkpoint", "resolve_resume", "capture_rng", "restore_rng",
+           "config_diff", "check_resume_config"]  # fmt: skip
 
 MANIFEST = "COMPLETE"
 LATEST = "latest"
 _NAME = re.compile(r"^ckpt-(\d+)$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that does not verify, or a resume that must not go on; the message says why."""
 
 
 @dataclass
@@ -81,6 +100,14 @@ def _write_atomic(p: Path, text: str) -> None:
 
 def _manifest(d: Path) -> dict[str, int]:
     return {str(f.relative_to(d)): f.stat().st_size for f in sorted(d.rglob("*")) if f.is_file() and f.name != MANIFEST}
+
+
+def _sha256(p: Path) -> str:
+    h = hashlib.sha256()
+    with open(p, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 # --------------------------------------------------------------------------------------
@@ -169,41 +196,168 @@ def _ckpt_root(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
-def is_complete(d: Path) -> bool:
-    """True when ``d`` has a manifest matching its files (names and sizes)."""
-    m = d / MANIFEST
-    if not d.is_dir() or not _NAME.match(d.name) or not m.is_file():
-        return False
+def _read_manifest(d: Path) -> dict[str, Any] | None:
     try:
-        want = json.loads(m.read_text())["files"]
-    except (OSError, ValueError, KeyError):
+        m = json.loads((d / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(m, dict) or not isinstance(m.get("files"), dict):
+        return None
+    return m
+
+
+def _inside(p: Path, root: Path) -> bool:
+    """``p`` (symlinks resolved) is ``root`` itself or below it."""
+    try:
+        p.resolve().relative_to(root.resolve())
+    except (ValueError, OSError, RuntimeError):
         return False
-    return want == _manifest(d)
+    return True
+
+
+def is_complete(d: Path) -> bool:
+    """True when ``d`` has a manifest matching its files (names and sizes; cheap, no hashing)."""
+    if not d.is_dir() or not _NAME.match(d.name) or not (d / MANIFEST).is_file():
+        return False
+    m = _read_manifest(d)
+    return m is not None and m["files"] == _manifest(d)
+
+
+def _structure_problem(f: Path) -> str | None:
+    """Why a weights / state file cannot be read (parsed, not hashed), or None."""
+    if f.suffix == ".safetensors":
+        try:
+            with open(f, "rb") as fh:
+                raw = fh.read(8)
+                (n,) = struct.unpack("<Q", raw) if len(raw) == 8 else (-1,)
+                size = f.stat().st_size
+                if n < 2 or 8 + n > size:
+                    return f"corrupt safetensors header in {f.name} (header length {n}, file {size} bytes)"
+                header = json.loads(fh.read(n))
+            end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+            if not isinstance(header, dict) or 8 + n + end != size:
+                return f"corrupt safetensors header in {f.name} (tensor data does not match the file size)"
+        except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError, struct.error) as exc:
+            return f"corrupt safetensors header in {f.name} ({type(exc).__name__}: {exc})"[:300]
+    elif f.suffix == ".pt":
+        try:
+            torch.load(f, map_location="cpu", weights_only=True)
+        except Exception as exc:  # noqa: BLE001 — any unpickling failure means "corrupt"
+            return f"corrupt {f.name} ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"[:300]
+    return None
+
+
+def verify_checkpoint(d: str | Path) -> str | None:
+    """None when ``d`` is a complete, intact checkpoint; otherwise the reason it is not.
+
+    Checks the manifest against the files on disk (missing, unexpected, resized files), no file is
+    a symlink leading out of the checkpoint, every file's sha256 (manifests written before hashes
+    existed: the safetensors headers are parsed and the ``*.pt`` files loaded instead), and names
+    the first problem: ``missing file …``, ``corrupt safetensors header in …``, ``corrupt optimizer.pt
+    …``, ``sha256 mismatch in …``."""
+    d = Path(d)
+    if not d.is_dir():
+        return "not a directory" if not d.exists() else "not a directory (a file)"
+    if not _NAME.match(d.name):
+        return f"not a checkpoint directory name (want ckpt-<step>, got {d.name!r})"
+    if not (d / MANIFEST).is_file():
+        return f"no {MANIFEST} manifest (unfinished write?)"
+    m = _read_manifest(d)
+    if m is None:
+        return f"unreadable {MANIFEST} manifest"
+    want: dict[str, Any] = m["files"]
+    have = _manifest(d)
+    missing = sorted(set(want) - set(have))
+    if missing:
+        return f"missing file {missing[0]}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+    extra = sorted(set(have) - set(want))
+    if extra:
+        return f"file {extra[0]} is not in the manifest"
+    for name in sorted(want):
+        f = d / name
+        if f.is_symlink() or not _inside(f, d):
+            return f"{name} is a symlink (refused: checkpoint files must be plain files)"
+        if have[name] != want[name]:
+            return f"size mismatch in {name} ({have[name]} bytes, manifest says {want[name]}; truncated?)"
+    hashes = m.get("sha256")
+    for name in sorted(want):
+        f = d / name
+        if isinstance(hashes, dict) and name in hashes:
+            if _sha256(f) != hashes[name]:
+                return _structure_problem(f) or f"sha256 mismatch in {name} (content changed after it was saved)"
+        elif f.suffix in (".safetensors", ".pt"):  # a manifest from before content hashes
+            why = _structure_problem(f)
+            if why:
+                return why
+    return None
 
 
 def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints, ascending by step."""
+    """Complete checkpoints (names and sizes match; see :func:`verify_checkpoint` for contents),
+    ascending by step. Directories that are symlinks leading out of the run dir are not listed."""
     root = _ckpt_root(run_dir)
     if not root.is_dir():
         return []
     out = []
     for d in root.iterdir():
         m = _NAME.match(d.name)
-        if m and is_complete(d):
+        if m and _inside(d, root) and is_complete(d):
             out.append((int(m.group(1)), d))
     return sorted(out)
 
 
-def find_latest(run_dir: str | Path) -> Path | None:
-    """The newest complete checkpoint: the ``latest`` pointer if it names one, else a scan."""
-    root = _ckpt_root(run_dir)
+def _pointer(root: Path) -> tuple[Path | None, str | None]:
+    """The checkpoint the ``latest`` pointer names, or (None, why it is refused); (None, None) if none."""
     ptr = root / LATEST
-    if ptr.is_file():
-        d = root / ptr.read_text().strip()
-        if is_complete(d):
+    if not ptr.exists() and not ptr.is_symlink():
+        return None, None
+    if ptr.is_symlink() and not _inside(ptr, root):
+        return None, f"{ptr} is a symlink out of the run directory (refused)"
+    try:
+        name = ptr.read_text().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        return None, f"{ptr} is unreadable ({exc})"
+    if not _NAME.match(name):
+        return None, f"{ptr} names {name!r}, not a ckpt-<step> of this run directory (refused)"
+    d = root / name
+    if d.is_symlink() and not _inside(d, root):
+        return None, f"{d} is a symlink out of the run directory (refused)"
+    return d, None
+
+
+def _candidates(run_dir: str | Path) -> tuple[list[Path], list[str]]:
+    """Checkpoint dirs to try, best first (the pointer's, then newest step first), and pointer notes."""
+    root = _ckpt_root(run_dir)
+    if not root.is_dir():
+        return [], []
+    notes = []
+    first, why = _pointer(root)
+    if why:
+        notes.append(why)
+    out = [first] if first is not None and first.is_dir() else []
+    dirs = sorted(((int(m.group(1)), d) for d in root.iterdir() if (m := _NAME.match(d.name)) and d.is_dir()),
+                  reverse=True)  # fmt: skip
+    for _, d in dirs:
+        if d not in out and _inside(d, root):
+            out.append(d)
+    return out, notes
+
+
+def find_latest(run_dir: str | Path, *, verify: bool = False, skipped: list[str] | None = None) -> Path | None:
+    """The newest complete checkpoint: the ``latest`` pointer if it names one of this run, else a scan.
+
+    ``verify=True``: the newest one that passes :func:`verify_checkpoint` (content hashes); each one
+    passed over is appended to ``skipped`` as ``"<dir>: <reason>"``, as is a refused pointer."""
+    cands, notes = _candidates(run_dir)
+    if skipped is not None:
+        skipped.extend(notes)
+    for d in cands:
+        why = verify_checkpoint(d) if verify else (None if is_complete(d) else "incomplete")
+        if why is None:
             return d
-    ckpts = list_checkpoints(run_dir)
-    return ckpts[-1][1] if ckpts else None
+        if skipped is not None and verify:
+            skipped.append(f"{d}: {why}")
+    return None
 
 
 def save_checkpoint(
@@ -239,8 +393,9 @@ def save_checkpoint(
     for f in tmp.rglob("*"):
         if f.is_file():
             _fsync_file(f)
+    files = _manifest(tmp)
     with open(tmp / MANIFEST, "w") as f:
-        json.dump({"step": int(step), "files": _manifest(tmp)}, f)
+        json.dump({"step": int(step), "files": files, "sha256": {n: _sha256(tmp / n) for n in files}}, f)
         f.flush()
         os.fsync(f.fileno())
     for d in [p for p in tmp.rglob("*") if p.is_dir()] + [tmp]:
@@ -269,10 +424,17 @@ def load_checkpoint(
     restore_rngs: bool = True,
     map_location: str | torch.device = "cpu",
 ) -> CheckpointState:
-    """Restore the given objects in place from a complete checkpoint; return step and state."""
+    """Restore the given objects in place from a complete checkpoint that verifies; return step and state.
+
+    A directory that is not a complete checkpoint raises FileNotFoundError; one whose files do not
+    verify (content hash, headers) raises :class:`CheckpointError` naming the file and the problem."""
     d = Path(path)
     if not is_complete(d):
-        raise FileNotFoundError(f"{d} is not a complete checkpoint (no or mismatching {MANIFEST} manifest)")
+        why = verify_checkpoint(d)
+        raise FileNotFoundError(f"{d} is not a complete checkpoint ({why or 'no or mismatching ' + MANIFEST})")
+    why = verify_checkpoint(d)
+    if why is not None:
+        raise CheckpointError(f"checkpoint {d} does not verify: {why}")
     if model is not None:
         _load_model(model, d / "model")
     if optimizer is not None:
@@ -285,19 +447,101 @@ def load_checkpoint(
     return CheckpointState(path=d, step=int(meta["step"]), state=meta.get("state", {}))
 
 
+def _skip_note(resume: str, skipped: list[str]) -> None:
+    for why in skipped:
+        print(f"[mosaic] train.resume={resume}: skipping {why}", file=sys.stderr, flush=True)
+
+
 def resolve_resume(resume: str, run_dir: str | Path) -> Path | None:
     """``train.resume`` → the checkpoint to load: ``never`` → None; ``auto`` → the run dir's
-    latest complete one (None if none); otherwise a path that must be a complete checkpoint."""
+    newest checkpoint that verifies (None if none; each one skipped is printed with its reason);
+    otherwise a path that must be a checkpoint that verifies (or a run dir: its newest one that does)."""
     if resume == "never":
         return None
+    skipped: list[str] = []
     if resume == "auto":
-        return find_latest(run_dir)
+        found = find_latest(run_dir, verify=True, skipped=skipped)
+        _skip_note(resume, skipped)
+        return found
     p = Path(resume)
     if p.is_dir() and not _NAME.match(p.name):  # a run dir: its latest
-        found = find_latest(p)
+        found = find_latest(p, verify=True, skipped=skipped)
+        _skip_note(resume, skipped)
         if found is None:
             raise FileNotFoundError(f"train.resume={resume!r}: no complete checkpoint under that run dir")
         return found
-    if not is_complete(p):
-        raise FileNotFoundError(f"train.resume={resume!r} is not a complete checkpoint")
+    why = verify_checkpoint(p)
+    if why is not None:
+        raise FileNotFoundError(f"train.resume={resume!r} is not a usable checkpoint: {why}")
     return p
+
+
+# --------------------------------------------------------------------------------------
+# A changed config on resume.
+
+_RESUME_FREE = ("train.resume", "train.resume_force", "train.run_dir")
+"""Keys that may change on resume without notice (where to resume from, and the force switch itself)."""
+
+
+def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(node, dict):
+        out: dict[str, Any] = {}
+        for k, v in node.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: node}
+
+
+def config_diff(old_yaml: str, new_yaml: str) -> list[str]:
+    """Dotted keys whose value differs between two resolved configs, one line each, sorted:
+    ``algo.estimator: 'mosaic' -> 'grpo'``; a key only in one of them shows ``(absent)``."""
+    import yaml
+
+    old, new = _flatten(yaml.safe_load(old_yaml) or {}), _flatten(yaml.safe_load(new_yaml) or {})
+    lines = []
+    for k in sorted(set(old) | set(new)):
+        a, b = old.get(k, _ABSENT), new.get(k, _ABSENT)
+        if a != b and not (isinstance(a, float) and isinstance(b, float) and a != a and b != b):
+            lines.append(f"{k}: {_show(a)} -> {_show(b)}")
+    return lines
+
+
+class _Absent:
+    def __repr__(self) -> str:
+        return "(absent)"
+
+
+_ABSENT = _Absent()
+
+
+def _show(v: Any) -> str:
+    return repr(list(v) if isinstance(v, tuple) else v)
+
+
+def check_resume_config(run_dir: str | Path, config_yaml: str, force: bool, *, state: Mapping[str, Any] | None = None
+                        ) -> list[str]:  # fmt: skip
+    """Compare the resolved config of a resumed run with the one it was started with.
+
+    The saved config is ``<run_dir>/config.yaml`` (written at the start of every run); without it,
+    the estimator stored in the checkpoint ``state``. Returns the changed keys (those of
+    ``_RESUME_FREE`` ignored), printed one per line; raises :class:`CheckpointError` listing them
+    unless ``force`` (``train.resume_force=true``)."""
+    saved = Path(run_dir) / "config.yaml"
+    if saved.is_file():
+        changes = [ln for ln in config_diff(saved.read_text(), config_yaml) if not ln.startswith(_RESUME_FREE)]
+    else:
+        import yaml
+
+        new = (yaml.safe_load(config_yaml) or {}).get("algo", {}).get("estimator")
+        old = (state or {}).get("estimator")
+        changes = [f"algo.estimator: {old!r} -> {new!r}"] if old is not None and old != new else []
+    if not changes:
+        return []
+    listing = "\n".join(f"  {c}" for c in changes)
+    if not force:
+        raise CheckpointError(f"resuming {run_dir} with a changed config ({len(changes)} keys; saved -> now):\n"
+                              f"{listing}\nset train.resume_force=true to resume anyway, or train.resume=never "
+                              f"(or another train.run_dir) to start afresh")  # fmt: skip
+    print(f"[mosaic] resuming with a changed config (train.resume_force=true):\n{listing}", file=sys.stderr,
+          flush=True)  # fmt: skip
+    return changes

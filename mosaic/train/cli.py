@@ -4,7 +4,10 @@
 trailing ``section.field=value`` overrides; the config is resolved and
 validated first, and an invalid one exits with status 2 and the message
 before any work. ``--print-config`` prints the resolved YAML and exits.
-``compare`` runs a paired bootstrap on two per-question outcome files.
+``compare`` runs a paired bootstrap on two per-question outcome files. Bad
+flags (``eval --checkpoint`` that is missing or does not verify, ``compare``
+with a missing file, ``--n-boot 0``, ``--ci 2``) exit with status 2 and one
+line naming the flag.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 __all__ = ["register"]
 
@@ -40,15 +44,51 @@ def _config(args):
     return cfg, None
 
 
+def _eval_args_error(args) -> str | None:
+    """``eval --checkpoint / --out`` checked before any work; a run dir becomes its newest checkpoint
+    that verifies (those skipped are printed). The message names the flag, or None when fine."""
+    from mosaic.train.checkpoint import find_latest, verify_checkpoint
+
+    out = Path(args.out) if args.out else None
+    if out is not None and (out.is_dir() or (out.parent.exists() and not out.parent.is_dir())):
+        return f"--out {out}: cannot write a file there"
+    if args.checkpoint is None:
+        return None
+    p = Path(args.checkpoint)
+    if not p.exists():
+        return f"--checkpoint {p}: no such directory"
+    if not p.is_dir():
+        return f"--checkpoint {p}: not a directory (want a checkpoint, a model directory or a run dir)"
+    if (p / "COMPLETE").exists() or (p / "model").is_dir():  # a checkpoint
+        why = verify_checkpoint(p)
+        return f"--checkpoint {p}: not a usable checkpoint: {why}" if why else None
+    if (p / "config.json").exists():  # a model directory
+        return None
+    skipped: list[str] = []
+    found = find_latest(p, verify=True, skipped=skipped)
+    for why in skipped:
+        print(f"[mosaic] eval: skipping {why}", file=sys.stderr)
+    if found is None:
+        return (f"--checkpoint {p}: neither a checkpoint, a model directory nor a run dir with a checkpoint "
+                f"that verifies")
+    args.checkpoint = str(found)
+    return None
+
+
 def _run(fn_name: str):
     def cmd(args) -> int:
         cfg, code = _config(args)
         if cfg is None:
             return code
         from mosaic.train import entrypoints
+        from mosaic.train.checkpoint import CheckpointError
 
         try:
             if fn_name == "run_eval":
+                bad = _eval_args_error(args)
+                if bad:
+                    print(f"mosaic {args.command}: {bad}", file=sys.stderr)
+                    return EXIT_CONFIG
                 return int(entrypoints.run_eval(cfg, args.checkpoint, args.out) or 0)
             if fn_name == "run_train":
                 try:
@@ -60,12 +100,32 @@ def _run(fn_name: str):
         except NotImplementedError as exc:
             print(f"mosaic {args.command}: not implemented yet: {exc}", file=sys.stderr)
             return 1
+        except CheckpointError as exc:  # a resume that must not go on (changed config) or a corrupt checkpoint
+            print(f"mosaic {args.command}: {exc}", file=sys.stderr)
+            return EXIT_CONFIG
 
     return cmd
 
 
+def _compare_args_error(args) -> str | None:
+    if args.n_boot < 1:
+        return f"--n-boot must be >= 1, got {args.n_boot}"
+    if not 0 < args.ci < 1:
+        return f"--ci must be in (0, 1), got {args.ci}"
+    for name, path in (("a", args.a), ("b", args.b)):
+        p = Path(path)
+        if not p.is_file():
+            return f"outcome file {name} ({path}): " + ("is a directory" if p.is_dir() else "no such file")
+    return None
+
+
 def _compare(args) -> int:
     from mosaic.train.stats import compare_outcome_files, format_comparison
+
+    bad = _compare_args_error(args)
+    if bad:
+        print(f"mosaic compare: {bad}", file=sys.stderr)
+        return EXIT_CONFIG
 
     try:
         c = compare_outcome_files(args.a, args.b, ci=args.ci, n_boot=args.n_boot, seed=args.seed,

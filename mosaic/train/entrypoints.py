@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from mosaic.train import setup
-from mosaic.train.checkpoint import load_checkpoint, save_checkpoint
+from mosaic.train.checkpoint import check_resume_config, load_checkpoint, save_checkpoint
 from mosaic.train.config import Config, dump_config, resolve_steps
 from mosaic.train.evaluate import evaluate, paired_outcomes
 from mosaic.train.optim import build_optimizer, build_scheduler
@@ -223,8 +223,10 @@ def _rl_loop(cfg: Config, plan: RunPlan, model, tok, chat, device) -> None:
     scheduler = build_scheduler(optimizer, cfg.optim, steps * cfg.optim.ppo_epochs * cfg.optim.mini_batches)
     start = 0
     if plan.resume_from is not None:
-        start = load_checkpoint(plan.resume_from, model=model, optimizer=optimizer, scheduler=scheduler).step
+        ck = load_checkpoint(plan.resume_from, model=model, optimizer=optimizer, scheduler=scheduler)
+        start = ck.step
         _log(f"resumed from {plan.resume_from} at step {start}")
+        check_resume_config(plan.resume_from.parent.parent, plan.config_yaml, cfg.train.resume_force, state=ck.state)
     ref = make_reference(model) if cfg.algo.kl_coef > 0 else None
     st = RLState(cfg, model, tok, chat, train, optimizer, scheduler, device, ref_model=ref)
     val = setup.load_split(cfg, cfg.data.eval_split) if cfg.train.eval_every else None

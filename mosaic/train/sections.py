@@ -247,6 +247,8 @@ class TrainConfig(_Section):
     """Complete checkpoints kept; older ones are pruned."""
     resume: str = "auto"
     """``auto``: continue from the run dir's latest complete checkpoint if any; ``never``; or a checkpoint path."""
+    resume_force: bool = False
+    """Resume even though the resolved config differs from the run's saved ``config.yaml`` (the keys are listed)."""
     run_dir: str = "runs/default"
     """Where config, metrics, samples, plots and checkpoints go."""
     log_every: int = 1

@@ -8,7 +8,8 @@ import threading
 import time
 
 import pytest
-from fastapi.responses import JSONResponse
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
 
 from mosaic.agent.models.testing import tiny_model
 from mosaic.agent.policies.local import LocalPolicy, LocalPolicyConfig
@@ -161,3 +162,75 @@ def test_config_validation():
         OpenAIPolicyConfig(max_concurrency=0)
     with pytest.raises(ValueError, match="top_p"):
         OpenAIPolicyConfig(top_p=1.5)
+
+
+# ----------------------------------------------------------------------------- untrusted replies (issue 11)
+
+
+def _lying_server(chat, bad_reply):
+    """A /v1/completions server that answers the 'Osk' task well and the 'Ruo Ces' task with
+    ``bad_reply(good_ids, max_tokens) -> (token_ids, token_logprobs)`` (JSON may carry NaN / Infinity)."""
+    import json as _json
+
+    tok = chat.tokenizer
+    good = list(tok("<answer>Port Osk</answer>", add_special_tokens=False)["input_ids"])
+    good.append(tok.convert_tokens_to_ids("<|im_end|>"))
+    app = FastAPI()
+
+    @app.get("/v1/models")
+    async def models():
+        return {"data": [{"id": "liar"}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await request.json()
+        text = tok.decode(body["prompt"])
+        ids, lps = (good, [-0.25] * len(good)) if "Osk" in text else bad_reply(good, body["max_tokens"])
+        reply = {"choices": [{"token_ids": ids, "logprobs": {"token_logprobs": lps}, "finish_reason": "stop"}]}
+        return Response(_json.dumps(reply), media_type="application/json")  # allow_nan: NaN, Infinity
+
+    return app
+
+
+BAD_REPLIES = {
+    "id >= vocab": (lambda g, n: ([*g[:-1], 10 ** 6], [-0.1] * len(g)), "token_ids", "outside [0, "),
+    "negative id": (lambda g, n: ([-3, *g[1:]], [-0.1] * len(g)), "token_ids", "token id -3"),
+    "string id": (lambda g, n: (["5", *g[1:]], [-0.1] * len(g)), "token_ids", "token id '5'"),
+    "too many tokens": (lambda g, n: ([g[0]] * (n + 5), [-0.1] * (n + 5)), "length", f"tokens for a turn capped"),
+    "NaN log-prob": (lambda g, n: (g, [float("nan")] * len(g)), "logprobs", "log-prob nan"),
+    "-inf log-prob": (lambda g, n: (g, [float("-inf")] * len(g)), "logprobs", "log-prob -inf"),
+    "+3.0 log-prob": (lambda g, n: (g, [3.0] * len(g)), "logprobs", "log-prob 3.0"),
+    "null log-prob": (lambda g, n: (g, [None] * len(g)), "logprobs", "log-prob None"),
+    "count mismatch": (lambda g, n: (g, [-0.1] * (len(g) - 1)), "count", "logprobs for"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_REPLIES))
+def test_bad_replies_become_counted_error_results_in_the_harness(case):
+    from mosaic.agent.chat import ChatFormat
+    from mosaic.agent.harness import Harness, HarnessConfig
+    from mosaic.agent.testing import FakeEnv, FakeTask
+    from mosaic.agent.tokenizer import train_tokenizer
+
+    make, kind, fragment = BAD_REPLIES[case]
+    chat = ChatFormat(train_tokenizer(["<answer>Port Osk</answer> Who is the founder of Ruo Ces? Where is Osk?"] * 30,
+                                      vocab_size=400))
+    tasks = [FakeTask("t0", "Who is the founder of Ruo Ces?", "Ama Rell"), FakeTask("t1", "Where is Osk?", "Port Osk")]
+    with serve_in_thread(_lying_server(chat, make)) as url:
+        with OpenAIPolicy(base_url=url, vocab_size=len(chat.tokenizer), max_retries=0) as pol:
+            trajs = Harness(pol, chat, FakeEnv(), HarnessConfig(mode="single")).run(tasks, group_size=2)
+            stats = dict(pol.stats)
+    bad = [t for t in trajs if t.task_id == "t0"]
+    ok = [t for t in trajs if t.task_id == "t1"]
+    assert all(t.end_reason == "answer" and t.reward == 1.0 and "policy" not in t.meta for t in ok)
+    for t in bad:
+        assert t.end_reason == "policy_error" and t.reward == 0.0
+        assert f"invalid reply ({kind})" in t.meta["error"] and fragment in t.meta["error"], t.meta["error"]
+        assert t.meta["policy"]["invalid_replies"] == 1 and fragment in t.meta["policy"]["invalid_reply_reasons"][0]
+        assert t.sessions[0].completion_ids == [] or all(x <= 0 for x in t.sessions[0].logprobs)
+    assert stats == {"invalid_replies": 2, f"invalid_reply/{kind}": 2}
+
+
+def test_vocab_size_is_validated():
+    with pytest.raises(ValueError, match="vocab_size"):
+        OpenAIPolicyConfig(vocab_size=0)

@@ -40,3 +40,37 @@ def test_data_commands(cache, capsys):
     assert main(["data", "calibrate", "--preset", "cpu", "--budget", "512", "768"]) == 0
     out = capsys.readouterr().out
     assert out.count("| hops |") == 2
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["data", "search", "--preset", "cpu", "river", "-k", "0"], "mosaic data search: -k must be >= 1, got 0"),
+    (["data", "search", "--preset", "cpu", "river", "--snippet-tokens", "-3"], "--snippet-tokens must be >= 1"),
+    (["data", "calibrate", "--preset", "cpu", "-k", "0"], "mosaic data calibrate: -k must be >= 1"),
+    (["data", "calibrate", "--preset", "cpu", "--searches-per-hop", "0"], "--searches-per-hop must be >= 1"),
+    (["data", "calibrate", "--preset", "cpu", "--budget", "512", "0"], "--budget must be >= 1, got 0"),
+    (["data", "calibrate", "--preset", "cpu", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    (["data", "import", "{tmp}/missing.parquet"], "mosaic data import: PATH {tmp}/missing.parquet: no such file"),
+    (["data", "import", "{tmp}/junk.parquet"], "not a task Parquet file written by `mosaic data export`"),
+    (["data", "import", "{tmp}"], "PATH {tmp}: is a directory"),
+    (["data", "import", "{tmp}/junk.parquet", "--head", "-1"], "--head must be >= 0"),
+    (["data", "export", "--preset", "cpu", "--out", "{tmp}/junk.parquet/x.parquet"], "--out {tmp}/junk.parquet/x.parquet"),
+    (["data", "show", "--preset", "cpu", "--set", "n_tasks=-5"], "--set n_tasks=-5: n_tasks must be >= 1"),
+    (["data", "show", "--preset", "cpu", "--set", "n_tasks=abc"], "--set n_tasks=abc: bad key or value"),
+    (["data", "show", "--preset", "cpu", "--set", "nope=1"], "--set nope=1: bad key or value"),
+    (["data", "show", "--preset", "cpu", "--set", "noequals"], "--set expects KEY=VALUE"),
+    (["data", "show", "--preset", "cpu", "--set", "world.bogus=3"], "--set world.bogus=3: unknown world field"),
+    (["data", "show", "--preset", "cpu", "--set", "world.n_entities=-4"], "--set world.n_entities=-4: n_entities"),
+    (["data", "show", "--preset", "cpu", "--set", "hop_mix=bad"], "--set hop_mix=bad: expected HOPS:WEIGHT"),
+    (["data", "show", "--preset", "cpu", "--set", "hop_mix=9:1"], "--set hop_mix=9:1: hop_mix keys must be"),
+    (["data", "show", "--preset", "cpu", "--set", "snippet_mode=zzz"], "--set snippet_mode=zzz: snippet_mode must"),
+    (["data", "show", "--preset", "cpu", "--cache-dir", "{tmp}/junk.parquet"], "--cache-dir {tmp}/junk.parquet: not a"),
+    (["data", "show", "--preset", "cpu", "--index", "-1"], "mosaic data show: --index must be in [0, "),
+])
+def test_bad_arguments_exit_2_with_one_line_naming_the_flag(cache, capsys, argv, fragment):
+    # issue 11: `data search -k 0` and friends ended in tracebacks.
+    (cache / "junk.parquet").write_text("hello")
+    argv = [a.replace("{tmp}", str(cache)) for a in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert fragment.replace("{tmp}", str(cache)) in err, err
+    assert len(err.strip().splitlines()) == 1, err

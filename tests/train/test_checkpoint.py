@@ -162,3 +162,136 @@ def test_lr_factor():
     assert [lr_factor(s, warmup_steps=2, total_steps=6, schedule="constant") for s in range(4)] == [0.5, 1, 1, 1]
     assert lr_factor(2, warmup_steps=2, total_steps=6, schedule="cosine") == 1.0
     assert lr_factor(6, warmup_steps=2, total_steps=6, schedule="cosine") == pytest.approx(0.0)
+
+
+# ----------------------------------------------------------------------------- integrity (issue 11)
+
+
+def _three(tmp_path):
+    net, opt, sched = _setup(0, 10)
+    out = []
+    for s in (1, 2, 3):
+        _step(net, opt, sched, torch.Generator().manual_seed(s), np.random.default_rng(s))
+        out.append(ck.save_checkpoint(tmp_path, s, model=net, optimizer=opt, scheduler=sched, keep_last=5))
+    return net, opt, sched, out
+
+
+def _flip(f, offset, n):
+    raw = bytearray(f.read_bytes())
+    for i in range(offset, min(offset + n, len(raw))):
+        raw[i] ^= 0xFF
+    f.write_bytes(bytes(raw))
+
+
+def test_manifest_carries_a_sha256_per_file(tmp_path):
+    import hashlib
+
+    _, _, _, (a, _, _) = _three(tmp_path)
+    m = json.loads((a / "COMPLETE").read_text())
+    assert set(m["sha256"]) == set(m["files"]) and "optimizer.pt" in m["sha256"]
+    for name, h in m["sha256"].items():
+        assert hashlib.sha256((a / name).read_bytes()).hexdigest() == h
+    assert ck.verify_checkpoint(a) is None
+
+
+def test_flipped_weight_bytes_fail_the_hash_and_auto_falls_back(tmp_path, capsys):
+    # issue 11: 4 KB flipped in the weights (same size) resumed silently.
+    net, opt, sched, (a, b, c) = _three(tmp_path)
+    f = c / "model" / "model.safetensors"
+    size = f.stat().st_size
+    _flip(f, size - 256, 256)  # the last tensor bytes (the net is tiny), header intact
+    assert f.stat().st_size == size and ck.is_complete(c)  # names and sizes alone do not see it
+    assert "sha256 mismatch in model/model.safetensors" in ck.verify_checkpoint(c)
+    with pytest.raises(ck.CheckpointError, match="sha256 mismatch in model/model.safetensors"):
+        ck.load_checkpoint(c, model=_setup(1, 10)[0])
+    assert ck.resolve_resume("auto", tmp_path) == b
+    err = capsys.readouterr().err
+    assert "skipping" in err and "ckpt-3" in err and "sha256 mismatch in model/model.safetensors" in err
+    with pytest.raises(FileNotFoundError, match="sha256 mismatch"):  # an explicit path that does not verify
+        ck.resolve_resume(str(c), tmp_path)
+    assert ck.resolve_resume(str(tmp_path), tmp_path) == b  # a run dir: its newest good one
+
+
+def test_corrupt_header_optimizer_and_missing_file_are_each_named(tmp_path, capsys):
+    # issue 11: a corrupt newest checkpoint crashed with a traceback although a good older one existed.
+    net, opt, sched, (a, b, c) = _three(tmp_path)
+    _flip(c / "model" / "model.safetensors", 0, 8)  # header length
+    _flip(b / "optimizer.pt", 0, 64)  # zip magic
+    assert "corrupt safetensors header in model.safetensors" in ck.verify_checkpoint(c)
+    assert "corrupt optimizer.pt" in ck.verify_checkpoint(b)
+    assert ck.resolve_resume("auto", tmp_path) == a
+    err = capsys.readouterr().err
+    assert "ckpt-3: corrupt safetensors header" in err and "ckpt-2: corrupt optimizer.pt" in err
+    (a / "scheduler.pt").unlink()
+    assert ck.verify_checkpoint(a) == "missing file scheduler.pt"
+    assert ck.resolve_resume("auto", tmp_path) is None  # nothing verifies: a fresh run, not a crash
+    assert "ckpt-1: missing file scheduler.pt" in capsys.readouterr().err
+
+
+def test_manifest_without_hashes_is_still_checked_structurally(tmp_path):
+    _, _, _, (a, b, c) = _three(tmp_path)
+    m = json.loads((c / "COMPLETE").read_text())
+    del m["sha256"]  # a checkpoint written before content hashes
+    (c / "COMPLETE").write_text(json.dumps(m))
+    assert ck.verify_checkpoint(c) is None
+    _flip(c / "optimizer.pt", 0, 64)
+    assert "corrupt optimizer.pt" in ck.verify_checkpoint(c)
+    assert ck.resolve_resume("auto", tmp_path) == b
+
+
+def test_latest_pointer_cannot_leave_the_run_dir(tmp_path, capsys):
+    import os
+
+    run, other = tmp_path / "run", tmp_path / "other"
+    net, opt, _ = _setup(0, 10)
+    own = ck.save_checkpoint(run, 1, model=net, optimizer=opt)
+    foreign = ck.save_checkpoint(other, 7, model=net, optimizer=opt)
+    ptr = run / "checkpoints" / "latest"
+    for text in ("../../other/checkpoints/ckpt-7", str(foreign), "ckpt-7/../../../other/checkpoints/ckpt-7"):
+        ptr.write_text(text)
+        assert ck.find_latest(run) == own, text
+        assert ck.resolve_resume("auto", run) == own, text
+        assert "refused" in capsys.readouterr().err
+    # A checkpoint directory that is a symlink out of the run dir is neither followed nor listed.
+    os.symlink(foreign, run / "checkpoints" / "ckpt-9")
+    ptr.write_text("ckpt-9")
+    assert ck.find_latest(run) == own
+    assert ck.resolve_resume("auto", run) == own
+    assert [s for s, _ in ck.list_checkpoints(run)] == [1]
+    # The pointer file itself a symlink to a file outside.
+    ptr.unlink()
+    (tmp_path / "evil").write_text("ckpt-9")
+    os.symlink(tmp_path / "evil", ptr)
+    assert ck.find_latest(run) == own
+
+
+def test_config_diff_lists_changed_keys():
+    old = "algo:\n  estimator: mosaic\n  lam: 0.1\noptim:\n  lr: 1.0e-05\n  betas: [0.9, 0.999]\n"
+    new = "algo:\n  estimator: grpo\n  lam: 0.1\noptim:\n  lr: 0.5\n  betas: [0.9, 0.95]\n  extra: 1\n"
+    assert ck.config_diff(old, new) == ["algo.estimator: 'mosaic' -> 'grpo'", "optim.betas: [0.9, 0.999] -> [0.9, 0.95]",
+                                        "optim.extra: (absent) -> 1", "optim.lr: 1e-05 -> 0.5"]
+    assert ck.config_diff(old, old) == []
+
+
+def test_resume_with_a_changed_config_needs_force(tmp_path, capsys):
+    # issue 11: resuming with a changed estimator and lr=0.5 gave no warning.
+    from mosaic.train.config import dump_config, load_config
+
+    run = tmp_path / "run"
+    run.mkdir()
+    cfg = load_config(overrides=[f"train.run_dir={run}"])
+    (run / "config.yaml").write_text(dump_config(cfg))
+    same = load_config(overrides=[f"train.run_dir={run}", "train.resume=never", "train.resume_force=true"])
+    assert ck.check_resume_config(run, dump_config(same), force=False) == []  # resume keys are free
+    changed = dump_config(load_config(overrides=[f"train.run_dir={run}", "algo.estimator=broadcast", "optim.lr=0.5"]))
+    with pytest.raises(ck.CheckpointError) as exc:
+        ck.check_resume_config(run, changed, force=False)
+    msg = str(exc.value)
+    assert f"algo.estimator: {cfg.algo.estimator!r} -> 'broadcast'" in msg and "optim.lr:" in msg and "-> 0.5" in msg
+    assert "train.resume_force=true" in msg
+    got = ck.check_resume_config(run, changed, force=True)
+    assert len(got) == 2 and "algo.estimator" in capsys.readouterr().err
+    # No config.yaml (e.g. resuming a checkpoint copied elsewhere): the estimator saved in its state.
+    (run / "config.yaml").unlink()
+    with pytest.raises(ck.CheckpointError, match="algo.estimator"):
+        ck.check_resume_config(run, changed, force=False, state={"estimator": cfg.algo.estimator})

@@ -39,3 +39,37 @@ def test_compare(tmp_path, capsys):
     assert main(["compare", str(a), str(b), "--json", "--n-boot", "500"]) == 0
     assert json.loads(capsys.readouterr().out)["diff"] == 0.25
     assert main(["compare", str(a), str(tmp_path / "missing.jsonl")]) == 2
+
+
+def test_eval_and_compare_bad_flags_exit_2_with_one_line(tmp_path, capsys):
+    # issue 11: `eval --checkpoint /missing` ended in a traceback.
+    (tmp_path / "file.txt").write_text("x")
+    (tmp_path / "empty").mkdir()
+    cases = [
+        (["eval", "--checkpoint", str(tmp_path / "missing")], f"--checkpoint {tmp_path / 'missing'}: no such directory"),
+        (["eval", "--checkpoint", str(tmp_path / "file.txt")], "not a directory"),
+        (["eval", "--checkpoint", str(tmp_path / "empty")], "neither a checkpoint, a model directory nor a run dir"),
+        (["eval", "--out", str(tmp_path / "file.txt" / "o.jsonl")], "--out "),
+        (["compare", str(tmp_path / "missing.jsonl"), str(tmp_path / "file.txt")], "outcome file a ("),
+        (["compare", str(tmp_path / "file.txt"), str(tmp_path / "empty")], "outcome file b (") ,
+        (["compare", str(tmp_path / "file.txt"), str(tmp_path / "file.txt"), "--n-boot", "0"], "--n-boot must be >= 1"),
+        (["compare", str(tmp_path / "file.txt"), str(tmp_path / "file.txt"), "--ci", "2"], "--ci must be in (0, 1)"),
+    ]
+    for argv, fragment in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert fragment in err and len(err.strip().splitlines()) == 1, (argv, err)
+
+
+def test_eval_checkpoint_that_does_not_verify_is_named(tmp_path, capsys):
+    import torch
+
+    from mosaic.train import checkpoint as ck
+
+    d = ck.save_checkpoint(tmp_path / "run", 1, model=torch.nn.Linear(2, 2))
+    (d / "model" / "model.safetensors").write_bytes(b"\xff" * (d / "model" / "model.safetensors").stat().st_size)
+    assert main(["eval", "--checkpoint", str(d)]) == 2
+    err = capsys.readouterr().err
+    assert "not a usable checkpoint: corrupt safetensors header in model.safetensors" in err
+    assert main(["eval", "--checkpoint", str(tmp_path / "run")]) == 2  # its only checkpoint is skipped
+    assert "skipping" in capsys.readouterr().err

@@ -1,4 +1,5 @@
 import dataclasses
+import re
 
 import pytest
 
@@ -66,6 +67,15 @@ def test_bad_overrides_fail_with_the_key(override, fragment):
     assert fragment in str(exc.value)
 
 
+@pytest.mark.parametrize("override", ["optim.lr=.inf", "rollout.temperature=.inf", "optim.lr=.nan",
+                                      "rollout.temperature=.nan", "algo.lam=-.inf", "optim.lr=inf", "optim.lr=nan"])
+def test_non_finite_numbers_are_rejected_with_the_key(override):
+    # issue 11: `train optim.lr=.inf` and `rollout.temperature=.inf` were accepted (inf passes every "> 0").
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError, match=f"config key '{re.escape(key)}': must be a finite number"):
+        load_config(overrides=[override])
+
+
 def test_grpo_with_single_mode_is_fine():
     c = load_config(overrides=["harness.mode=single", "algo.estimator=grpo"])
     assert c.algo.estimator == "grpo"
@@ -122,10 +132,3 @@ def test_keys_documented_and_consistent_with_peers():
 
     assert set(EMBEDDED_PRESETS) == set(EMB)
 
-
-@pytest.mark.parametrize("override", ["optim.lr=.inf", "rollout.temperature=.inf", "rollout.temperature=.nan",
-                                      "algo.lam=-.inf", "optim.lr=inf"])
-def test_non_finite_numbers_are_rejected(override):
-    key = override.split("=")[0]
-    with pytest.raises(ConfigError, match=f"'{key}': must be a finite number"):
-        load_config(overrides=[override])

@@ -108,6 +108,21 @@ def test_each_estimator_runs_a_step(base_dir, tmp_path, estimator, mode):
     assert all(v == v for v in m.values() if isinstance(v, float))  # no NaN
 
 
+def _train_killed_at(cfg, at_step, monkeypatch):
+    """``run_train`` killed (KeyboardInterrupt) when it reaches step ``at_step``."""
+    real_step = rl.rl_step
+
+    def dying(st, step):
+        if step == at_step:
+            raise KeyboardInterrupt("killed")
+        return real_step(st, step)
+
+    monkeypatch.setattr(entrypoints, "rl_step", dying)
+    with pytest.raises(KeyboardInterrupt):
+        entrypoints.run_train(cfg)
+    monkeypatch.setattr(entrypoints, "rl_step", real_step)
+
+
 def test_killed_run_resumes_to_the_same_parameters_and_metrics(base_dir, tmp_path, monkeypatch):
     common = ["algo.estimator=mosaic", "train.steps=3", "train.save_every=1", "train.keep_last=5",
               "train.eval_every=0"]
@@ -115,17 +130,7 @@ def test_killed_run_resumes_to_the_same_parameters_and_metrics(base_dir, tmp_pat
     assert entrypoints.run_train(full) == 0
 
     killed = _cfg(base_dir, tmp_path / "b", *common)
-    real_step = rl.rl_step
-
-    def dying(st, step):
-        if step == 2:
-            raise KeyboardInterrupt("killed")
-        return real_step(st, step)
-
-    monkeypatch.setattr(entrypoints, "rl_step", dying)
-    with pytest.raises(KeyboardInterrupt):
-        entrypoints.run_train(killed)
-    monkeypatch.setattr(entrypoints, "rl_step", real_step)
+    _train_killed_at(killed, 2, monkeypatch)
     assert entrypoints.run_train(killed) == 0  # train.resume=auto picks up ckpt-2
 
     from safetensors.torch import load_file
@@ -149,3 +154,28 @@ def test_killed_run_resumes_to_the_same_parameters_and_metrics(base_dir, tmp_pat
     ra = json.loads((tmp_path / "a" / "run" / "result.json").read_text())
     rb = json.loads((tmp_path / "b" / "run" / "result.json").read_text())
     assert ra["final"] == rb["final"]
+
+
+def test_resume_with_a_changed_config_is_refused_unless_forced(base_dir, tmp_path, monkeypatch, capsys):
+    # issue 11: resuming with a changed estimator and lr=0.5 gave no warning.
+    from mosaic.cli import main
+    from mosaic.train.checkpoint import CheckpointError
+
+    common = ["train.steps=2", "train.save_every=1", "train.eval_every=0"]
+    _train_killed_at(_cfg(base_dir, tmp_path, "algo.estimator=broadcast", *common), 1, monkeypatch)
+    changed = _cfg(base_dir, tmp_path, "algo.estimator=mosaic", "optim.lr=0.5", *common)
+    with pytest.raises(CheckpointError) as exc:
+        entrypoints.run_train(changed)
+    assert "algo.estimator: 'broadcast' -> 'mosaic'" in str(exc.value) and "optim.lr: 0.01 -> 0.5" in str(exc.value)
+    run = tmp_path / "run"
+    assert not (run / "checkpoints" / "ckpt-2").exists()  # refused before any step
+    # The command line: exit 2 and the keys, no traceback.
+    d, cache = base_dir
+    argv = ["train", *TINY, f"data.cache_dir={cache}", "model.source=dir", f"model.path={d}", f"train.run_dir={run}",
+            "algo.estimator=mosaic", "optim.lr=0.5", *common]
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "changed config" in err and "algo.estimator: 'broadcast' -> 'mosaic'" in err and "Traceback" not in err
+    assert main(argv + ["train.resume_force=true"]) == 0
+    assert (run / "checkpoints" / "ckpt-2").exists()

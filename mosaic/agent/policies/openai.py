@@ -15,6 +15,13 @@ Failures never raise: connection errors, timeouts, 429 and 5xx are retried
 ``max_retries`` times with exponential backoff; what still fails (or a 4xx, which
 is not retried) becomes ``GenResult(finish_reason="error", error=...)``.
 
+Replies are not trusted: every reply is checked (ids are integers in
+``[0, vocab_size)`` when the vocabulary size is known, else ``[0, 2**31)``; no more ids
+than ``max_new_tokens``; as many log-probs as ids, each finite and ``<= 0`` up to a
+tiny tolerance). A reply that fails becomes an error result of its trajectory (the
+harness ends it as ``policy_error`` with the reason) and is counted in
+:attr:`OpenAIPolicy.stats` and in that trajectory's ``meta["policy"]``.
+
 Log-probs are whatever the server reports: vLLM's default is the raw model log-probs
 (before temperature / top-p); ``mosaic serve`` reports the processed sampling
 distribution (identical at temperature 1, top-p 1, the training default).
@@ -25,13 +32,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import math
 import threading
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import httpx
 
 from mosaic.agent.policy import GenRequest, GenResult
+from mosaic.trace.graph import LOGPROB_TOLERANCE, MAX_TOKEN_ID
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +78,8 @@ class OpenAIPolicyConfig:
     """Longest retry delay."""
     extra_body: Mapping[str, Any] | None = None
     """Extra JSON fields for every request (e.g. ``{"seed": 0}``, SGLang options)."""
+    vocab_size: int | None = None
+    """The model's vocabulary size: reply ids must be below it (None: only ``[0, 2**31)`` is checked)."""
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -80,10 +92,20 @@ class OpenAIPolicyConfig:
             raise ValueError(f"max_retries: must be >= 0, got {self.max_retries}")
         if self.timeout_s <= 0 or self.connect_timeout_s <= 0:
             raise ValueError("timeout_s / connect_timeout_s: must be > 0")
+        if self.vocab_size is not None and self.vocab_size < 1:
+            raise ValueError(f"vocab_size: must be >= 1, got {self.vocab_size}")
 
 
 class _Permanent(Exception):
     """A failure retrying cannot fix (4xx, malformed reply)."""
+
+
+class _InvalidReply(_Permanent):
+    """A well-formed reply whose content is impossible (ids out of range, too long, bad log-probs)."""
+
+    def __init__(self, kind: str, detail: str):
+        super().__init__(f"invalid reply ({kind}): {detail}")
+        self.kind = kind
 
 
 class OpenAIPolicy:
@@ -105,6 +127,17 @@ class OpenAIPolicy:
         self._thread.start()
         self._client: httpx.AsyncClient | None = None
         self._closed = False
+        self._lock = threading.Lock()
+        self.stats: Counter[str] = Counter()
+        """``invalid_replies`` and ``invalid_reply/<kind>`` counts (kinds: ``token_ids``, ``length``,
+        ``logprobs``, ``count``) over the policy's life."""
+        self._invalid_by_traj: dict[str, list[str]] = {}
+
+    def trajectory_meta(self, traj_id: str) -> dict[str, Any] | None:
+        """The harness's per-trajectory hook: the invalid replies this trajectory received, if any."""
+        with self._lock:
+            reasons = self._invalid_by_traj.pop(traj_id, None)
+        return {"invalid_replies": len(reasons), "invalid_reply_reasons": reasons} if reasons else None
 
     # ---------------------------------------------------------------- protocol
     def generate(self, requests: Sequence[GenRequest]) -> list[GenResult]:
@@ -227,7 +260,16 @@ class OpenAIPolicy:
             if cfg.extra_body:
                 body.update(cfg.extra_body)
             data = await self._with_retries(lambda: self._post_json("/completions", body))
-            return self._parse(req, data)
+            return self._parse(req, data, self.config.vocab_size)
+        except _InvalidReply as exc:
+            with self._lock:
+                self.stats["invalid_replies"] += 1
+                self.stats[f"invalid_reply/{exc.kind}"] += 1
+                traj = (req.meta or {}).get("traj_id")
+                if traj is not None:
+                    self._invalid_by_traj.setdefault(str(traj), []).append(str(exc))
+            log.warning("OpenAIPolicy: %s (session %s)", exc, req.session_key)
+            return GenResult([], [], "error", str(exc))
         except _Permanent as exc:
             return GenResult([], [], "error", str(exc))
         except Exception as exc:  # never crash a rollout
@@ -235,7 +277,7 @@ class OpenAIPolicy:
             return GenResult([], [], "error", f"{type(exc).__name__}: {exc}")
 
     @staticmethod
-    def _parse(req: GenRequest, data: Any) -> GenResult:
+    def _parse(req: GenRequest, data: Any, vocab_size: int | None = None) -> GenResult:
         try:
             choice = data["choices"][0]
         except (KeyError, IndexError, TypeError):
@@ -253,11 +295,30 @@ class OpenAIPolicy:
             else:
                 raise _Permanent("reply has no token_ids (server must support return_token_ids)")
         logprobs = lp.get("token_logprobs")
-        if logprobs is None or len(logprobs) != len(ids):
-            raise _Permanent(f"reply has {0 if logprobs is None else len(logprobs)} logprobs "
-                             f"for {len(ids)} tokens")
+        if not isinstance(ids, list) or not isinstance(logprobs, list) or len(logprobs) != len(ids):
+            n_ids = len(ids) if isinstance(ids, list) else repr(ids)[:20]
+            n_lp = len(logprobs) if isinstance(logprobs, list) else repr(logprobs)[:20]
+            raise _InvalidReply("count", f"reply has {n_lp} logprobs for {n_ids} tokens")
         finish = choice.get("finish_reason")
         if finish not in ("stop", "length"):
-            return GenResult(list(ids), [float(x) for x in logprobs], "error",
-                             f"finish_reason {finish!r}")
+            return GenResult([], [], "error", f"finish_reason {finish!r}")
+        _check_reply(req, ids, logprobs, vocab_size)
         return GenResult([int(t) for t in ids], [float(x) for x in logprobs], finish)
+
+
+def _check_reply(req: GenRequest, ids: Any, logprobs: Any, vocab_size: int | None) -> None:
+    """Raise :class:`_InvalidReply` naming the first impossible thing in a reply."""
+    if not isinstance(ids, list) or not isinstance(logprobs, list):
+        raise _InvalidReply("token_ids", "token_ids / token_logprobs must be lists")
+    if len(ids) > req.max_new_tokens:
+        raise _InvalidReply("length", f"{len(ids)} tokens for a turn capped at {req.max_new_tokens}")
+    if len(logprobs) != len(ids):
+        raise _InvalidReply("count", f"{len(logprobs)} logprobs for {len(ids)} tokens")
+    top = vocab_size - 1 if vocab_size is not None else MAX_TOKEN_ID
+    for i, t in enumerate(ids):
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= top:
+            raise _InvalidReply("token_ids", f"token id {t!r} at position {i} is outside [0, {top}]"
+                                + (" (the vocabulary)" if vocab_size is not None else ""))
+    for i, x in enumerate(logprobs):
+        if isinstance(x, bool) or not isinstance(x, (int, float)) or not -math.inf < x <= LOGPROB_TOLERANCE:
+            raise _InvalidReply("logprobs", f"log-prob {x!r} at position {i} is not finite and <= 0")
