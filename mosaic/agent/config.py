@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Literal
 
-from mosaic.agent.tools import TOOL_DOCS
+from mosaic.agent.tools import TOOL_DOCS, error_texts
 
 Mode = Literal["single", "compaction", "fork", "compaction+fork"]
 MODES = ("single", "compaction", "fork", "compaction+fork")
@@ -115,8 +115,6 @@ class HarnessConfig:
 
     def prompt_texts(self) -> list[str]:
         """Every fixed text the harness shows the model (for the tokenizer corpus)."""
-        from mosaic.agent.tools import error_texts
-
         return [self.system_text(0), self.system_text(1), self.compaction_prompt,
                 self.resume_text("", ""), *TOOL_DOCS.values(), *error_texts()]
 

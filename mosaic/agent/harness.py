@@ -40,6 +40,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+from tqdm.auto import tqdm
+
 from mosaic.agent.chat import ChatFormat
 from mosaic.agent.config import (  # noqa: F401  (re-exported: the harness API)
     DEFAULT_COMPACTION_PROMPT, DEFAULT_RESUME_TEMPLATE, DEFAULT_SUBAGENT_PROMPT, DEFAULT_SYSTEM_PROMPT, MODES,
@@ -47,6 +49,8 @@ from mosaic.agent.config import (  # noqa: F401  (re-exported: the harness API)
 )
 from mosaic.agent.policy import GenRequest, GenResult, Policy
 from mosaic.agent.tools import Action, parse_action
+from mosaic.envs.rewards import score_answer
+from mosaic.envs.search import format_hits
 from mosaic.trace.graph import Session, StateRef, Trajectory, validate
 
 
@@ -60,8 +64,6 @@ class DeepSearchEnv:
             raise TypeError(f"DeepSearchEnv needs a Split or SearchIndex, got {type(split_or_index).__name__}")
 
     def search(self, query: str, k: int) -> str:
-        from mosaic.envs.search import format_hits
-
         return format_hits(self.index.search(query, k))
 
 
@@ -128,8 +130,6 @@ class Harness:
         self._seed = seed
         bar = None
         if progress:
-            from tqdm.auto import tqdm
-
             bar = tqdm(total=len(runs), desc="rollout", unit="traj")
         pending = list(runs)
         try:
@@ -322,8 +322,6 @@ class Harness:
             if s.kind == "subagent":
                 self._return_to_parent(run, live, action.answer or "", "answer")
                 return
-            from mosaic.envs.rewards import score_answer
-
             score = score_answer(text, run.task.answer, cfg.reward_metric)
             run.traj.meta["answer_status"] = score.status
             self._end_trajectory(run, "answer", reward=score.reward, answer=score.answer)

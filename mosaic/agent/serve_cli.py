@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from mosaic.agent.models import load_any
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
@@ -25,10 +27,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    import uvicorn
+    import uvicorn  # lazy, like the next line: keeps `mosaic --help` fast
 
-    from mosaic.agent.models import load_any
-    from mosaic.agent.server import create_app
+    from mosaic.agent.server import create_app  # lazy: torch, FastAPI
 
     try:
         model, tokenizer = load_any(args.model, device=args.device)

@@ -179,7 +179,7 @@ def pretrain(cfg: Config, pc: PretrainConfig, out: str | Path, *, progress: bool
     from tqdm.auto import tqdm
 
     from mosaic.agent.models.embedded import EmbeddedModelConfig, build_model, save_model
-    from mosaic.agent.tokenizer import build_generator_tokenizer
+    from mosaic.agent.models.corpus import build_generator_tokenizer
     from mosaic.train import setup
     from mosaic.train.evaluate import evaluate
     from mosaic.train.optim import lr_factor

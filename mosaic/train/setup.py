@@ -71,7 +71,7 @@ def build_base_model(cfg: Config, device: torch.device, dtype: torch.dtype):
         model, tok = load_policy(base_model_dir(cfg.model.embedded_preset), device=device, dtype=dtype)
     elif src == "embedded":
         from mosaic.agent.models.embedded import EmbeddedModelConfig, build_model
-        from mosaic.agent.tokenizer import build_generator_tokenizer
+        from mosaic.agent.models.corpus import build_generator_tokenizer
 
         tok = build_generator_tokenizer(harness_config=harness_config(cfg))
         mcfg = EmbeddedModelConfig.preset(cfg.model.embedded_preset)
