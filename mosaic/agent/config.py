@@ -102,6 +102,10 @@ class HarnessConfig:
     def forks(self) -> bool:
         return self.mode in ("fork", "compaction+fork")
 
+    def budget(self, kind: str) -> int:
+        """The context budget of a session of ``kind`` (a subagent's may differ from a main's)."""
+        return (self.subagent_context_budget or self.context_budget) if kind == "subagent" else self.context_budget
+
     def tools(self, depth: int = 0) -> tuple[str, ...]:
         return ("search", "delegate") if self.forks and depth < self.max_depth else ("search",)
 
