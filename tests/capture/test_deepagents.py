@@ -20,8 +20,8 @@ import httpx
 import pytest
 
 from mosaic.capture.reconstruct import reconstruct
-from mosaic.capture.records import load_records
-from mosaic.capture.scripted import SUMMARY_RE, content_text
+from mosaic.capture.records import content_text, load_records
+from mosaic.testing import SUMMARY_RE
 from . import _deepagents_env
 
 HARNESS = Path(__file__).with_name("deepagents_harness.py")
