@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import subprocess
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -12,6 +14,16 @@ import pytest
 from mosaic.serving import bind
 
 _ANNOUNCE = re.compile(r"listening on (http://\S+)")
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def peers():
+    """``bench/_peers.py`` (peer libraries in virtualenvs of their own), loaded by path."""
+    spec = importlib.util.spec_from_file_location("mosaic_bench_peers", REPO / "bench" / "_peers.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 @pytest.fixture

@@ -36,7 +36,7 @@ def test_rollout_rejects_bad_overrides(tmp_path):
 @pytest.mark.slow  # builds, saves and loads a model: ~20 s alone, minutes on a loaded machine
 def test_rollout_local_model(tmp_path):
     embedded = pytest.importorskip("mosaic.agent.models.embedded")
-    from mosaic.agent.models.testing import tiny_model
+    from _tiny import tiny_model
 
     model, tok = tiny_model(seed=0)
     embedded.save_model(model, tok, tmp_path / "model")
@@ -54,7 +54,7 @@ def test_rollout_local_model(tmp_path):
 @pytest.mark.slow  # an in-process server over a tiny model
 def test_rollout_openai_policy(tmp_path):
     pytest.importorskip("mosaic.agent.server")
-    from mosaic.agent.models.testing import tiny_model
+    from _tiny import tiny_model
     from mosaic.agent.server import create_app
     from mosaic.agent.tokenizer import save_tokenizer
     from mosaic.serving import ServerThread

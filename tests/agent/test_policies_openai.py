@@ -10,7 +10,7 @@ import time
 import pytest
 from fastapi.responses import JSONResponse
 
-from mosaic.agent.models.testing import tiny_model
+from _tiny import tiny_model
 from mosaic.agent.policies.local import LocalPolicy, LocalPolicyConfig
 from mosaic.agent.policies.openai import OpenAIPolicy, OpenAIPolicyConfig
 from mosaic.agent.policy import GenRequest, Policy

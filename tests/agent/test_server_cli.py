@@ -8,7 +8,7 @@ import sys
 import httpx
 
 from mosaic.agent.models.embedded import save_model
-from mosaic.agent.models.testing import tiny_model
+from _tiny import tiny_model
 from mosaic.agent.policies.openai import OpenAIPolicy
 from mosaic.agent.policy import GenRequest
 

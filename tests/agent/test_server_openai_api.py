@@ -8,7 +8,7 @@ import threading
 import httpx
 import pytest
 
-from mosaic.agent.models.testing import tiny_model
+from _tiny import tiny_model
 from mosaic.agent.policies.local import LocalPolicy, LocalPolicyConfig
 from mosaic.agent.policy import GenRequest
 from mosaic.agent.server import create_app

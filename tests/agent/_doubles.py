@@ -1,6 +1,6 @@
 """Test doubles for the agent loop: a fake environment, recording / scripted / fuzz policies.
 
-Used by the test suite and handy for debugging a harness change without a model.
+Imported by the tests in this folder as ``_doubles`` (pytest puts the folder on ``sys.path``).
 """
 
 from __future__ import annotations
