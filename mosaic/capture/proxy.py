@@ -239,6 +239,7 @@ class RecordingProxy:
 
     # -- the call path -------------------------------------------------------------------------
     async def handle_call(self, request, endpoint: str, rollout_id: str | None):
+        # ~80 lines, kept whole: the streamed relay below closes over this call's record and response.
         t_start = time.time()
         self.check_auth(request)
         body = await self.read_json(request)
