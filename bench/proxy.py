@@ -29,7 +29,7 @@ import argparse
 import asyncio
 import json
 import os
-import socket
+import re
 import statistics
 import subprocess
 import sys
@@ -42,29 +42,27 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
-
-def _start(cmd: list[str], health: str) -> subprocess.Popen:
+def _start(cmd: list[str], health_path: str) -> tuple[subprocess.Popen, str]:
+    """Start a server given ``--port 0``; returns it and the address it announces once bound."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     # stderr to a file, never a pipe nobody drains (a full pipe would block the server).
     log = tempfile.NamedTemporaryFile(prefix="mosaic-bench-", suffix=".log", delete=False)
     p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log)
     p.log_path = log.name
     deadline = time.time() + 60
+    url = None
     while time.time() < deadline:
+        if url is None:
+            m = re.search(r"listening on (http://\S+)", Path(log.name).read_text())
+            url = m.group(1) if m else None
         try:
-            if httpx.get(health, timeout=1).status_code < 500:
-                return p
+            if url is not None and httpx.get(url + health_path, timeout=1).status_code < 500:
+                return p, url
         except httpx.HTTPError:
-            time.sleep(0.1)
+            pass
         if p.poll() is not None:
             raise RuntimeError(f"{cmd[:5]} exited: {Path(log.name).read_text()[-2000:]}")
+        time.sleep(0.1)
     p.kill()
     raise RuntimeError(f"{cmd[:5]} did not start")
 
@@ -147,16 +145,15 @@ def main() -> int:
     args = ap.parse_args()
 
     load0 = " ".join(Path("/proc/loadavg").read_text().split()[:3])
-    up_port, px_port = _free_port(), _free_port()
     out = tempfile.mkdtemp(prefix="mosaic-bench-proxy-")
     py = sys.executable
-    up = _start([py, "-m", "mosaic.cli", "proxy", "scripted-upstream", "--port", str(up_port),
-                 "--delay", str(args.delay), "--slots", str(args.slots)], f"http://127.0.0.1:{up_port}/v1/models")
+    up, up_url = _start([py, "-m", "mosaic.cli", "proxy", "scripted-upstream", "--port", "0",
+                         "--delay", str(args.delay), "--slots", str(args.slots)], "/v1/models")
     px = None
     try:
-        px = _start([py, "-m", "mosaic.cli", "proxy", "serve", "--upstream", f"http://127.0.0.1:{up_port}",
-                     "--out", out, "--port", str(px_port)], f"http://127.0.0.1:{px_port}/healthz")
-        direct_url, proxy_url = f"http://127.0.0.1:{up_port}/v1", f"http://127.0.0.1:{px_port}/v1"
+        px, px_url = _start([py, "-m", "mosaic.cli", "proxy", "serve", "--upstream", up_url,
+                             "--out", out, "--port", "0"], "/healthz")
+        direct_url, proxy_url = f"{up_url}/v1", f"{px_url}/v1"
         kw = dict(clients=args.clients, requests=args.requests, seconds=args.seconds, stream=args.stream)
         # Warm both paths (tokenizer caches, connection pools).
         asyncio.run(_phase(direct_url, **{**kw, "requests": 100, "seconds": 5}))
@@ -170,7 +167,7 @@ def main() -> int:
                                    else time.process_time()) - v for k, v in c0.items()}
                 r["cpu_ms"] = {k: 1000 * v / max(1, r["ok"]) for k, v in r["cpu_ms"].items()}
                 results[name].append(r)
-        recorded = httpx.get(f"http://127.0.0.1:{px_port}/healthz").json()["records"]
+        recorded = httpx.get(f"{px_url}/healthz").json()["records"]
     finally:
         for p in (px, up):
             if p is not None:

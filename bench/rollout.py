@@ -143,7 +143,7 @@ def main() -> None:
 
     from mosaic.agent.models.embedded import EmbeddedModelConfig, build_model
     from mosaic.agent.policies.local import LocalPolicy, LocalPolicyConfig
-    from mosaic.agent.tokenizer import build_project_tokenizer
+    from mosaic.agent.models.corpus import build_project_tokenizer
     from mosaic.envs.splits import load_split
 
     cache = tempfile.mkdtemp(prefix="mosaic-bench-")

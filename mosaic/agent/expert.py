@@ -192,7 +192,7 @@ class ExpertPolicy:
 
     def _padding(self, req: GenRequest, action: str) -> str:
         """Filler that makes the context overflow before the next turn (when one turn can)."""
-        budget = int(req.meta.get("context_budget", 0))
+        budget = req.context_budget or 0
         room = req.max_new_tokens - len(self._encode(action)) - 2
         need = budget - req.max_new_tokens - len(req.prompt_ids) + 8  # +8: next header, slack
         if budget <= 0 or need > room or need <= 0:

@@ -40,6 +40,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+from tqdm.auto import tqdm
+
 from mosaic.agent.chat import ChatFormat
 from mosaic.agent.config import (  # noqa: F401  (re-exported: the harness API)
     DEFAULT_COMPACTION_PROMPT, DEFAULT_RESUME_TEMPLATE, DEFAULT_SUBAGENT_PROMPT, DEFAULT_SYSTEM_PROMPT, MODES,
@@ -47,6 +49,8 @@ from mosaic.agent.config import (  # noqa: F401  (re-exported: the harness API)
 )
 from mosaic.agent.policy import GenRequest, GenResult, Policy
 from mosaic.agent.tools import Action, parse_action
+from mosaic.envs.rewards import score_answer
+from mosaic.envs.search import format_hits
 from mosaic.trace.graph import Session, StateRef, Trajectory, validate
 
 
@@ -60,8 +64,6 @@ class DeepSearchEnv:
             raise TypeError(f"DeepSearchEnv needs a Split or SearchIndex, got {type(split_or_index).__name__}")
 
     def search(self, query: str, k: int) -> str:
-        from mosaic.envs.search import format_hits
-
         return format_hits(self.index.search(query, k))
 
 
@@ -128,8 +130,6 @@ class Harness:
         self._seed = seed
         bar = None
         if progress:
-            from tqdm.auto import tqdm
-
             bar = tqdm(total=len(runs), desc="rollout", unit="traj")
         pending = list(runs)
         try:
@@ -221,52 +221,59 @@ class Harness:
         """The next request of ``run``'s active session, after caps and compaction; None if it ended."""
         cfg = self.config
         live = run.stack[-1]
+        budget = cfg.budget(live.session.kind)
+        if live.session.kind == "compaction":
+            return self._request(run, live, cfg.summary_max_new_tokens, budget)
+        reason = self._limit_reason(run, live, budget)
+        if reason is None:
+            self._open_turn(run, live)
+            return self._request(run, live, cfg.max_new_tokens, budget)
+        if live.session.kind == "subagent" and reason in ("turn_cap", "context_overflow"):
+            self._return_to_parent(run, live, None, reason)
+            return self._prepare(run)
+        if reason == "compact":
+            return self._request(run, self._start_compaction(run, live), cfg.summary_max_new_tokens, budget)
+        self._end_trajectory(run, reason)
+        return None
+
+    def _limit_reason(self, run: _Run, live: _Live, budget: int) -> str | None:
+        """Why a main or subagent session cannot take another turn as it is: a cap or an overflow
+        (``"compact"`` when a compaction resolves it); None when it can."""
+        cfg, s = self.config, live.session
+        if run.total_turns >= cfg.max_total_turns:
+            return "total_turn_cap"
+        if s.num_turns >= (cfg.max_turns if s.kind == "main" else cfg.subagent_max_turns):
+            return "turn_cap"
+        header = len(self.chat.generation_header_ids) if live.at_boundary else 0
+        if live.length + header + cfg.max_new_tokens <= budget:
+            return None
+        if s.kind == "subagent" or not cfg.compacts or s.num_turns == 0:
+            # (a fresh main session that already overflows cannot be helped by compacting)
+            return "context_overflow"
+        if len(run.traj.sessions) + 2 > cfg.max_sessions:
+            return "session_cap"
+        return "compact"
+
+    def _open_turn(self, run: _Run, live: _Live) -> None:
+        """Append the generation header if the context rests at a message boundary."""
+        if not live.at_boundary:
+            return
         s = live.session
-        if s.kind == "compaction":
-            max_new = cfg.summary_max_new_tokens
-        else:
-            if run.total_turns >= cfg.max_total_turns:
-                self._end_trajectory(run, "total_turn_cap")
-                return None
-            cap = cfg.max_turns if s.kind == "main" else cfg.subagent_max_turns
-            if s.num_turns >= cap:
-                if s.kind == "subagent":
-                    self._return_to_parent(run, live, None, "turn_cap")
-                    return self._prepare(run)
-                self._end_trajectory(run, "turn_cap")
-                return None
-            max_new = cfg.max_new_tokens
-            budget = cfg.context_budget if s.kind == "main" else (cfg.subagent_context_budget or cfg.context_budget)
-            header = len(self.chat.generation_header_ids) if live.at_boundary else 0
-            if live.length + header + max_new > budget:
-                if s.kind == "subagent":
-                    self._return_to_parent(run, live, None, "context_overflow")
-                    return self._prepare(run)
-                if not cfg.compacts or s.num_turns == 0:
-                    # (a fresh main session that already overflows cannot be helped by compacting)
-                    self._end_trajectory(run, "context_overflow")
-                    return None
-                if len(run.traj.sessions) + 2 > cfg.max_sessions:
-                    self._end_trajectory(run, "session_cap")
-                    return None
-                live = self._start_compaction(run, live)
-                max_new = cfg.summary_max_new_tokens
-            elif live.at_boundary:
-                live.turn_start = live.length
-                if s.meta["boundaries"][-1] != live.length:
-                    s.meta["boundaries"].append(live.length)
-                self._append(run, live, list(self.chat.generation_header_ids))
-                live.at_boundary = False
-        s = live.session
+        live.turn_start = live.length
+        if s.meta["boundaries"][-1] != live.length:
+            s.meta["boundaries"].append(live.length)
+        self._append(run, live, list(self.chat.generation_header_ids))
+        live.at_boundary = False
+
+    def _request(self, run: _Run, live: _Live, max_new: int, budget: int) -> GenRequest:
+        cfg, s = self.config, live.session
         meta = {
             "task_id": run.task.id, "traj_id": run.traj.id, "sample": run.sample, "seed": self._seed,
             "kind": s.kind, "session": s.id, "turn": s.num_turns, "depth": live.depth,
             "question": live.question, "mode": cfg.mode,
-            "context_budget": cfg.context_budget if s.kind != "subagent" else (
-                cfg.subagent_context_budget or cfg.context_budget),
             "tools": list(cfg.tools(live.depth)) if s.kind != "compaction" else [],
         }
-        return GenRequest(live.key, s.prompt_ids + s.completion_ids, max_new, meta)
+        return GenRequest(live.key, s.prompt_ids + s.completion_ids, max_new, meta, context_budget=budget)
 
     def _start_compaction(self, run: _Run, main: _Live) -> _Live:
         self._close(run, main, "compaction")
@@ -280,74 +287,82 @@ class Harness:
         return live
 
     def _apply(self, run: _Run, req: GenRequest, res: GenResult) -> None:
-        cfg = self.config
         live = run.stack[-1]
-        s = live.session
         if res.finish_reason == "error":
             run.traj.meta["error"] = res.error or "policy error"
             self._end_trajectory(run, "policy_error")
             return
+        _check_result(req, res)
+        text = self._record_turn(run, live, res)
+        if live.session.kind == "compaction":
+            summary = text.replace("<|im_end|>", "").strip()  # (other specials: sanitised in the prompt)
+            self._close(run, live, "summary")
+            new = self._open_main(run, self.config.resume_text(run.task.question, summary), parent=live.session.id)
+            live.session.state_after = new.session.state_before
+            return
+        self._act(run, live, self._parse(live, text), text)
+
+    def _record_turn(self, run: _Run, live: _Live, res: GenResult) -> str:
+        """Append a sampled turn (and the tokens that close it); returns its text."""
+        s = live.session
         sampled = list(res.token_ids)
-        if len(sampled) > req.max_new_tokens or len(res.logprobs) != len(sampled):
-            raise RuntimeError(
-                f"policy returned {len(sampled)} tokens / {len(res.logprobs)} logprobs for a turn capped "
-                f"at {req.max_new_tokens} tokens (session {req.session_key})")
-        if not all(math.isfinite(x) for x in res.logprobs):
-            raise RuntimeError(f"policy returned non-finite logprobs (session {req.session_key})")
         s.num_turns += 1
         if s.kind != "compaction":
             run.total_turns += 1
         run.counters["tokens_sampled"] += len(sampled)
+        if res.finish_reason == "length":
+            run.counters["length_stops"] += 1
         turn = self.chat.close_turn(sampled)
         lp = list(res.logprobs) + [0.0] * (len(turn.ids) - len(sampled))
         self._append(run, live, turn.ids, turn.loss_mask, lp)
         live.at_boundary = True
         body = sampled[:-1] if sampled and sampled[-1] == self.chat.im_end_id else sampled
-        text = self.chat.decode(body)
-        if res.finish_reason == "length":
-            run.counters["length_stops"] += 1
-        if s.kind == "compaction":
-            summary = text.replace("<|im_end|>", "").strip()  # (other specials: sanitised in the prompt)
-            self._close(run, live, "summary")
-            new = self._open_main(run, cfg.resume_text(run.task.question, summary), parent=s.id)
-            s.state_after = new.session.state_before
-            return
+        return self.chat.decode(body)
+
+    def _parse(self, live: _Live, text: str) -> Action:
+        cfg = self.config
         allowed = ("search", "delegate") if cfg.forks else ("search",)
         action = parse_action(text, allowed, max_arg_chars=cfg.max_arg_chars)
         if action.kind == "call" and action.name == "delegate" and live.depth >= cfg.max_depth:
             action = Action("invalid", error="delegate_depth", message=(
                 f"Error (delegate_depth): helpers at depth {live.depth} cannot delegate (limit "
                 f"{cfg.max_depth}); search yourself."))
+        return action
+
+    def _act(self, run: _Run, live: _Live, action: Action, text: str) -> None:
+        """Carry out a main or subagent session's action: answer, invalid, search or delegate."""
         if action.kind == "answer":
-            if s.kind == "subagent":
+            if live.session.kind == "subagent":
                 self._return_to_parent(run, live, action.answer or "", "answer")
                 return
-            from mosaic.envs.rewards import score_answer
-
-            score = score_answer(text, run.task.answer, cfg.reward_metric)
+            score = score_answer(text, run.task.answer, self.config.reward_metric)
             run.traj.meta["answer_status"] = score.status
             self._end_trajectory(run, "answer", reward=score.reward, answer=score.answer)
-            return
-        if action.kind == "invalid":
+        elif action.kind == "invalid":
             run.invalid[action.error] += 1
             self._append(run, live, self.chat.tool_delta(action.message))
-            return
-        run.tool_calls[action.name] += 1
-        run.counters["extra_tool_calls"] += action.extra_calls
-        if action.name == "search":
-            try:
-                out = self.env.search(action.argument, cfg.search_k)
-            except Exception as exc:  # a tool failure is visible to the model and in metrics
-                run.counters["tool_errors"] += 1
-                out = f"Error (tool_error): search failed: {type(exc).__name__}: {exc}"
-            self._append(run, live, self.chat.tool_delta(out))
-            return
-        # delegate
-        if len(run.traj.sessions) + 1 > cfg.max_sessions:
+        else:
+            run.tool_calls[action.name] += 1
+            run.counters["extra_tool_calls"] += action.extra_calls
+            if action.name == "search":
+                self._append(run, live, self.chat.tool_delta(self._search(run, action.argument)))
+            else:
+                self._delegate(run, live, action.argument)
+
+    def _search(self, run: _Run, query: str) -> str:
+        try:
+            return self.env.search(query, self.config.search_k)
+        except Exception as exc:  # a tool failure is visible to the model and in metrics
+            run.counters["tool_errors"] += 1
+            return f"Error (tool_error): search failed: {type(exc).__name__}: {exc}"
+
+    def _delegate(self, run: _Run, live: _Live, question: str) -> None:
+        if len(run.traj.sessions) + 1 > self.config.max_sessions:
             self._end_trajectory(run, "session_cap")
             return
-        prompt, boundary = self.chat.initial_prompt(cfg.system_text(live.depth + 1), action.argument)
-        child = self._new_session(run, "subagent", prompt, s.id, "forks", live.depth + 1, action.argument)
+        s = live.session
+        prompt, boundary = self.chat.initial_prompt(self.config.system_text(live.depth + 1), question)
+        child = self._new_session(run, "subagent", prompt, s.id, "forks", live.depth + 1, question)
         child.session.state_before = StateRef(session=s.id, upto=live.turn_start)
         child.fork_boundary = live.turn_start
         child.turn_start = boundary
@@ -395,3 +410,14 @@ class Harness:
             if extra:
                 traj.meta["policy"] = extra
         validate(traj)
+
+
+def _check_result(req: GenRequest, res: GenResult) -> None:
+    """A policy's result must respect the turn cap and carry one finite log-prob per token."""
+    n = len(res.token_ids)
+    if n > req.max_new_tokens or len(res.logprobs) != n:
+        raise RuntimeError(
+            f"policy returned {n} tokens / {len(res.logprobs)} logprobs for a turn capped "
+            f"at {req.max_new_tokens} tokens (session {req.session_key})")
+    if not all(math.isfinite(x) for x in res.logprobs):
+        raise RuntimeError(f"policy returned non-finite logprobs (session {req.session_key})")

@@ -27,12 +27,16 @@ class GenRequest:
         max_new_tokens: cap on sampled tokens for this turn.
         meta: what a scripted policy may read (task id, session kind, turn index, ...);
             a model-backed policy ignores it.
+        context_budget: the requesting session's context budget (prompt + sampled tokens the
+            harness allows it before compacting or stopping; the harness sets it from
+            :meth:`~mosaic.agent.config.HarnessConfig.budget`); None when the caller has none.
     """
 
     session_key: str
     prompt_ids: list[int]
     max_new_tokens: int
     meta: dict[str, Any] = field(default_factory=dict)
+    context_budget: int | None = None
 
 
 @dataclass

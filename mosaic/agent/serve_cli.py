@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from mosaic.agent.models import load_any
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
@@ -25,10 +27,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from mosaic.agent.models import load_any
-    from mosaic.agent.server import create_app
+    from mosaic.agent.server import create_app  # lazy: torch, FastAPI; keeps `mosaic --help` fast
+    from mosaic.serving import run_server  # lazy: uvicorn
 
     try:
         model, tokenizer = load_any(args.model, device=args.device)
@@ -37,5 +37,6 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     app = create_app(model, tokenizer, model_name=args.name or args.model, device=args.device,
                      max_batch_size=args.max_batch_size, default_max_tokens=args.default_max_tokens)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    run_server(app, host=args.host, port=args.port, log_level="info",
+               announce=f"mosaic serve: {args.name or args.model} listening on {{url}}")
     return 0

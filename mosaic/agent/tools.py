@@ -15,6 +15,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from mosaic.envs.rewards import extract_answer
+
 TOOL_ARGS: dict[str, str] = {"search": "query", "delegate": "question"}
 """Each tool takes exactly one string argument, named here."""
 
@@ -59,8 +61,6 @@ def _invalid(error: str, message: str) -> Action:
 
 def parse_action(text: str, tools: tuple[str, ...], *, max_arg_chars: int = 512) -> Action:
     """Parse one assistant message (its text without the end-of-turn token)."""
-    from mosaic.envs.rewards import extract_answer
-
     answer, status = extract_answer(text)
     if status in ("ok", "empty"):
         return Action("answer", answer=answer)

@@ -3,7 +3,9 @@
     mosaic proxy serve --upstream http://127.0.0.1:8000 --out runs/capture
     mosaic proxy --upstream URL --out DIR            # same as ``serve``
     mosaic proxy export --records runs/capture --out sessions.parquet [--tokenizer DIR] [--rule k=v ...]
-    mosaic proxy scripted-upstream --port 8001       # the deterministic test upstream
+    mosaic proxy scripted-upstream --port 8001       # the deterministic test upstream (mosaic.testing)
+
+The servers import FastAPI inside their commands, so ``mosaic --help`` stays fast.
 """
 
 from __future__ import annotations
@@ -12,7 +14,14 @@ import argparse
 import json
 import os
 import sys
+import warnings
 from dataclasses import fields
+
+from mosaic.agent.tokenizer import load_tokenizer
+from mosaic.capture.reconstruct import ReconstructionRules, reconstruct
+from mosaic.capture.records import load_records
+from mosaic.capture.wire import retokenize
+from mosaic.trace.storage import write_jsonl, write_parquet
 
 
 def _add_serve_args(p: argparse.ArgumentParser, *, required: bool) -> None:
@@ -83,7 +92,7 @@ def _env(var: str | None) -> str | None:
 
 
 def _cmd_serve(args) -> int:
-    from mosaic.capture.proxy import ProxyConfig, serve
+    from mosaic.capture.proxy import ProxyConfig, serve  # lazy: FastAPI, httpx
 
     if not args.out:
         print("error: --out DIR is required", file=sys.stderr)
@@ -94,15 +103,11 @@ def _cmd_serve(args) -> int:
         max_body_bytes=int(args.max_body_mb * 1024 * 1024), timeout_s=args.timeout, retries=args.retries,
         tokenizer=args.tokenizer, request_token_ids=not args.no_token_ids_flag, fsync=args.fsync,
     )
-    print(f"mosaic proxy: {cfg.host}:{cfg.port} -> {cfg.upstream_v1}; records in {cfg.out_dir}/records.jsonl",
-          file=sys.stderr, flush=True)
     serve(cfg, log_level=args.log_level)
     return 0
 
 
-def parse_rules(pairs: list[str]):
-    from mosaic.capture.reconstruct import ReconstructionRules
-
+def parse_rules(pairs: list[str]) -> ReconstructionRules:
     names = {f.name for f in fields(ReconstructionRules)}
     kw = {}
     for pair in pairs:
@@ -124,19 +129,10 @@ def parse_rules(pairs: list[str]):
 
 def export(records: str, out: str, *, tokenizer: str | None = None, rules=None) -> dict:
     """Records → trajectories file; returns a summary dict (rollouts, sessions by kind, skipped)."""
-    import warnings
-
-    from mosaic.capture.wire import retokenize
-    from mosaic.capture.reconstruct import reconstruct
-    from mosaic.capture.records import load_records
-    from mosaic.trace.storage import write_jsonl, write_parquet
-
     calls, rewards = load_records(records)
     fixed = 0
-    if tokenizer:
-        from mosaic.capture.scripted import load_tokenizer
-
-        tok = load_tokenizer(tokenizer)
+    if tokenizer:  # the recorded model's own: no template is guessed
+        tok = load_tokenizer(tokenizer, fallback_template=None)
         for c in calls:
             if c.error and c.error.startswith("no token ids"):
                 retokenize(c, tok)
@@ -167,11 +163,10 @@ def _cmd_export(args) -> int:
 
 
 def _cmd_scripted(args) -> int:
-    import uvicorn
-
-    from mosaic.capture.scripted import ScriptedConfig, build_tokenizer, create_scripted_app, load_tokenizer
+    from mosaic.serving import run_server  # lazy, like the next line: uvicorn, FastAPI
+    from mosaic.testing import ScriptedConfig, build_tokenizer, create_scripted_app
 
     tok = load_tokenizer(args.tokenizer) if args.tokenizer else build_tokenizer()
     app = create_scripted_app(tok, ScriptedConfig(token_ids=not args.no_token_ids, delay_s=args.delay, slots=args.slots))
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    run_server(app, host=args.host, port=args.port, announce="mosaic proxy scripted-upstream: listening on {url}")
     return 0

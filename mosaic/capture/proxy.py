@@ -37,8 +37,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fastapi import Request  # module level: FastAPI resolves route annotations by name
+import httpx
+from fastapi import FastAPI, Request  # module level: FastAPI resolves route annotations by name
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 
+from mosaic.agent.tokenizer import load_tokenizer
 from mosaic.capture.records import RECORDS_FILE, CallRecord, RecordWriter, RewardRecord
 from mosaic.capture.wire import (
     ApiError,
@@ -49,6 +53,7 @@ from mosaic.capture.wire import (
     retokenize,
     validate_request,
 )
+from mosaic.serving import run_server
 
 _FORWARD_PARAMS_SKIP = {"messages", "tools", "prompt"}
 
@@ -125,10 +130,8 @@ class RecordingProxy:
     def __init__(self, config: ProxyConfig, *, tokenizer: Any = None):
         self.cfg = config
         self.tokenizer = tokenizer
-        if tokenizer is None and config.tokenizer:
-            from mosaic.capture.scripted import load_tokenizer
-
-            self.tokenizer = load_tokenizer(config.tokenizer)
+        if tokenizer is None and config.tokenizer:  # the served model's own: no template is guessed
+            self.tokenizer = load_tokenizer(config.tokenizer, fallback_template=None)
         self.writer: RecordWriter | None = None
         self.clients: list[Any] = []
         self._seq = itertools.count()
@@ -138,8 +141,6 @@ class RecordingProxy:
 
     # -- lifecycle -----------------------------------------------------------------------------
     async def start(self) -> None:
-        import httpx
-
         self.writer = RecordWriter(Path(self.cfg.out_dir) / RECORDS_FILE, fsync=self.cfg.fsync)
         # A few shared keep-alive clients, used round-robin: httpcore scans its whole pool on every
         # request, so several small pools cost less CPU per request than one large pool.
@@ -190,8 +191,6 @@ class RecordingProxy:
         cl = request.headers.get("content-length")
         if cl is not None and cl.isdigit() and int(cl) > self.cfg.max_body_bytes:
             raise ApiError(413, f"request body of {cl} bytes exceeds the limit of {self.cfg.max_body_bytes}")
-        from starlette.requests import ClientDisconnect
-
         chunks, n = [], 0
         try:
             async for chunk in request.stream():
@@ -208,8 +207,6 @@ class RecordingProxy:
 
     async def _send(self, method: str, path: str, content: bytes | None, headers: dict[str, str], stream: bool):
         """Send with bounded retries on connection failures and timeouts; raise ApiError 502/504."""
-        import httpx
-
         delay = self.cfg.retry_backoff_s
         last: Exception | None = None
         for attempt in range(self.cfg.retries + 1):
@@ -224,9 +221,7 @@ class RecordingProxy:
             if attempt < self.cfg.retries:
                 await asyncio.sleep(delay)
                 delay *= 2
-        import httpx as _h
-
-        if isinstance(last, _h.TimeoutException):
+        if isinstance(last, httpx.TimeoutException):
             raise ApiError(504, f"upstream timed out after {self.cfg.retries + 1} attempt(s): "
                                 f"{type(last).__name__}", "upstream_timeout")
         raise ApiError(502, f"upstream unreachable after {self.cfg.retries + 1} attempt(s): "
@@ -244,8 +239,7 @@ class RecordingProxy:
 
     # -- the call path -------------------------------------------------------------------------
     async def handle_call(self, request, endpoint: str, rollout_id: str | None):
-        from fastapi.responses import Response, StreamingResponse
-
+        # ~80 lines, kept whole: the streamed relay below closes over this call's record and response.
         t_start = time.time()
         self.check_auth(request)
         body = await self.read_json(request)
@@ -368,8 +362,6 @@ class RecordingProxy:
         return {"ok": True, "rollout_id": rollout_id}
 
     async def handle_get(self, request, path: str):
-        from fastapi.responses import Response
-
         self.check_auth(request)
         resp = await self._send("GET", path, None, self._upstream_headers(request), stream=False)
         return Response(content=resp.content, status_code=resp.status_code,
@@ -378,9 +370,6 @@ class RecordingProxy:
 
 def create_proxy_app(config: ProxyConfig, *, tokenizer: Any = None):
     """The FastAPI app of a recording proxy (records go to ``config.out_dir/records.jsonl``)."""
-    from fastapi import FastAPI
-    from fastapi.responses import JSONResponse
-
     proxy = RecordingProxy(config, tokenizer=tokenizer)
 
     @asynccontextmanager
@@ -434,11 +423,14 @@ def create_proxy_app(config: ProxyConfig, *, tokenizer: Any = None):
 
 
 def serve(config: ProxyConfig, *, log_level: str = "warning") -> None:
-    """Run the proxy in the foreground until SIGINT / SIGTERM (records are flushed on the way out)."""
-    import uvicorn
+    """Run the proxy in the foreground until SIGINT / SIGTERM (records are flushed on the way out).
 
+    Announces its address on stderr once bound (``port=0`` picks a free port).
+    """
     os.makedirs(config.out_dir, exist_ok=True)
     app = create_proxy_app(config)
     app.state.proxy.announce = True
-    uvicorn.run(app, host=config.host, port=config.port, log_level=log_level,
-                timeout_graceful_shutdown=30, timeout_keep_alive=75, backlog=2048)
+    announce = (f"mosaic proxy: listening on {{url}} -> {config.upstream_v1}; "
+                f"records in {Path(config.out_dir) / RECORDS_FILE}")
+    run_server(app, host=config.host, port=config.port, announce=announce, log_level=log_level,
+               timeout_graceful_shutdown=30, timeout_keep_alive=75, backlog=2048)

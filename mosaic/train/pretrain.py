@@ -13,7 +13,7 @@ The data are scripted-expert rollouts (with the same noise as the warm start) ov
 a stream of freshly generated worlds in the **training** name partition (split
 ``train`` of the CPU preset under other data seeds). No validation or test world
 is ever trained on: the periodic check runs on the validation world. The
-tokenizer is :func:`mosaic.agent.tokenizer.build_generator_tokenizer`, trained on
+tokenizer is :func:`mosaic.agent.models.corpus.build_generator_tokenizer`, trained on
 other generated training-partition worlds, so no split's names are merged whole.
 """
 
@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from mosaic.train.batching import collate
 from tqdm.auto import tqdm
 from mosaic.agent.models.embedded import EmbeddedModelConfig, build_model, save_model
-from mosaic.agent.tokenizer import build_generator_tokenizer
+from mosaic.agent.models.corpus import build_generator_tokenizer
 from mosaic.train import setup
 from mosaic.train.evaluate import evaluate
 from mosaic.train.optim import lr_factor
@@ -68,7 +68,7 @@ class PretrainConfig:
     warmup_steps: int = 50
     """Linear warm-up steps."""
     vocab_size: int = 1024
-    """Tokenizer vocabulary (see :func:`mosaic.agent.tokenizer.build_generator_tokenizer`)."""
+    """Tokenizer vocabulary (see :func:`mosaic.agent.models.corpus.build_generator_tokenizer`)."""
     tokenizer_worlds: int = 40
     """Generated worlds the tokenizer is trained on."""
     world_seed_base: int = 1000

@@ -17,7 +17,7 @@ from mosaic.agent.chat import ChatFormat
 from mosaic.agent.models.embedded import EmbeddedModelConfig, build_model, load_model
 from mosaic.agent.models.smollm2 import load_smollm2
 from mosaic.agent.policies.local import LocalPolicy, LocalPolicyConfig
-from mosaic.agent.tokenizer import build_generator_tokenizer
+from mosaic.agent.models.corpus import build_generator_tokenizer
 from mosaic.envs.splits import Split, split_config
 from mosaic.envs.splits import load_split as _load_split
 from mosaic.train.config import Config

@@ -8,7 +8,7 @@ import pytest
 from mosaic.agent.chat import ChatFormat
 from mosaic.agent.expert import NOISE_KINDS, ExpertNoise, ExpertPolicy
 from mosaic.agent.harness import DeepSearchEnv, Harness, HarnessConfig
-from mosaic.agent.tokenizer import build_project_tokenizer
+from mosaic.agent.models.corpus import build_project_tokenizer
 from mosaic.envs.deepsearch import load_split
 
 

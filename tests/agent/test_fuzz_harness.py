@@ -4,7 +4,7 @@ import pytest
 
 from mosaic.agent.chat import ChatFormat
 from mosaic.agent.harness import Harness, HarnessConfig
-from mosaic.agent.testing import FUZZ_KINDS, FakeEnv, FakeTask, FuzzPolicy, RecordingPolicy
+from _doubles import FUZZ_KINDS, FakeEnv, FakeTask, FuzzPolicy, RecordingPolicy
 from mosaic.agent.tokenizer import train_tokenizer
 
 END_REASONS = {"answer", "turn_cap", "total_turn_cap", "session_cap", "context_overflow"}

@@ -7,7 +7,7 @@ import pytest
 from mosaic.agent.chat import ChatFormat
 from mosaic.agent.harness import Harness, HarnessConfig
 from mosaic.agent.policy import GenResult
-from mosaic.agent.testing import FakeEnv, FakeTask, RecordingPolicy, TextPolicy
+from _doubles import FakeEnv, FakeTask, RecordingPolicy, TextPolicy
 from mosaic.agent.tokenizer import train_tokenizer
 
 SEARCH = '<tool_call>{"name": "search", "arguments": {"query": "Ruo Ces works"}}</tool_call>'

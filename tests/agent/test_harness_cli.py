@@ -36,7 +36,7 @@ def test_rollout_rejects_bad_overrides(tmp_path):
 @pytest.mark.slow  # builds, saves and loads a model: ~20 s alone, minutes on a loaded machine
 def test_rollout_local_model(tmp_path):
     embedded = pytest.importorskip("mosaic.agent.models.embedded")
-    from mosaic.agent.models.testing import tiny_model
+    from _tiny import tiny_model
 
     model, tok = tiny_model(seed=0)
     embedded.save_model(model, tok, tmp_path / "model")
@@ -54,15 +54,16 @@ def test_rollout_local_model(tmp_path):
 @pytest.mark.slow  # an in-process server over a tiny model
 def test_rollout_openai_policy(tmp_path):
     pytest.importorskip("mosaic.agent.server")
-    from mosaic.agent.models.testing import tiny_model
-    from mosaic.agent.server import create_app, serve_in_thread
+    from _tiny import tiny_model
+    from mosaic.agent.server import create_app
     from mosaic.agent.tokenizer import save_tokenizer
+    from mosaic.serving import ServerThread
 
     model, tok = tiny_model(seed=0)
     save_tokenizer(tok, tmp_path / "tok")
     out = tmp_path / "api.jsonl"
-    with serve_in_thread(create_app(model, tok, batch_window_s=0.02)) as url:
-        assert main(["rollout", "--policy", "openai", "--base-url", url, "--tokenizer", str(tmp_path / "tok"),
+    with ServerThread(create_app(model, tok, batch_window_s=0.02)) as srv:
+        assert main(["rollout", "--policy", "openai", "--base-url", srv.url, "--tokenizer", str(tmp_path / "tok"),
                      "--preset", "cpu", "--n-tasks", "2", "--group-size", "2", "--mode", "fork",
                      "--context-budget", "600", "--max-new-tokens", "16", "--set", "max_total_turns=3",
                      "--cache-dir", str(tmp_path / "cache"), "--out", str(out), "--no-progress"]) == 0

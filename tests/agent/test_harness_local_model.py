@@ -13,9 +13,9 @@ pytest.importorskip("mosaic.agent.policies.local")
 
 from mosaic.agent.chat import ChatFormat  # noqa: E402
 from mosaic.agent.harness import Harness, HarnessConfig  # noqa: E402
-from mosaic.agent.models.testing import tiny_model  # noqa: E402
+from _tiny import tiny_model  # noqa: E402
 from mosaic.agent.policies.local import LocalPolicy, LocalPolicyConfig  # noqa: E402
-from mosaic.agent.testing import FakeEnv, FakeTask, RecordingPolicy  # noqa: E402
+from _doubles import FakeEnv, FakeTask, RecordingPolicy  # noqa: E402
 from mosaic.trace import to_rows  # noqa: E402
 
 

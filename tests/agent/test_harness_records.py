@@ -7,8 +7,8 @@ import pytest
 from mosaic.agent.chat import ChatFormat
 from mosaic.agent.expert import ExpertNoise, ExpertPolicy
 from mosaic.agent.harness import MODES, DeepSearchEnv, Harness, HarnessConfig
-from mosaic.agent.testing import RecordingPolicy
-from mosaic.agent.tokenizer import build_project_tokenizer
+from _doubles import RecordingPolicy
+from mosaic.agent.models.corpus import build_project_tokenizer
 from mosaic.envs.deepsearch import load_split
 from mosaic.trace import JsonlWriter, read_jsonl, to_rows
 

@@ -13,7 +13,7 @@ from mosaic.agent.models.embedded import (
     load_model,
     save_model,
 )
-from mosaic.agent.models.testing import tiny_tokenizer
+from _tiny import tiny_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mosaic.agent.models.testing import tiny_model
+from _tiny import tiny_model
 from mosaic.agent.policies.local import LocalPolicy, LocalPolicyConfig, sample_next
 from mosaic.agent.policy import GenRequest, Policy
 

@@ -9,7 +9,7 @@ from mosaic.agent.chat import ChatFormat
 from mosaic.agent.harness import Harness, HarnessConfig
 from mosaic.agent.models.embedded import EmbeddedModelConfig, build_model
 from mosaic.agent.policies.local import LocalPolicy, LocalPolicyConfig
-from mosaic.agent.testing import FakeEnv, FakeTask, RecordingPolicy
+from _doubles import FakeEnv, FakeTask, RecordingPolicy
 from mosaic.agent.tokenizer import train_tokenizer
 
 SEARCH = '<tool_call>{"name": "search", "arguments": {"query": "Ruo Ces works"}}</tool_call>'

@@ -11,11 +11,12 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from mosaic.agent.models.testing import tiny_model
+from _tiny import tiny_model
 from mosaic.agent.policies.local import LocalPolicy, LocalPolicyConfig
 from mosaic.agent.policies.openai import OpenAIPolicy, OpenAIPolicyConfig
 from mosaic.agent.policy import GenRequest, Policy
-from mosaic.agent.server import create_app, free_port, serve_in_thread
+from mosaic.agent.server import create_app
+from mosaic.serving import ServerThread
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +36,8 @@ def prompts(model_tok):
 def server(model_tok):
     model, tok = model_tok
     app = create_app(model, tok, batch_window_s=0.02)
-    with serve_in_thread(app) as url:
-        yield url, app
+    with ServerThread(app) as srv:
+        yield srv.url, app
 
 
 def _reqs(prompts, n=8):
@@ -92,8 +93,8 @@ def test_bad_request_is_an_error_result_without_retry(server):
     assert out[2].finish_reason == "error" and out[3].finish_reason == "length"
 
 
-def test_server_down_gives_errors_after_bounded_retries():
-    cfg = OpenAIPolicyConfig(base_url=f"http://127.0.0.1:{free_port()}", max_retries=2, backoff_s=0.05,
+def test_server_down_gives_errors_after_bounded_retries(refused_url):
+    cfg = OpenAIPolicyConfig(base_url=refused_url, max_retries=2, backoff_s=0.05,
                              connect_timeout_s=1.0)
     with OpenAIPolicy(cfg) as pol:
         out = pol.generate(_reqs([[1, 2, 3]] * 3, 4))
@@ -113,11 +114,11 @@ def test_transient_5xx_is_retried_then_succeeds(model_tok):
                 return JSONResponse(status_code=503, content={"error": {"message": "warming up"}})
         return await call_next(request)
 
-    with serve_in_thread(app) as url:
-        with OpenAIPolicy(base_url=url, model="mosaic-local", max_retries=2, backoff_s=0.05) as pol:
+    with ServerThread(app) as srv:
+        with OpenAIPolicy(base_url=srv.url, model="mosaic-local", max_retries=2, backoff_s=0.05) as pol:
             ok = pol.generate([GenRequest("a", [5, 6, 7], 3)])[0]
         calls["n"] = 0
-        with OpenAIPolicy(base_url=url, model="mosaic-local", max_retries=1, backoff_s=0.05) as pol:
+        with OpenAIPolicy(base_url=srv.url, model="mosaic-local", max_retries=1, backoff_s=0.05) as pol:
             bad = pol.generate([GenRequest("a", [5, 6, 7], 3)])[0]
     assert ok.error is None and ok.token_ids
     assert bad.finish_reason == "error" and "503" in bad.error and "after 2 attempts" in bad.error
@@ -209,15 +210,15 @@ BAD_REPLIES = {
 def test_bad_replies_become_counted_error_results_in_the_harness(case):
     from mosaic.agent.chat import ChatFormat
     from mosaic.agent.harness import Harness, HarnessConfig
-    from mosaic.agent.testing import FakeEnv, FakeTask
+    from _doubles import FakeEnv, FakeTask
     from mosaic.agent.tokenizer import train_tokenizer
 
     make, kind, fragment = BAD_REPLIES[case]
     chat = ChatFormat(train_tokenizer(["<answer>Port Osk</answer> Who is the founder of Ruo Ces? Where is Osk?"] * 30,
                                       vocab_size=400))
     tasks = [FakeTask("t0", "Who is the founder of Ruo Ces?", "Ama Rell"), FakeTask("t1", "Where is Osk?", "Port Osk")]
-    with serve_in_thread(_lying_server(chat, make)) as url:
-        with OpenAIPolicy(base_url=url, vocab_size=len(chat.tokenizer), max_retries=0) as pol:
+    with ServerThread(_lying_server(chat, make)) as srv:
+        with OpenAIPolicy(base_url=srv.url, vocab_size=len(chat.tokenizer), max_retries=0) as pol:
             trajs = Harness(pol, chat, FakeEnv(), HarnessConfig(mode="single")).run(tasks, group_size=2)
             stats = dict(pol.stats)
     bad = [t for t in trajs if t.task_id == "t0"]

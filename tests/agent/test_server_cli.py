@@ -3,40 +3,24 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
-import time
 
 import httpx
-import pytest
 
 from mosaic.agent.models.embedded import save_model
-from mosaic.agent.models.testing import tiny_model
+from _tiny import tiny_model
 from mosaic.agent.policies.openai import OpenAIPolicy
 from mosaic.agent.policy import GenRequest
-from mosaic.agent.server import free_port
 
 
-def test_serve_cli_serves_a_saved_model(tmp_path):
+def test_serve_cli_serves_a_saved_model(tmp_path, spawn_server):
     model, tok = tiny_model(seed=1)
     save_model(model, tok, tmp_path / "m")
-    port = free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "mosaic.cli", "serve", "--model", str(tmp_path / "m"),
-                             "--port", str(port), "--name", "tiny"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    proc, url = spawn_server([sys.executable, "-m", "mosaic.cli", "serve", "--model", str(tmp_path / "m"),
+                              "--port", "0", "--name", "tiny"], "/v1/models", env=env)
     try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(url + "/v1/models", timeout=2).json()["data"][0]["id"] == "tiny":
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"server did not start: {proc.stdout.read().decode()[-2000:]}")
-            time.sleep(0.3)
+        assert httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"] == "tiny"
         with OpenAIPolicy(base_url=url, max_retries=0) as pol:
             res = pol.generate([GenRequest("a", [5, 6, 7, 8], 5)])[0]
         assert res.error is None and 1 <= len(res.token_ids) == len(res.logprobs) <= 5

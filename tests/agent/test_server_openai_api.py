@@ -8,10 +8,11 @@ import threading
 import httpx
 import pytest
 
-from mosaic.agent.models.testing import tiny_model
+from _tiny import tiny_model
 from mosaic.agent.policies.local import LocalPolicy, LocalPolicyConfig
 from mosaic.agent.policy import GenRequest
-from mosaic.agent.server import create_app, serve_in_thread
+from mosaic.agent.server import create_app
+from mosaic.serving import ServerThread
 
 NAME = "tiny-test"
 
@@ -25,8 +26,8 @@ def model_tok():
 def server(model_tok):
     model, tok = model_tok
     app = create_app(model, tok, model_name=NAME, max_batch_size=16, batch_window_s=0.02)
-    with serve_in_thread(app) as url:
-        yield url, app
+    with ServerThread(app) as srv:
+        yield srv.url, app
 
 
 @pytest.fixture()

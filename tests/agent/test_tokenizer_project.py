@@ -78,7 +78,7 @@ def test_generator_tokenizer_splits_held_out_names_into_trained_pieces(tmp_path)
     """A BPE fitted to one world merges its names whole, so another world's names fall apart into
     pieces training never shows; the generator tokenizer (many random training-partition worlds)
     cuts every world's names into the same syllable-sized pieces."""
-    from mosaic.agent.tokenizer import build_generator_tokenizer, build_project_tokenizer
+    from mosaic.agent.models.corpus import build_generator_tokenizer, build_project_tokenizer
     from mosaic.envs.splits import load_split, split_config
 
     cache = tmp_path / "cache"

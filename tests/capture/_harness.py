@@ -15,7 +15,7 @@ import json
 import time
 
 from mosaic.capture.records import CallRecord
-from mosaic.capture.scripted import Renderer, _fake_logprob, decide, render_tool_calls
+from mosaic.testing import Renderer, _fake_logprob, decide, render_tool_calls
 
 MAIN_SYSTEM = "You are a research agent. Use the tools, then answer."
 SUB_SYSTEM = "You are a subagent. Research the subtask and report."

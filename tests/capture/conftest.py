@@ -2,22 +2,21 @@ from __future__ import annotations
 
 import pytest
 
+from mosaic.agent.tokenizer import load_tokenizer, save_tokenizer
 from mosaic.capture.proxy import ProxyConfig, create_proxy_app
-from mosaic.capture.scripted import ScriptedConfig, create_scripted_app, save_tokenizer
-from mosaic.capture.serving import ServerThread
+from mosaic.serving import ServerThread
+from mosaic.testing import ScriptedConfig, build_tokenizer, create_scripted_app
 
 
 @pytest.fixture(scope="session")
 def tok_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("tok")
-    save_tokenizer(d)
+    save_tokenizer(build_tokenizer(), d)
     return d
 
 
 @pytest.fixture(scope="session")
 def tok(tok_dir):
-    from mosaic.capture.scripted import load_tokenizer
-
     return load_tokenizer(tok_dir)
 
 

@@ -1,6 +1,6 @@
 """A real third-party harness that compacts and forks (deepagents, from PyPI) through the proxy.
 
-deepagents runs in its own virtualenv (see ``_deepagents_env``), in a
+deepagents runs in its own virtualenv (``bench/_peers.py``), in a
 subprocess, with langchain-openai's ``ChatOpenAI`` pointed at the proxy; the
 upstream is our scripted server. The harness forks two ``task`` subagents
 (run in parallel by langgraph's tool node), lists files until its
@@ -20,17 +20,16 @@ import httpx
 import pytest
 
 from mosaic.capture.reconstruct import reconstruct
-from mosaic.capture.records import load_records
-from mosaic.capture.scripted import SUMMARY_RE, content_text
-from . import _deepagents_env
+from mosaic.capture.records import content_text, load_records
+from mosaic.testing import SUMMARY_RE
 
 HARNESS = Path(__file__).with_name("deepagents_harness.py")
 
 
 @pytest.fixture(scope="session")
-def deepagents_python():
+def deepagents_python(peers):
     try:
-        return _deepagents_env.ensure_venv()
+        return peers.ensure_deepagents_venv()
     except Exception as exc:  # noqa: BLE001 - any build failure has the same consequence
         msg = f"the deepagents virtualenv could not be built: {exc}"
         if os.environ.get("CI"):

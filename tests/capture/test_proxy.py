@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -16,8 +14,8 @@ import openai
 import pytest
 
 from mosaic.capture.records import RECORDS_FILE, CallRecord, RecordWriter, load_records
-from mosaic.capture.serving import ServerThread
 from mosaic.cli import main as mosaic_main
+from mosaic.serving import ServerThread
 from mosaic.trace import TornLineWarning, load_trajectories
 
 REPO = Path(__file__).resolve().parents[2]
@@ -161,16 +159,8 @@ def test_bad_requests_get_clear_4xx(upstream, make_proxy):
     assert len(recs) == 1  # only the accepted call was forwarded and recorded
 
 
-def _free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
-
-def test_upstream_down_is_502_after_bounded_retries(make_proxy):
-    px = make_proxy(f"http://127.0.0.1:{_free_port()}", retries=2, retry_backoff_s=0.1)
+def test_upstream_down_is_502_after_bounded_retries(make_proxy, refused_url):
+    px = make_proxy(refused_url, retries=2, retry_backoff_s=0.1)
     t0 = time.time()
     r = httpx.post(f"{px.url}/v1/chat/completions", json={"model": "m", "messages": MSGS})
     dt = time.time() - t0
@@ -255,26 +245,16 @@ def test_torn_last_line_is_skipped_and_repaired(upstream, make_proxy, tmp_path):
     assert len(calls) == 2 and (Path(out) / (RECORDS_FILE + ".torn")).exists()
 
 
-def test_cli_proxy_flushes_on_sigterm_and_loses_nothing_on_sigkill(upstream, tmp_path):
+def test_cli_proxy_flushes_on_sigterm_and_loses_nothing_on_sigkill(upstream, tmp_path, spawn_server):
     out = tmp_path / "cli"
-    port = _free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO)}
 
     def start():
-        p = subprocess.Popen([sys.executable, "-m", "mosaic.cli", "proxy", "serve", "--upstream", upstream.url,
-                              "--out", str(out), "--port", str(port)], env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        for _ in range(300):
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/healthz").status_code == 200:
-                    return p
-            except httpx.HTTPError:
-                time.sleep(0.1)
-        p.kill()
-        raise AssertionError(p.stdout.read().decode())
+        return spawn_server([sys.executable, "-m", "mosaic.cli", "proxy", "serve", "--upstream", upstream.url,
+                             "--out", str(out), "--port", "0"], "/healthz", env=env, timeout=30)
 
-    p = start()
-    c = _client(f"http://127.0.0.1:{port}", "cli")
+    p, url = start()
+    c = _client(url, "cli")
     for _ in range(5):
         c.chat.completions.create(model="scripted", messages=MSGS)
     p.send_signal(signal.SIGTERM)
@@ -283,7 +263,8 @@ def test_cli_proxy_flushes_on_sigterm_and_loses_nothing_on_sigkill(upstream, tmp
     p.stdout.close()
     assert "5 record(s) flushed" in log, log
     assert len(load_records(out)[0]) == 5
-    p = start()
+    p, url = start()  # a restarted proxy appends to the same records
+    c = _client(url, "cli")
     for _ in range(3):
         c.chat.completions.create(model="scripted", messages=MSGS)
     p.kill()  # no shutdown at all: every answered call was already flushed

@@ -26,7 +26,6 @@ Convention differences found by reading verl's code (asserted below):
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import tempfile
@@ -41,15 +40,7 @@ from mosaic.core.loss import policy_loss, token_weights
 
 pytestmark = pytest.mark.peer
 
-REPO = Path(__file__).resolve().parents[2]
 RUNNER = Path(__file__).with_name("verl_runner.py")
-
-
-def _load_peers():
-    spec = importlib.util.spec_from_file_location("mosaic_bench_peers", REPO / "bench" / "_peers.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _run_runner(py: Path, cases: dict[str, dict]) -> dict[str, dict]:
@@ -141,10 +132,10 @@ def loss_cases() -> dict[str, dict]:
 
 
 @pytest.fixture(scope="session")
-def verl_out():
+def verl_out(peers):
     """verl's outputs for every case above, from one run of verl_runner.py in the verl venv."""
     try:
-        py = _load_peers().ensure_verl_venv()
+        py = peers.ensure_verl_venv()
     except Exception as exc:  # noqa: BLE001 - any build failure is reported the same way
         msg = f"verl peer venv unavailable: {exc}"
         if os.environ.get("CI"):

@@ -21,7 +21,7 @@ def base(tmp_path_factory):
 
 
 def test_shipped_base_model_matches_its_recipe(base):
-    from mosaic.agent.tokenizer import build_generator_tokenizer
+    from mosaic.agent.models.corpus import build_generator_tokenizer
 
     cfg, path, model, tok = base
     meta = json.loads((path / META_FILE).read_text())

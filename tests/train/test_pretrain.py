@@ -31,7 +31,7 @@ def test_pretrain_trains_saves_and_records(tmp_path):
 
 
 def test_pretraining_worlds_are_training_partition_and_disjoint_from_held_out(tmp_path):
-    from mosaic.agent.tokenizer import build_generator_tokenizer
+    from mosaic.agent.models.corpus import build_generator_tokenizer
     from mosaic.envs.names import in_partition
     from mosaic.envs.splits import check_disjoint
     from mosaic.train import setup
@@ -70,7 +70,7 @@ def test_lm_step_expert_part_equals_the_sft_loss(tmp_path):
     """The pretraining loss's expert-token term is exactly the SFT loss; context tokens add the rest."""
     import torch
 
-    from mosaic.agent.tokenizer import build_generator_tokenizer
+    from mosaic.agent.models.corpus import build_generator_tokenizer
     from mosaic.train import setup
     from mosaic.train.batching import collate, completion_logprobs
 

@@ -14,7 +14,7 @@ def rollouts(tmp_path_factory):
     from mosaic.agent.chat import ChatFormat
     from mosaic.agent.expert import ExpertNoise, ExpertPolicy
     from mosaic.agent.harness import DeepSearchEnv, Harness, HarnessConfig
-    from mosaic.agent.tokenizer import build_project_tokenizer
+    from mosaic.agent.models.corpus import build_project_tokenizer
     from mosaic.envs.deepsearch import load_split
 
     split = load_split("validation", preset="cpu", cache_dir=tmp_path_factory.mktemp("cache"))

@@ -9,6 +9,7 @@ SMOLLM2 = "smollm2"
 
 def load_any(spec: str, *, device: str = "cpu"):
     """``(model, tokenizer)`` from ``spec``: ``"smollm2"`` or a directory written by ``save_model``."""
+    # lazy: torch and transformers take seconds; `mosaic --help` and `mosaic rollout --policy expert` need neither
     if spec == SMOLLM2:
         from mosaic.agent.models.smollm2 import load_smollm2
 

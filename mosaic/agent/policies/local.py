@@ -358,6 +358,7 @@ class LocalPolicy:
     def _generate_batch(self, reqs: list[GenRequest], sampling: "_Sampling",
                         on_step: StepCallback | None = None,
                         prefixes: list[tuple[_Entry, int] | None] | None = None) -> list[LocalGenResult]:
+        # ~70 lines, kept whole: prefill and the decode loop share the batch's tensors and row bookkeeping.
         B = len(reqs)
         keep_kv = self.config.prefix_cache
         prefixes = prefixes or [None] * B

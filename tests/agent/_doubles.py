@@ -1,10 +1,11 @@
 """Test doubles for the agent loop: a fake environment, recording / scripted / fuzz policies.
 
-Used by the test suite and handy for debugging a harness change without a model.
+Imported by the tests in this folder as ``_doubles`` (pytest puts the folder on ``sys.path``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from dataclasses import dataclass, field
@@ -44,7 +45,7 @@ class RecordingPolicy:
         self.released: list[str] = []
 
     def generate(self, requests: Sequence[GenRequest]) -> list[GenResult]:
-        copies = [GenRequest(r.session_key, list(r.prompt_ids), r.max_new_tokens, dict(r.meta)) for r in requests]
+        copies = [dataclasses.replace(r, prompt_ids=list(r.prompt_ids), meta=dict(r.meta)) for r in requests]
         results = self.inner.generate(requests)
         self.calls += list(zip(copies, results))
         self.batches.append(len(requests))

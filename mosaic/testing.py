@@ -1,9 +1,10 @@
-"""A scripted, deterministic OpenAI-compatible server: the upstream for tests and benchmarks.
+"""A scripted, deterministic OpenAI-compatible server: try ``mosaic proxy`` without a model, and
+the upstream of the project's own tests and benchmarks (``mosaic proxy scripted-upstream``).
 
 It behaves like vLLM where the proxy cares: it renders the chat into a prompt
-with a ChatML-style template, tokenizes it with a small real tokenizer (a
-byte-level BPE trained here, see :func:`build_tokenizer`), and returns
-``prompt_token_ids`` and per-choice ``token_ids`` when asked
+with a ChatML-style template, tokenizes it with a small real tokenizer (the
+project's byte-level BPE trained here on a fixed corpus, see :func:`build_tokenizer`),
+and returns ``prompt_token_ids`` and per-choice ``token_ids`` when asked
 (``return_token_ids``) plus sampling log-probs (``logprobs``), streamed or not.
 Instead of a model it decides its reply from the request (:func:`decide`):
 
@@ -21,6 +22,9 @@ Prompt rendering is per segment and the tokenizer isolates newlines, so a
 conversation re-rendered with the assistant's reply appended starts with the
 exact ids of the previous prompt + completion — the property a real server
 with a stable chat template has, and the one session reconstruction relies on.
+
+Serve it in-process with :class:`mosaic.serving.ServerThread`; save its tokenizer with
+:func:`mosaic.agent.tokenizer.save_tokenizer` (what ``mosaic proxy --tokenizer DIR`` loads).
 """
 
 from __future__ import annotations
@@ -31,15 +35,15 @@ import json
 import re
 import time
 import uuid
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
 
-from fastapi import Request  # module level: FastAPI resolves route annotations by name
+from fastapi import FastAPI, Request  # module level: FastAPI resolves route annotations by name
+from fastapi.responses import JSONResponse, StreamingResponse
 
+from mosaic.agent.tokenizer import train_tokenizer
 from mosaic.capture.records import content_text
 
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
     "{% if tools %}<|im_start|>tools\n{{ tools | map(attribute='function') | map(attribute='name') | join(',') }}"
     "<|im_end|>\n{% endif %}"
@@ -56,51 +60,11 @@ Here is a summary of the conversation to date. Messages to summarize: user assis
 
 
 def build_tokenizer(vocab_size: int = 800):
-    """A small byte-level BPE tokenizer (HF ``PreTrainedTokenizerFast``) with a ChatML template.
-
-    Newlines are isolated before byte-level pre-tokenization, so tokenizing a
-    rendered chat in one go gives the same ids as tokenizing its segments.
-    """
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE(unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex("\n"), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-        ]
-    )
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator([_CORPUS] * 4, trainer=trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        bos_token=None,
-    )
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
-
-
-def save_tokenizer(path: str | Path):
-    """Build the test tokenizer and save it to ``path`` (a directory); return it."""
-    tok = build_tokenizer()
-    tok.save_pretrained(str(path))
-    return tok
-
-
-def load_tokenizer(path: str | Path):
-    # PreTrainedTokenizerFast, not AutoTokenizer: see the tokenizer swap pitfall in NOTES.
-    from transformers import PreTrainedTokenizerFast
-
-    return PreTrainedTokenizerFast.from_pretrained(str(path))
+    """The scripted model's tokenizer: the project BPE (:func:`mosaic.agent.tokenizer.train_tokenizer`)
+    on a fixed corpus, newlines isolated (rendering segment by segment gives the ids of the whole),
+    no tag tokens, and this module's ChatML template with a ``tools`` header."""
+    return train_tokenizer([_CORPUS] * 4, vocab_size, min_frequency=0, tag_tokens=(),
+                           chat_template=CHAT_TEMPLATE, isolate_newlines=True)
 
 
 # --------------------------------------------------------------------------- rendering
@@ -255,128 +219,145 @@ def _fake_logprob(i: int, tok: int) -> float:
     return -0.05 - 0.01 * ((tok + i) % 7)
 
 
-def create_scripted_app(tokenizer, config: ScriptedConfig | None = None):
-    """The FastAPI app of the scripted upstream (``/v1/chat/completions``, ``/v1/completions``)."""
-    from fastapi import FastAPI
-    from fastapi.responses import JSONResponse, StreamingResponse
+def _usage(prompt_ids: list[int], comp: list[int]) -> dict[str, int]:
+    return {"prompt_tokens": len(prompt_ids), "completion_tokens": len(comp),
+            "total_tokens": len(prompt_ids) + len(comp)}
 
-    cfg = config or ScriptedConfig()
-    rnd = Renderer(tokenizer)
-    app = FastAPI()
-    app.state.calls = []  # every request body, for tests to compare against
-    app.state.log = []  # (prompt ids, completion ids) of every generation: what the "model" saw and produced
 
-    sem = asyncio.Semaphore(cfg.slots) if cfg.slots > 0 else None
+@dataclass
+class _ChatTurn:
+    """One scripted chat reply, with what the request asked to get back."""
 
-    async def _delay(request: Request) -> None:
-        d = float(request.headers.get("x-scripted-delay", cfg.delay_s))
-        if sem is not None:
-            async with sem:
+    prompt_ids: list[int]
+    comp: list[int]
+    text: str
+    tool_calls: list[dict[str, Any]]
+    finish: str
+    want_ids: bool
+    want_lp: bool
+    lps: list[float] = field(default_factory=list)
+    rid: str = field(default_factory=lambda: "chatcmpl-" + uuid.uuid4().hex[:16])
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+class ScriptedUpstream:
+    """The state behind the scripted app: its renderer, every request body (``calls``) and every
+    generation (``log``: prompt ids, completion ids — what the "model" saw and produced)."""
+
+    def __init__(self, tokenizer, config: ScriptedConfig | None = None):
+        self.cfg = config or ScriptedConfig()
+        self.rnd = Renderer(tokenizer)
+        self.calls: list[dict[str, Any]] = []
+        self.log: list[tuple[list[int], list[int]]] = []
+        self.sem = asyncio.Semaphore(self.cfg.slots) if self.cfg.slots > 0 else None
+
+    async def _delay(self, request: Request) -> None:
+        d = float(request.headers.get("x-scripted-delay", self.cfg.delay_s))
+        if self.sem is not None:
+            async with self.sem:
                 await asyncio.sleep(d)
         elif d > 0:
             await asyncio.sleep(d)
 
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": cfg.model, "object": "model"}]}
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
+    # -- /v1/chat/completions ------------------------------------------------------------------
+    async def chat(self, request: Request):
         body = await request.json()
-        app.state.calls.append(body)
+        self.calls.append(body)
         m = re.fullmatch(r"fail-(\d{3})", str(body.get("model", "")))
         if m:  # an upstream error on request, for fault tests
             code = int(m.group(1))
             return JSONResponse({"error": {"message": f"scripted failure {code}", "type": "scripted"}},
                                 status_code=code)
-        await _delay(request)
+        await self._delay(request)
+        turn = self._chat_turn(body)
+        if not body.get("stream"):
+            return JSONResponse(self._chat_json(turn))
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        return StreamingResponse(self._chat_stream(turn, include_usage), media_type="text/event-stream")
+
+    def _chat_turn(self, body: dict[str, Any]) -> _ChatTurn:
+        rnd = self.rnd
         messages, tools = body.get("messages") or [], body.get("tools") or None
         text, tool_calls = decide(messages, tools)
         prompt_ids = rnd.chat_prompt(messages, tools)
-        full_body = text + render_tool_calls(tool_calls)
-        comp = rnd.completion(full_body)
+        comp = rnd.completion(text + render_tool_calls(tool_calls))
         finish = "tool_calls" if tool_calls else "stop"
         max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
         if max_tokens is not None and len(comp) > int(max_tokens):
             comp, finish, tool_calls = comp[: int(max_tokens)], "length", []
             text = rnd.decode([t for t in comp if t != rnd.im_end])
-        app.state.log.append((prompt_ids, comp))
-        want_ids = cfg.token_ids and bool(body.get("return_token_ids"))
-        want_lp = cfg.logprobs and bool(body.get("logprobs"))
-        lps = [_fake_logprob(i, t) for i, t in enumerate(comp)]
-        rid = "chatcmpl-" + uuid.uuid4().hex[:16]
-        created = int(time.time())
-        if not body.get("stream"):
-            choice: dict[str, Any] = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text or None,
-                            **({"tool_calls": tool_calls} if tool_calls else {})},
-                "finish_reason": finish,
-                "logprobs": {"content": [{"token": rnd.tok.convert_ids_to_tokens(t), "logprob": lp,
-                                          "bytes": None, "top_logprobs": []} for t, lp in zip(comp, lps)]}
-                if want_lp else None,
-            }
-            out: dict[str, Any] = {
-                "id": rid, "object": "chat.completion", "created": created, "model": cfg.model,
-                "choices": [choice],
-                "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(comp),
-                          "total_tokens": len(prompt_ids) + len(comp)},
-            }
-            if want_ids:
-                out["prompt_token_ids"] = prompt_ids
-                choice["token_ids"] = comp
-            return JSONResponse(out)
+        self.log.append((prompt_ids, comp))
+        return _ChatTurn(prompt_ids, comp, text, tool_calls, finish,
+                         want_ids=self.cfg.token_ids and bool(body.get("return_token_ids")),
+                         want_lp=self.cfg.logprobs and bool(body.get("logprobs")),
+                         lps=[_fake_logprob(i, t) for i, t in enumerate(comp)])
 
-        def chunk(delta: dict[str, Any], ids: list[int], offset: int, finish_reason=None, extra=None) -> bytes:
-            ch: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish_reason}
-            if want_lp:
-                ch["logprobs"] = {"content": [{"token": rnd.tok.convert_ids_to_tokens(t), "logprob": lps[offset + j],
-                                               "bytes": None, "top_logprobs": []} for j, t in enumerate(ids)]}
-            if want_ids:
-                ch["token_ids"] = ids
-            obj = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": cfg.model,
-                   "choices": [ch], **(extra or {})}
-            return f"data: {json.dumps(obj)}\n\n".encode()
+    def _lp_content(self, ids: list[int], lps: list[float]) -> dict[str, Any]:
+        return {"content": [{"token": self.rnd.tok.convert_ids_to_tokens(t), "logprob": lp, "bytes": None,
+                             "top_logprobs": []} for t, lp in zip(ids, lps)]}
 
-        async def gen():
-            yield chunk({"role": "assistant", "content": ""}, [], 0,
-                        extra={"prompt_token_ids": prompt_ids} if want_ids else None)
-            # Content tokens in pieces of 4, then the tool calls, then the end token with finish_reason.
-            body_ids = comp[:-1] if comp and comp[-1] == rnd.im_end else comp
-            text_ids = rnd.encode(text)[: len(body_ids)]
-            pos = 0
-            while pos < len(text_ids):
-                piece = text_ids[pos: pos + 4]
-                yield chunk({"content": rnd.decode(piece)}, piece, pos)
-                pos += len(piece)
-                if cfg.chunk_delay_s:
-                    await asyncio.sleep(cfg.chunk_delay_s)
-            if tool_calls:
-                rest = body_ids[pos:]
-                for k, tc in enumerate(tool_calls):
-                    part = rest if k == len(tool_calls) - 1 else []
-                    yield chunk({"tool_calls": [{"index": k, "id": tc["id"], "type": "function",
-                                                 "function": tc["function"]}]}, part, pos)
-                    pos += len(part)
-            elif pos < len(body_ids):
-                rest = body_ids[pos:]
-                yield chunk({}, rest, pos)
-                pos += len(rest)
-            tail = comp[pos:]
-            usage = None
-            if (body.get("stream_options") or {}).get("include_usage"):
-                usage = {"usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(comp),
-                                   "total_tokens": len(prompt_ids) + len(comp)}}
-            yield chunk({}, tail, pos, finish_reason=finish, extra=usage)
-            yield b"data: [DONE]\n\n"
+    def _chat_json(self, turn: _ChatTurn) -> dict[str, Any]:
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": turn.text or None,
+                        **({"tool_calls": turn.tool_calls} if turn.tool_calls else {})},
+            "finish_reason": turn.finish,
+            "logprobs": self._lp_content(turn.comp, turn.lps) if turn.want_lp else None,
+        }
+        out: dict[str, Any] = {"id": turn.rid, "object": "chat.completion", "created": turn.created,
+                               "model": self.cfg.model, "choices": [choice],
+                               "usage": _usage(turn.prompt_ids, turn.comp)}
+        if turn.want_ids:
+            out["prompt_token_ids"] = turn.prompt_ids
+            choice["token_ids"] = turn.comp
+        return out
 
-        return StreamingResponse(gen(), media_type="text/event-stream")
+    def _chunk(self, turn: _ChatTurn, delta: dict[str, Any], ids: list[int], offset: int,
+               finish_reason: str | None = None, extra: dict[str, Any] | None = None) -> bytes:
+        ch: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish_reason}
+        if turn.want_lp:
+            ch["logprobs"] = self._lp_content(ids, turn.lps[offset: offset + len(ids)])
+        if turn.want_ids:
+            ch["token_ids"] = ids
+        obj = {"id": turn.rid, "object": "chat.completion.chunk", "created": turn.created, "model": self.cfg.model,
+               "choices": [ch], **(extra or {})}
+        return f"data: {json.dumps(obj)}\n\n".encode()
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
+    async def _chat_stream(self, turn: _ChatTurn, include_usage: bool) -> AsyncIterator[bytes]:
+        """Content tokens in pieces of 4, then the tool calls, then the end token with finish_reason."""
+        rnd, comp = self.rnd, turn.comp
+        yield self._chunk(turn, {"role": "assistant", "content": ""}, [], 0,
+                          extra={"prompt_token_ids": turn.prompt_ids} if turn.want_ids else None)
+        body_ids = comp[:-1] if comp and comp[-1] == rnd.im_end else comp
+        text_ids = rnd.encode(turn.text)[: len(body_ids)]
+        pos = 0
+        while pos < len(text_ids):
+            piece = text_ids[pos: pos + 4]
+            yield self._chunk(turn, {"content": rnd.decode(piece)}, piece, pos)
+            pos += len(piece)
+            if self.cfg.chunk_delay_s:
+                await asyncio.sleep(self.cfg.chunk_delay_s)
+        if turn.tool_calls:
+            rest = body_ids[pos:]
+            for k, tc in enumerate(turn.tool_calls):
+                part = rest if k == len(turn.tool_calls) - 1 else []
+                yield self._chunk(turn, {"tool_calls": [{"index": k, "id": tc["id"], "type": "function",
+                                                         "function": tc["function"]}]}, part, pos)
+                pos += len(part)
+        elif pos < len(body_ids):
+            rest = body_ids[pos:]
+            yield self._chunk(turn, {}, rest, pos)
+            pos += len(rest)
+        usage = {"usage": _usage(turn.prompt_ids, comp)} if include_usage else None
+        yield self._chunk(turn, {}, comp[pos:], pos, finish_reason=turn.finish, extra=usage)
+        yield b"data: [DONE]\n\n"
+
+    # -- /v1/completions -----------------------------------------------------------------------
+    async def completions(self, request: Request):
         body = await request.json()
-        app.state.calls.append(body)
-        await _delay(request)
+        self.calls.append(body)
+        await self._delay(request)
+        rnd = self.rnd
         prompt = body.get("prompt", "")
         if isinstance(prompt, list):
             prompt = prompt[0] if prompt and isinstance(prompt[0], str) else ""
@@ -388,9 +369,9 @@ def create_scripted_app(tokenizer, config: ScriptedConfig | None = None):
         if len(comp) > max_tokens:
             comp, finish = comp[:max_tokens], "length"
             text = rnd.decode(comp)
-        app.state.log.append((prompt_ids, comp))
-        want_ids = cfg.token_ids and bool(body.get("return_token_ids"))
-        want_lp = cfg.logprobs and body.get("logprobs") is not None
+        self.log.append((prompt_ids, comp))
+        want_ids = self.cfg.token_ids and bool(body.get("return_token_ids"))
+        want_lp = self.cfg.logprobs and body.get("logprobs") is not None
         lps = [_fake_logprob(i, t) for i, t in enumerate(comp)]
         choice: dict[str, Any] = {"index": 0, "text": text, "finish_reason": finish,
                                   "logprobs": {"tokens": rnd.tok.convert_ids_to_tokens(comp),
@@ -400,17 +381,37 @@ def create_scripted_app(tokenizer, config: ScriptedConfig | None = None):
             choice["prompt_token_ids"] = prompt_ids
             choice["token_ids"] = comp
         out = {"id": "cmpl-" + uuid.uuid4().hex[:16], "object": "text_completion", "created": int(time.time()),
-               "model": cfg.model, "choices": [choice],
-               "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(comp),
-                         "total_tokens": len(prompt_ids) + len(comp)}}
+               "model": self.cfg.model, "choices": [choice], "usage": _usage(prompt_ids, comp)}
         if not body.get("stream"):
             return JSONResponse(out)
 
         async def gen():
-            piece = dict(choice)
-            yield f"data: {json.dumps({**out, 'choices': [piece]})}\n\n".encode()
+            yield f"data: {json.dumps({**out, 'choices': [dict(choice)]})}\n\n".encode()
             yield b"data: [DONE]\n\n"
 
         return StreamingResponse(gen(), media_type="text/event-stream")
+
+
+def create_scripted_app(tokenizer, config: ScriptedConfig | None = None) -> FastAPI:
+    """The FastAPI app of the scripted upstream (``/v1/chat/completions``, ``/v1/completions``).
+
+    ``app.state.calls``: every request body; ``app.state.log``: every generation (see
+    :class:`ScriptedUpstream`), for tests to compare against.
+    """
+    up = ScriptedUpstream(tokenizer, config)
+    app = FastAPI()
+    app.state.upstream, app.state.calls, app.state.log = up, up.calls, up.log
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": up.cfg.model, "object": "model"}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await up.chat(request)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await up.completions(request)
 
     return app

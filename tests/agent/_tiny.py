@@ -1,4 +1,4 @@
-"""Tiny tokenizer + model fixtures for tests and benchmarks (no downloads, a few seconds on CPU).
+"""Tiny tokenizer + model fixtures for the tests in this folder (no downloads, a few seconds on CPU).
 
 The tokenizer is the project's (``mosaic.agent.tokenizer``: ChatML, ``<|im_end|>`` = eos /
 end of turn, ``<|endoftext|>`` = pad) trained on a small fixed corpus.
@@ -11,6 +11,7 @@ import functools
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from mosaic.agent.models.embedded import EmbeddedModelConfig, build_model
+from mosaic.agent.tokenizer import train_tokenizer
 
 _CORPUS_LINES = [
     "The capital of Velmora is Oranthi, a city on the river Sel.",
@@ -30,8 +31,6 @@ def corpus(n_repeat: int = 20) -> list[str]:
 @functools.lru_cache(maxsize=4)
 def tiny_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
     """The project tokenizer trained on :func:`corpus` (cached; treat as read-only)."""
-    from mosaic.agent.tokenizer import train_tokenizer
-
     return train_tokenizer(corpus(), vocab_size)
 
 

@@ -1,0 +1,29 @@
+"""An OpenAI-compatible HTTP server over a local ``transformers`` model (embedded or SmolLM2).
+
+Endpoints: ``GET /v1/models``, ``POST /v1/completions`` (``prompt`` as text or as a
+token-id list, or a list of either, like vLLM), ``POST /v1/chat/completions``
+(``messages`` rendered with the tokenizer's chat template), each streaming (SSE)
+or not. Token-in, token-out extensions as in vLLM: ``return_token_ids: true`` adds
+``prompt_token_ids`` and per-choice ``token_ids``; ``stop_token_ids`` adds end ids.
+
+Concurrency: one worker thread owns the model. Requests queue up; the worker
+takes everything waiting (up to ``max_batch_size`` sequences), groups it by
+sampling parameters and decodes each group as one batch with
+:class:`~mosaic.agent.policies.local.LocalPolicy`. So concurrent requests are
+batched, and the model is never touched from two threads at once.
+
+Batching is static: a batch decodes to its end while newer requests queue for the
+next one (no continuous batching).
+
+Log-probs are those of :class:`LocalPolicy`: the sampling log-prob of each token
+under the processed (temperature / top-p) distribution; ``top_logprobs`` lists only
+the sampled token (alternatives are not computed).
+
+Modules: :mod:`.schema` (request models, errors, response pieces), :mod:`.worker`
+(the batching model thread), :mod:`.app` (the FastAPI app and its handlers),
+:mod:`.stream` (server-sent events).
+"""
+
+from mosaic.agent.server.app import create_app
+
+__all__ = ["create_app"]

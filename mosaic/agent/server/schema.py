@@ -1,0 +1,84 @@
+"""Wire format of the OpenAI-compatible server: request models, errors and response pieces."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Callable, Literal, Union
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class BaseCompletionRequest(BaseModel):
+    """The fields both endpoints share."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=0)
+    temperature: float = Field(default=1.0, ge=0.0, le=100.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    n: int = Field(default=1, ge=1, le=64)
+    stream: bool = False
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    return_token_ids: bool = False
+    skip_special_tokens: bool = True
+
+
+class CompletionRequest(BaseCompletionRequest):
+    prompt: Union[str, list[int], list[str], list[list[int]]]
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str
+
+
+class ChatCompletionRequest(BaseCompletionRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    max_completion_tokens: int | None = Field(default=None, ge=0)
+    add_generation_prompt: bool = True
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+
+def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return JSONResponse(status_code=status, content={
+        "error": {"message": message, "type": kind, "param": param, "code": status}})
+
+
+def sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+def usage(prompt_lens: list[int], results: list) -> dict[str, int]:
+    p, c = sum(prompt_lens), sum(len(r.token_ids) for r in results)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def completion_logprobs(token_str: Callable[[int], str], ids: list[int], lps: list[float], top: int) -> dict:
+    tokens = [token_str(t) for t in ids]
+    offsets, pos = [], 0
+    for s in tokens:
+        offsets.append(pos)
+        pos += len(s)
+    return {"tokens": tokens, "token_logprobs": lps, "text_offset": offsets,
+            "top_logprobs": [{s: lp} for s, lp in zip(tokens, lps)] if top > 0 else None}
+
+
+def chat_logprob(token_str: Callable[[int], str], t: int, lp: float) -> dict:
+    s = token_str(t)
+    return {"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": []}

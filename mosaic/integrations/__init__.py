@@ -1,1 +1,0 @@
-"""mosaic.integrations."""

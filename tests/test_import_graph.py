@@ -1,0 +1,118 @@
+"""No import circles between the package's modules.
+
+The graph is read from the source with ``ast``: an edge ``a -> b`` for every
+``import`` of a ``mosaic`` module in ``a``, plus the packages ``b`` lives in
+(importing ``x.y.z`` runs ``x/__init__`` and ``x/y/__init__``), except the
+importer's own enclosing packages, which are already initialising. A function
+body's import hides a circle rather than removing it, so those count too,
+within the folders listed in ``STRICT`` (the rest of the package still has one
+circle of that kind to break).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+STRICT = ("mosaic.agent", "mosaic.capture", "mosaic.testing", "mosaic.serving")
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for p in (ROOT / "mosaic").rglob("*.py"):
+        parts = p.relative_to(ROOT).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = p
+    return out
+
+
+def _graph(mods: dict[str, Path], *, function_level: bool) -> dict[str, set[str]]:
+    def ours(name: str) -> str | None:
+        while name and name not in mods:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for mod, path in mods.items():
+        pkg = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        stack = [(node, False) for node in ast.iter_child_nodes(ast.parse(path.read_text()))]
+        while stack:
+            node, in_fn = stack.pop()
+            in_fn = in_fn or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            stack += [(child, in_fn) for child in ast.iter_child_nodes(node)]
+            if in_fn and not function_level or not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(filter(None, [pkg.rsplit(".", node.level - 1)[0] if node.level > 1 else pkg, base]))
+                names = [f"{base}.{a.name}" for a in node.names] + [base]
+            for name in names:
+                target = ours(name)
+                if target is None or target == mod:
+                    continue
+                graph[mod].add(target)
+                parts = target.split(".")
+                for i in range(1, len(parts)):
+                    parent = ".".join(parts[:i])
+                    if parent in mods and not mod.startswith(parent + "."):
+                        graph[mod].add(parent)
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_circles_among_module_level_imports():
+    assert _cycles(_graph(_modules(), function_level=False)) == []
+
+
+def test_no_circles_hidden_in_function_bodies_of_the_strict_folders():
+    mods = _modules()
+    graph = _graph(mods, function_level=True)
+    strict = {m: {t for t in ts if t.startswith(STRICT)} for m, ts in graph.items() if m.startswith(STRICT)}
+    assert _cycles(strict) == []
+
+
+def test_the_graph_sees_a_circle(tmp_path, monkeypatch):
+    """The check itself: a two-module circle written into a fake package is found."""
+    (tmp_path / "mosaic" / "agent").mkdir(parents=True)
+    (tmp_path / "mosaic" / "__init__.py").write_text("")
+    (tmp_path / "mosaic" / "agent" / "__init__.py").write_text("")
+    (tmp_path / "mosaic" / "agent" / "a.py").write_text("from mosaic.agent.b import X\n")
+    (tmp_path / "mosaic" / "agent" / "b.py").write_text("def f():\n    from mosaic.agent import a\n")
+    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
+    mods = _modules()
+    assert _cycles(_graph(mods, function_level=False)) == []
+    assert _cycles(_graph(mods, function_level=True)) == [["mosaic.agent.a", "mosaic.agent.b"]]
