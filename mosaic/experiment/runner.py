@@ -33,6 +33,7 @@ from statistics import median
 import yaml
 
 from mosaic.experiment.spec import EvalSpec, Grid, RunSpec
+from mosaic.train.checkpoint import config_diff
 from mosaic.train.config import dump_config, load_config
 
 __all__ = ["Unit", "plan", "run_grid", "print_plan", "DONE", "run_dir", "warm_dir"]
@@ -68,6 +69,8 @@ class Unit:
     """Training config (runs) or evaluation config (warm start)."""
     eval_config_yaml: str
     run: RunSpec | None = None
+    drift: tuple[str, ...] = ()
+    """For a finished run: keys whose value in the run's saved ``config.yaml`` differs from today's resolution."""
 
     @property
     def todo(self) -> bool:
@@ -84,8 +87,34 @@ def _eval_done(d: Path, e: EvalSpec) -> bool:
         return False
 
 
-def plan(grid: Grid, work: Path) -> list[Unit]:
-    """Every unit of the grid with what is left to do (warm-start evaluations first)."""
+def _drift(saved: str, text: str) -> list[str]:
+    """Keys whose saved value differs from today's, leaving out the run dir and fields the saved config lacks
+    (added since, at a default that keeps the old behaviour)."""
+    return [x for x in config_diff(saved, text) if not x.startswith("train.run_dir:") and ": (absent) -> " not in x]
+
+
+def adopt(work: Path, r: RunSpec, text: str, *, rename: bool) -> Path:
+    """The run dir of ``r``; a dir of the same arm, setting and seed made under an older key (before a
+    config field was added) is taken over — renamed when ``rename`` — if its saved config differs only by
+    fields it lacks."""
+    d = run_dir(work, r)
+    if d.exists():
+        return d
+    for old in sorted((work / "runs").glob(f"{r.arm}-{r.setting}-s{r.seed}-*")):
+        saved = old / "config.yaml"
+        if old == d or not saved.exists():
+            continue
+        if not _drift(saved.read_text(), text):
+            if not rename:
+                return old
+            old.rename(d)
+            return d
+    return d
+
+
+def plan(grid: Grid, work: Path, *, rename: bool = False) -> list[Unit]:
+    """Every unit of the grid with what is left to do (warm-start evaluations first); ``rename`` takes
+    over run dirs made under an older key (:func:`adopt`), else they are only reported."""
     units, seen = [], set()
     for setting in grid.settings:
         d = warm_dir(work, grid, setting)
@@ -96,11 +125,13 @@ def plan(grid: Grid, work: Path) -> list[Unit]:
         units.append(Unit(f"warmstart/{d.name}", d, False, [e for e in grid.evals if not _eval_done(d, e)],
                           ecfg, ecfg))  # fmt: skip
     for r in grid.runs:
-        d = run_dir(work, r)
+        d = adopt(work, r, dump_config(r.config), rename=rename)
         cfg = dataclasses.replace(r.config, train=dataclasses.replace(r.config.train, run_dir=str(d)))
         ecfg = load_config(grid.preset, overrides=grid.eval_overrides(r.setting))
-        units.append(Unit(r.name, d, not (d / DONE).exists(), [e for e in grid.evals if not _eval_done(d, e)],
-                          dump_config(cfg), dump_config(ecfg), r))  # fmt: skip
+        done, text = (d / DONE).exists(), dump_config(cfg)
+        drift = tuple(_drift((d / "config.yaml").read_text(), text)) if done and (d / "config.yaml").exists() else ()
+        units.append(Unit(r.name, d, not done, [e for e in grid.evals if not _eval_done(d, e)],
+                          text, dump_config(ecfg), r, drift))  # fmt: skip
     return units
 
 
@@ -152,6 +183,9 @@ def print_plan(grid: Grid, units: list[Unit], work: Path, jobs: int, out=sys.std
         if u.train and (u.dir / "checkpoints").is_dir():
             state += " (resumes)"
         print(f"  {u.name:<48} {state:<22} ~{c / 60:5.1f} min", file=out)
+        if u.drift:
+            print(f"    warning: finished under another resolved config (a default changed?): {'; '.join(u.drift)}",
+                  file=out)  # fmt: skip
     print(f"estimated cost: {total / 60:.1f} CPU-job minutes, about {total / 60 / max(1, jobs):.1f} min wall with "
           f"--jobs {jobs} (per-rollout step {costs['step_s_per_rollout']:.2f} s, per eval trajectory "
           f"{costs['eval_s_per_traj']:.3f} s; {src})", file=out, flush=True)  # fmt: skip
@@ -182,7 +216,7 @@ def run_grid(grid: Grid, work: Path, *, jobs: int = 1, out=sys.stdout) -> int:
         shutil.copyfile(grid.path, work / "grid.yaml")
     else:
         (work / "grid.yaml").write_text(yaml.safe_dump({"name": grid.name}))
-    units = [u for u in plan(grid, work) if u.todo]
+    units = [u for u in plan(grid, work, rename=True) if u.todo]
     if not units:
         print(f"grid {grid.name}: everything is done", file=out)
         return 0

@@ -21,8 +21,8 @@ types, duplicate names, and every run's config (resolved with
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
+import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +30,7 @@ from typing import Any
 
 import yaml
 
-from mosaic.train.config import Config, ConfigError, dump_config, load_config
+from mosaic.train.config import Config, ConfigError, config_tree, load_config
 
 __all__ = ["GridError", "EvalSpec", "Grid", "RunSpec", "load_grid", "parse_grid", "QUICK_GRID"]
 
@@ -144,9 +144,22 @@ def _eval(v: Any, i: int) -> EvalSpec:
 
 
 def config_key(cfg: Config) -> str:
-    """Hash of the resolved config with the run dir left out (a run's identity)."""
-    text = dump_config(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, run_dir="-")))
+    """A run's identity: hash of its resolved config, leaving out the run dir and every field equal to its
+    class default (so adding a new field with a neutral default keeps finished runs finished; a changed
+    default is caught by the runner comparing each finished run's saved ``config.yaml``)."""
+    plain, default = config_tree(cfg), config_tree(Config())
+    plain["train"].pop("run_dir", None)
+
+    def diff(a, b):
+        if isinstance(a, dict):
+            return {k: d for k, v in a.items() if (d := diff(v, b.get(k) if isinstance(b, dict) else None)) is not _SAME}
+        return _SAME if a == b else a
+
+    text = json.dumps(diff(plain, default), sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+_SAME = object()
 
 
 def parse_grid(doc: Any, path: Path | None = None) -> Grid:

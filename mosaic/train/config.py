@@ -61,6 +61,7 @@ __all__ = [
     "load_config",
     "dump_config",
     "loads_config",
+    "config_tree",
     "config_keys",
     "apply_overrides",
     "EMBEDDED_PRESETS",
@@ -184,11 +185,12 @@ def _unknown(key: str) -> str:
     return f"unknown config key '{key}'{hint}"
 
 
-def _to_plain(obj: Any) -> Any:
+def config_tree(obj: Any) -> Any:
+    """A config (or section) as a plain tree of dicts, lists and scalars (what :func:`dump_config` writes)."""
     if is_dataclass(obj):
-        return {f.name: _to_plain(getattr(obj, f.name)) for f in fields(obj)}
+        return {f.name: config_tree(getattr(obj, f.name)) for f in fields(obj)}
     if isinstance(obj, tuple):
-        return [_to_plain(v) for v in obj]
+        return [config_tree(v) for v in obj]
     return obj
 
 
@@ -213,7 +215,7 @@ def preset_config(name: str = "cpu") -> Config:
         near = difflib.get_close_matches(name, list(PRESETS), n=1)
         hint = f" (did you mean '{near[0]}'?)" if near else ""
         raise ConfigError(f"unknown preset {name!r}{hint}; known: {', '.join(PRESETS)}")
-    tree = _merge(_to_plain(Config()), {"preset": name, **PRESETS[name]})
+    tree = _merge(config_tree(Config()), {"preset": name, **PRESETS[name]})
     return _build(Config, tree, "")
 
 
@@ -268,7 +270,7 @@ def load_config(preset: str | None = None, yaml_path: str | Path | None = None,
     if not isinstance(base_name, str):
         raise ConfigError(f"config key 'preset': must be a string (got {base_name!r})")
     base = preset_config(base_name)
-    tree = _merge(_to_plain(base), {k: v for k, v in doc.items() if k != "preset"})
+    tree = _merge(config_tree(base), {k: v for k, v in doc.items() if k != "preset"})
     tree["preset"] = base_name
     tree = apply_overrides(tree, overrides)
     return _build(Config, tree, "")
@@ -282,12 +284,12 @@ def loads_config(text: str) -> Config:
         raise ConfigError(f"config text is not valid YAML: {exc}") from None
     if not isinstance(doc, dict):
         raise ConfigError("config text must hold a mapping of sections")
-    return _build(Config, _merge(_to_plain(Config()), doc), "")
+    return _build(Config, _merge(config_tree(Config()), doc), "")
 
 
 def dump_config(cfg: Config) -> str:
     """The resolved config as YAML (loads back to an equal Config with :func:`load_config`)."""
-    return yaml.safe_dump(_to_plain(cfg), sort_keys=False, default_flow_style=False)
+    return yaml.safe_dump(config_tree(cfg), sort_keys=False, default_flow_style=False)
 
 
 def resolve_steps(cfg: Config, n_train_tasks: int) -> int:
