@@ -33,7 +33,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mosaic.trace.graph import Session, StateRef, Trajectory, validate  # noqa: E402
-from mosaic.train.scorer import _Host, _run_cached, ScoreStats, make_probe_fn, score_gains, score_turns  # noqa: E402
+from mosaic.agent.chat import make_probe_fn  # noqa: E402
+from mosaic.train.probes import Host, ScoreStats, run_cached  # noqa: E402
+from mosaic.train.scorer import score_gains, score_turns  # noqa: E402
 
 
 # --------------------------------------------------------------------------------------
@@ -149,9 +151,9 @@ def timed(fn, repeats: int, sync) -> tuple[float, object]:
 
 
 def logprob_pass(model, trajs, max_batch_tokens):
-    hosts = [_Host(tokens=s.tokens(), cuts=[], probe=([], (0, 0)), logprob_from=len(s.prompt_ids))
+    hosts = [Host(tokens=s.tokens(), cuts=[], probe=([], (0, 0)), logprob_from=len(s.prompt_ids))
              for t in trajs for s in t.sessions]
-    return _run_cached(model, hosts, ScoreStats(), max_batch_tokens=max_batch_tokens, max_batch_size=64,
+    return run_cached(model, hosts, ScoreStats(), max_batch_tokens=max_batch_tokens, max_batch_size=64,
                        temperature=1.0)[1]
 
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from mosaic.agent.tokenizer import CHAT_TEMPLATE
 
@@ -47,6 +47,38 @@ class Turn:
 
     ids: list[int]  # the tokens appended to the context (sampled + any inserted end-of-turn)
     loss_mask: list[bool]
+
+
+Probe = tuple[list[int], tuple[int, int]]
+"""``(suffix_ids, (start, end))``: the probe's token ids and the half-open span of y's tokens in them."""
+ProbeFn = Callable[[str], Probe]
+
+PROBE_TEMPLATE = f"{IM_START}assistant\n<answer>{{answer}}</answer>{IM_END}"
+"""The answer probe of the information gain (SPEC §4.4): the assistant turn that would state y."""
+
+
+def make_probe_fn(tokenizer, template: str = PROBE_TEMPLATE) -> ProbeFn:
+    """A ``probe_fn`` from a fast tokenizer: tokenise the whole probe text once and locate y's tokens
+    with character offsets (SPEC §4.4; never tokenise y alone). Tokens overlapping y's character span
+    count as y's tokens; results are cached per answer."""
+    if template.count("{answer}") != 1:
+        raise ValueError("probe template must contain '{answer}' exactly once")
+    head, _ = template.split("{answer}")
+    cache: dict[str, Probe] = {}
+
+    def probe(answer: str) -> Probe:
+        if answer in cache:
+            return cache[answer]
+        enc = tokenizer(template.replace("{answer}", answer), add_special_tokens=False, return_offsets_mapping=True)
+        ids, offs = list(enc["input_ids"]), list(enc["offset_mapping"])
+        a0, a1 = len(head), len(head) + len(answer)
+        inside = [i for i, (s, e) in enumerate(offs) if e > s and s < a1 and e > a0]
+        if not answer or not inside:
+            raise ValueError(f"answer {answer!r} has no tokens in the probe")
+        cache[answer] = (ids, (inside[0], inside[-1] + 1))
+        return cache[answer]
+
+    return probe
 
 
 class ChatFormat:
@@ -75,6 +107,7 @@ class ChatFormat:
                                               "<|endoftext|>") if t.startswith("<|")}, key=len, reverse=True)
         self.newline_ids = self.encode("\n")
         self.generation_header_ids: list[int] = self.encode(f"{IM_START}assistant\n")
+        self._probe = make_probe_fn(tokenizer)
         if check:
             self.check_prefix_preservation()
 
@@ -145,20 +178,11 @@ class ChatFormat:
     def user_delta(self, content: str) -> list[int]:
         return self.message_delta("user", content)
 
-    def answer_probe(self, answer: str) -> tuple[list[int], tuple[int, int]]:
+    def answer_probe(self, answer: str) -> Probe:
         """``(suffix_ids, (start, end))``: the probe ``<|im_start|>assistant\\n<answer>{y}</answer><|im_end|>``
         tokenised once; ``suffix_ids[start:end]`` are the tokens that overlap y's characters
-        (located with ``offset_mapping``, never by tokenising y separately)."""
-        head = f"{IM_START}assistant\n<answer>"
-        text = f"{head}{answer}</answer>{IM_END}"
-        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        ids, offsets = list(enc["input_ids"]), list(enc["offset_mapping"])
-        lo, hi = len(head), len(head) + len(answer)
-        inside = [i for i, (a, b) in enumerate(offsets) if b > a and a < hi and b > lo]
-        if not answer or not inside:
-            raise ValueError(f"answer {answer!r} has no tokens in the probe")
-        start, end = inside[0], inside[-1] + 1
-        return ids, (start, end)
+        (:func:`make_probe_fn`: located with ``offset_mapping``, never by tokenising y separately)."""
+        return self._probe(answer)
 
     # ------------------------------------------------------------------ the check
     def check_prefix_preservation(self, sample: list[dict] | None = None) -> None:
