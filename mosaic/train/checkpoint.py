@@ -34,7 +34,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import random
 import re
 import shutil
 import struct
@@ -43,10 +42,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-import numpy as np
 import torch
-from safetensors.torch import save_file
-from safetensors.torch import load_file
+import yaml
+from safetensors.torch import load_file, save_file
+
+from mosaic.train.config import config_diff
+from mosaic.train.rng import capture_rng, restore_rng
 
 __all__ = ["CheckpointState", "CheckpointError", "save_checkpoint", "load_checkpoint", "find_latest",
            "list_checkpoints", "is_complete", "verify_checkpoint", "resolve_resume", "capture_rng", "restore_rng",
@@ -108,52 +109,6 @@ def _sha256(p: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
-
-
-# --------------------------------------------------------------------------------------
-# RNG state.
-
-
-def capture_rng(generators: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """Python, numpy (global), torch CPU/CUDA and the named generators' states."""
-    np_state = np.random.get_state(legacy=False)
-    out: dict[str, Any] = {
-        "python": random.getstate(),
-        "numpy": {"bit_generator": np_state["bit_generator"], "key": torch.from_numpy(np_state["state"]["key"].astype(np.int64)),
-                  "pos": int(np_state["state"]["pos"]), "has_gauss": int(np_state["has_gauss"]),
-                  "gauss": float(np_state["gauss"])},  # fmt: skip
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-        "generators": {},
-    }
-    for name, g in (generators or {}).items():
-        if isinstance(g, torch.Generator):
-            out["generators"][name] = {"torch": g.get_state()}
-        elif isinstance(g, np.random.Generator):
-            out["generators"][name] = {"numpy": json.dumps(g.bit_generator.state)}
-        else:
-            raise TypeError(f"generator {name!r}: expected torch.Generator or numpy.random.Generator, got {type(g)}")
-    return out
-
-
-def restore_rng(state: dict[str, Any], generators: Mapping[str, Any] | None = None) -> None:
-    """Inverse of :func:`capture_rng`; every named generator must be in ``state``."""
-    py = state["python"]
-    random.setstate((py[0], tuple(py[1]), py[2]))
-    n = state["numpy"]
-    np.random.set_state({"bit_generator": n["bit_generator"], "state": {"key": n["key"].numpy().astype(np.uint32),
-                         "pos": n["pos"]}, "has_gauss": n["has_gauss"], "gauss": n["gauss"]})  # fmt: skip
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    for name, g in (generators or {}).items():
-        if name not in state["generators"]:
-            raise KeyError(f"checkpoint has no state for generator {name!r} (has {sorted(state['generators'])})")
-        s = state["generators"][name]
-        if isinstance(g, torch.Generator):
-            g.set_state(s["torch"])
-        else:
-            g.bit_generator.state = json.loads(s["numpy"])
 
 
 # --------------------------------------------------------------------------------------
@@ -483,41 +438,6 @@ _RESUME_FREE = ("train.resume", "train.resume_force", "train.run_dir")
 """Keys that may change on resume without notice (where to resume from, and the force switch itself)."""
 
 
-def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(node, dict):
-        out: dict[str, Any] = {}
-        for k, v in node.items():
-            out.update(_flatten(v, f"{prefix}{k}."))
-        return out
-    return {prefix[:-1]: node}
-
-
-def config_diff(old_yaml: str, new_yaml: str) -> list[str]:
-    """Dotted keys whose value differs between two resolved configs, one line each, sorted:
-    ``algo.estimator: 'mosaic' -> 'grpo'``; a key only in one of them shows ``(absent)``."""
-    import yaml
-
-    old, new = _flatten(yaml.safe_load(old_yaml) or {}), _flatten(yaml.safe_load(new_yaml) or {})
-    lines = []
-    for k in sorted(set(old) | set(new)):
-        a, b = old.get(k, _ABSENT), new.get(k, _ABSENT)
-        if a != b and not (isinstance(a, float) and isinstance(b, float) and a != a and b != b):
-            lines.append(f"{k}: {_show(a)} -> {_show(b)}")
-    return lines
-
-
-class _Absent:
-    def __repr__(self) -> str:
-        return "(absent)"
-
-
-_ABSENT = _Absent()
-
-
-def _show(v: Any) -> str:
-    return repr(list(v) if isinstance(v, tuple) else v)
-
-
 def check_resume_config(run_dir: str | Path, config_yaml: str, force: bool, *, state: Mapping[str, Any] | None = None
                         ) -> list[str]:  # fmt: skip
     """Compare the resolved config of a resumed run with the one it was started with.
@@ -530,8 +450,6 @@ def check_resume_config(run_dir: str | Path, config_yaml: str, force: bool, *, s
     if saved.is_file():
         changes = [ln for ln in config_diff(saved.read_text(), config_yaml) if not ln.startswith(_RESUME_FREE)]
     else:
-        import yaml
-
         new = (yaml.safe_load(config_yaml) or {}).get("algo", {}).get("estimator")
         old = (state or {}).get("estimator")
         changes = [f"algo.estimator: {old!r} -> {new!r}"] if old is not None and old != new else []

@@ -62,6 +62,7 @@ __all__ = [
     "dump_config",
     "loads_config",
     "config_tree",
+    "config_diff",
     "config_keys",
     "apply_overrides",
     "EMBEDDED_PRESETS",
@@ -290,6 +291,39 @@ def loads_config(text: str) -> Config:
 def dump_config(cfg: Config) -> str:
     """The resolved config as YAML (loads back to an equal Config with :func:`load_config`)."""
     return yaml.safe_dump(config_tree(cfg), sort_keys=False, default_flow_style=False)
+
+
+def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(node, dict):
+        out: dict[str, Any] = {}
+        for k, v in node.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: node}
+
+
+def config_diff(old_yaml: str, new_yaml: str) -> list[str]:
+    """Dotted keys whose value differs between two resolved configs, one line each, sorted:
+    ``algo.estimator: 'mosaic' -> 'grpo'``; a key only in one of them shows ``(absent)``."""
+    old, new = _flatten(yaml.safe_load(old_yaml) or {}), _flatten(yaml.safe_load(new_yaml) or {})
+    lines = []
+    for k in sorted(set(old) | set(new)):
+        a, b = old.get(k, _ABSENT), new.get(k, _ABSENT)
+        if a != b and not (isinstance(a, float) and isinstance(b, float) and a != a and b != b):
+            lines.append(f"{k}: {_show(a)} -> {_show(b)}")
+    return lines
+
+
+class _Absent:
+    def __repr__(self) -> str:
+        return "(absent)"
+
+
+_ABSENT = _Absent()
+
+
+def _show(v: Any) -> str:
+    return repr(list(v) if isinstance(v, tuple) else v)
 
 
 def resolve_steps(cfg: Config, n_train_tasks: int) -> int:

@@ -171,6 +171,7 @@ def lm_step(model, rows, opt: torch.optim.Optimizer, *, pad_id: int, device: tor
     return float(l_act.detach()), float(l_ctx.detach())
 
 
+# Long on purpose: one training loop whose state (model, optimiser, schedule, data stream, periodic validation and saving) lives in its locals.
 def pretrain(cfg: Config, pc: PretrainConfig, out: str | Path, *, progress: bool = True) -> dict:
     """Train the embedded base model ``cfg.model.embedded_preset`` and save it to ``out``."""
 

@@ -130,6 +130,7 @@ def _pack(lengths: Sequence[int], order: Sequence[int], max_tokens: int, max_bat
 
 
 @torch.no_grad()
+# Long on purpose: the host passes and the probe passes share the batch's KV caches and padding bookkeeping; split apart they would pass half a dozen tensors back and forth.
 def run_cached(model, hosts: list[Host], stats: ScoreStats, *, max_batch_tokens: int, max_batch_size: int,
                 temperature: float) -> tuple[list[dict[int, float]], list[torch.Tensor | None]]:  # fmt: skip
     dev = _model_device(model)
