@@ -20,10 +20,10 @@ States (SPEC §4.4), all at message boundaries:
 - subagent ("merge" mode): before = the parent's context before the assistant
   turn that called ``delegate``; after = the parent's context right after the
   result was appended.
-Each session's ``meta["boundaries"]`` lists every message boundary it passed (its
-prompt without the header, then the end of each turn's tool response): the
-turn-level probe points (SPEC §4.7). A session cut off mid-turn (policy error)
-ends at the boundary before its pending generation header.
+The turn-level probe points (SPEC §4.7) are derived from the recorded tokens by
+:func:`mosaic.trace.turn_boundaries` (the prompt without the header, then the end
+of each turn's tool response). A session cut off mid-turn (policy error) ends at
+the boundary before its pending generation header.
 
 Simplifications (ours): one tool call per turn (extra calls in the same message
 are ignored and counted); a compaction turn may exceed ``context_budget`` by the
@@ -167,7 +167,6 @@ class Harness:
                      depth: int, question: str) -> _Live:
         s = Session(id=len(run.traj.sessions), kind=kind, prompt_ids=list(prompt), parent=parent, edge=edge)
         s.meta["depth"] = depth
-        s.meta["boundaries"] = []  # context lengths at message boundaries (turn-level probe points)
         run.traj.sessions.append(s)
         live = _Live(s, f"{run.traj.id}/{s.id}", depth, question)
         run.stack.append(live)
@@ -179,7 +178,6 @@ class Harness:
                                  run.task.question)
         live.session.state_before = StateRef(session=live.session.id, upto=boundary)
         live.turn_start = boundary
-        live.session.meta["boundaries"].append(boundary)
         return live
 
     def _close(self, run: _Run, live: _Live, reason: str) -> None:
@@ -190,8 +188,6 @@ class Harness:
         end = live.length if live.at_boundary else live.turn_start
         if s.kind == "main":
             s.state_after = StateRef(session=s.id, upto=None if end == live.length else end)
-        if not s.meta["boundaries"] or s.meta["boundaries"][-1] != end:
-            s.meta["boundaries"].append(end)
         run.stack.remove(live)
         self.policy.release(live.key)
 
@@ -260,8 +256,6 @@ class Harness:
             return
         s = live.session
         live.turn_start = live.length
-        if s.meta["boundaries"][-1] != live.length:
-            s.meta["boundaries"].append(live.length)
         self._append(run, live, list(self.chat.generation_header_ids))
         live.at_boundary = False
 
@@ -282,7 +276,6 @@ class Harness:
         live = self._new_session(run, "compaction", prompt, main.session.id, "continues", 0, main.question)
         live.session.state_before = StateRef(session=main.session.id, upto=None)
         live.turn_start = len(prompt) - len(self.chat.generation_header_ids)
-        live.session.meta["boundaries"].append(live.turn_start)
         run.counters["compactions"] += 1
         return live
 
@@ -366,7 +359,6 @@ class Harness:
         child.session.state_before = StateRef(session=s.id, upto=live.turn_start)
         child.fork_boundary = live.turn_start
         child.turn_start = boundary
-        child.session.meta["boundaries"].append(boundary)
         run.counters["forks"] += 1
 
     def _return_to_parent(self, run: _Run, child: _Live, answer: str | None, reason: str) -> None:

@@ -11,7 +11,7 @@ from mosaic.trace.graph import (
     validate,
     validate_all,
 )
-from mosaic.trace.rows import FlatBatch, TrainingRow, TurnLayout, flatten, to_rows, turn_layout, turn_spans
+from mosaic.trace.rows import FlatBatch, TrainingRow, TurnLayout, flatten, to_rows, turn_boundaries, turn_layout, turn_spans
 from mosaic.trace.storage import (
     SCHEMA_VERSION,
     BadRecordWarning,
@@ -29,7 +29,7 @@ from mosaic.trace.storage import (
 __all__ = [
     "KIND_CODES", "Session", "StateRef", "TraceError", "Trajectory", "kind_names", "register_kind",
     "validate", "validate_all", "FlatBatch", "TrainingRow", "TurnLayout", "flatten", "to_rows", "turn_layout",
-    "turn_spans", "SCHEMA_VERSION", "BadRecordWarning",
+    "turn_spans", "turn_boundaries", "SCHEMA_VERSION", "BadRecordWarning",
     "JsonlWriter", "StorageError", "TornLineWarning", "iter_jsonl", "load_trajectories", "read_jsonl",
     "read_parquet", "write_jsonl", "write_parquet",
 ]

@@ -14,7 +14,7 @@ from typing import Sequence
 
 import numpy as np
 
-from mosaic.trace.graph import KIND_CODES, Trajectory
+from mosaic.trace.graph import KIND_CODES, Session, Trajectory
 
 
 @dataclass(frozen=True)
@@ -87,6 +87,28 @@ def turn_spans(loss_mask: Sequence[bool]) -> list[tuple[int, int]]:
         return []
     starts[0] = 0
     return [(a, b) for a, b in zip(starts, starts[1:] + [len(m)])]
+
+
+def turn_boundaries(session: Session, header_ids: Sequence[int] | None = None) -> list[int]:
+    """State lengths for turn-level probing: the prompt, then the end of every turn.
+
+    Turns are :func:`mosaic.trace.turn_spans` (a run of sampled tokens and the inserted
+    tokens after it, up to the next sampled run). Returns lengths into
+    ``prompt_ids + completion_ids``, increasing, starting at the prompt.
+
+    ``header_ids``: the chat format's generation header (``ChatFormat.generation_header_ids``,
+    ``<|im_start|>assistant\n``). The harness inserts it before every sampled
+    turn, so a raw boundary ends with it; it is cut off so that every state ends
+    at a message boundary and the answer probe (which brings its own header) is
+    appended cleanly, as for the session-level states.
+    """
+    p = len(session.prompt_ids)
+    toks = session.tokens()
+    raw = [p] + [p + end for _, end in turn_spans(session.loss_mask)]
+    if not header_ids:
+        return raw
+    h = list(header_ids)
+    return [c - len(h) if c >= len(h) and toks[c - len(h) : c] == h else c for c in raw]
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,7 @@ import torch
 
 from mosaic.agent.chat import PROBE_TEMPLATE, Probe, ProbeFn, make_probe_fn
 from mosaic.trace.graph import Session, StateRef, Trajectory
-from mosaic.trace.rows import turn_spans
+from mosaic.trace.rows import turn_boundaries, turn_spans
 from mosaic.train.probes import Host, ScoreStats, eval_mode, recompute_logprobs_reference, run_cached, run_reference
 
 __all__ = [
@@ -245,28 +245,6 @@ def score_gains(
 def score_reference(trajs: Sequence[Trajectory], model, probe_fn: ProbeFn) -> ScoreResult:
     """Slow reference: every unique state + probe encoded from scratch, one at a time."""
     return score_gains(trajs, model, probe_fn, method="reference")
-
-
-def turn_boundaries(session: Session, header_ids: Sequence[int] | None = None) -> list[int]:
-    """State lengths for turn-level probing: the prompt, then the end of every turn.
-
-    Turns are :func:`mosaic.trace.turn_spans` (a run of sampled tokens and the inserted
-    tokens after it, up to the next sampled run). Returns lengths into
-    ``prompt_ids + completion_ids``, increasing, starting at the prompt.
-
-    ``header_ids``: the chat format's generation header (``ChatFormat.generation_header_ids``,
-    ``<|im_start|>assistant\n``). The harness inserts it before every sampled
-    turn, so a raw boundary ends with it; it is cut off so that every state ends
-    at a message boundary and the answer probe (which brings its own header) is
-    appended cleanly, as for the session-level states.
-    """
-    p = len(session.prompt_ids)
-    toks = session.tokens()
-    raw = [p] + [p + end for _, end in turn_spans(session.loss_mask)]
-    if not header_ids:
-        return raw
-    h = list(header_ids)
-    return [c - len(h) if c >= len(h) and toks[c - len(h) : c] == h else c for c in raw]
 
 
 def score_turns(

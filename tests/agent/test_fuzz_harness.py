@@ -2,6 +2,8 @@
 
 import pytest
 
+from mosaic.trace import turn_boundaries
+
 from mosaic.agent.chat import ChatFormat
 from mosaic.agent.harness import Harness, HarnessConfig
 from _doubles import FUZZ_KINDS, FakeEnv, FakeTask, FuzzPolicy, RecordingPolicy
@@ -65,7 +67,7 @@ def test_fuzz_outputs_become_readable_errors(chat):
         for s in t.sessions:  # every state and probe point still ends at a message boundary
             refs = [r for r in (s.state_before, s.state_after) if r is not None]
             assert all(t.resolve_state(r)[-2:] == boundary for r in refs)
-            assert all(s.tokens()[:b][-2:] == boundary for b in s.meta["boundaries"])
+            assert all(s.tokens()[:b][-2:] == boundary for b in turn_boundaries(s, chat.generation_header_ids))
         # each invalid action left an error message the model can read, in a tool response
         errors = sum(sp.count("<tool_response>\nError (") for s in t.sessions for sp in inserted_text(chat, s))
         assert errors == t.meta["num_invalid"] + t.meta["subagent_failures"] + t.meta["tool_errors"]

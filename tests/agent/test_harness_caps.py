@@ -9,6 +9,7 @@ from mosaic.agent.harness import Harness, HarnessConfig
 from mosaic.agent.policy import GenResult
 from _doubles import FakeEnv, FakeTask, RecordingPolicy, TextPolicy
 from mosaic.agent.tokenizer import train_tokenizer
+from mosaic.trace import turn_boundaries
 
 SEARCH = '<tool_call>{"name": "search", "arguments": {"query": "Ruo Ces works"}}</tool_call>'
 DELEGATE = '<tool_call>{"name": "delegate", "arguments": {"question": "Who is Ruo Ces?"}}</tool_call>'
@@ -132,7 +133,7 @@ def test_policy_error_is_recorded(chat):
     for t in trajs:  # the end state excludes the generation header of the failed turn
         s = t.sessions[0]
         assert t.resolve_state(s.state_after) == t.resolve_state(s.state_before)
-        assert s.meta["boundaries"] == [s.state_before.upto]
+        assert turn_boundaries(s, chat.generation_header_ids) == [s.state_before.upto]
 
 
 def test_policy_returning_too_many_tokens_fails_loudly(chat):

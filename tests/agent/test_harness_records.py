@@ -10,7 +10,7 @@ from mosaic.agent.harness import MODES, DeepSearchEnv, Harness, HarnessConfig
 from _doubles import RecordingPolicy
 from mosaic.agent.models.corpus import build_project_tokenizer
 from mosaic.envs.deepsearch import load_split
-from mosaic.trace import JsonlWriter, read_jsonl, to_rows
+from mosaic.trace import JsonlWriter, read_jsonl, to_rows, turn_boundaries
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +79,7 @@ def test_every_state_ends_at_a_message_boundary(split, chat, mode):
                 toks = t.resolve_state(ref)
                 assert toks[-len(boundary):] == boundary, (t.id, s.id, s.kind, chat.decode(toks[-12:]))
             # turn-level probe points: increasing, at boundaries, from the prompt to the session's end
-            bounds = s.meta["boundaries"]
+            bounds = turn_boundaries(s, chat.generation_header_ids)
             assert bounds == sorted(set(bounds)) and len(bounds) >= 1
             full = s.tokens()
             for b in bounds:
