@@ -7,6 +7,7 @@ common: [harness.mode=compaction] # overrides every run gets
 arms:                             # arm name -> overrides (the estimator, the harness mode it needs)
   broadcast: [algo.estimator=broadcast]
   mosaic: [algo.estimator=mosaic]
+  fold: {overrides: [algo.estimator=fold], seeds: [0, 1, 2]}   # an arm with its own seeds
 settings:                         # optional: setting name -> overrides (e.g. a learning-rate sweep)
   base: []
 seeds: [0, 1, 2, 3, 4]            # train.seed of each run
@@ -91,6 +92,8 @@ class Grid:
     seeds: tuple[int, ...]
     evals: tuple[EvalSpec, ...]
     path: Path | None = None
+    arm_seeds: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    """Arms with their own seed list (``arms: {name: {overrides: [...], seeds: [...]}}``)."""
     runs: tuple[RunSpec, ...] = field(default=())
 
     def eval_overrides(self, setting: str) -> list[str]:
@@ -116,13 +119,27 @@ def _overrides(v: Any, where: str) -> tuple[str, ...]:
     return tuple(v)
 
 
-def _named(v: Any, where: str) -> dict[str, tuple[str, ...]]:
+def _named(v: Any, where: str, *, seeds: bool = False) -> tuple[dict[str, tuple[str, ...]], dict[str, tuple[int, ...]]]:
+    """name -> overrides; with ``seeds``, an entry may also be ``{overrides: [...], seeds: [...]}``."""
     _need(isinstance(v, dict) and len(v) > 0, where, "must be a non-empty mapping of name -> list of overrides")
-    out = {}
+    out, own_seeds = {}, {}
     for k, ov in v.items():
         _need(isinstance(k, str) and bool(_NAME.match(k)), f"{where}.{k}", "names use letters, digits, '_', '.', '-'")
+        if seeds and isinstance(ov, dict):
+            extra = set(ov) - {"overrides", "seeds"}
+            _need(not extra, f"{where}.{k}.{sorted(extra)[0] if extra else ''}", "unknown field (known: overrides, seeds)")
+            if "seeds" in ov:
+                own_seeds[k] = _seeds(ov["seeds"], f"{where}.{k}.seeds")
+            ov = ov.get("overrides")
         out[k] = _overrides(ov, f"{where}.{k}")
-    return out
+    return out, own_seeds
+
+
+def _seeds(v: Any, where: str) -> tuple[int, ...]:
+    _need(isinstance(v, list) and len(v) > 0 and all(isinstance(s, int) and not isinstance(s, bool) for s in v),
+          where, "must be a list of integers")  # fmt: skip
+    _need(len(set(v)) == len(v), where, "must not repeat")
+    return tuple(v)
 
 
 def _eval(v: Any, i: int) -> EvalSpec:
@@ -172,21 +189,21 @@ def parse_grid(doc: Any, path: Path | None = None) -> Grid:
     _need(isinstance(name, str) and bool(_NAME.match(name)), "name", "must be a simple name")
     preset = doc.get("preset", "cpu")
     _need(isinstance(preset, str), "preset", "must be a string")
-    seeds = doc.get("seeds", [0])
-    _need(isinstance(seeds, list) and len(seeds) > 0 and all(isinstance(s, int) and not isinstance(s, bool)
-                                                             for s in seeds), "seeds", "must be a list of integers")
-    _need(len(set(seeds)) == len(seeds), "seeds", "must not repeat")
+    seeds = _seeds(doc.get("seeds", [0]), "seeds")
     evals = doc.get("evals")
     _need(isinstance(evals, list) and len(evals) > 0, "evals", "must list at least one evaluation")
     ev = tuple(_eval(e, i) for i, e in enumerate(evals))
     _need(len({e.name for e in ev}) == len(ev), "evals", "names must be unique")
-    g = Grid(name=name, preset=preset, common=_overrides(doc.get("common"), "common"),
-             arms=_named(doc.get("arms"), "arms"), settings=_named(doc.get("settings") or {"base": []}, "settings"),
-             seeds=tuple(seeds), evals=ev, path=path)  # fmt: skip
+    arms, arm_seeds = _named(doc.get("arms"), "arms", seeds=True)
+    g = Grid(name=name, preset=preset, common=_overrides(doc.get("common"), "common"), arms=arms,
+             settings=_named(doc.get("settings") or {"base": []}, "settings")[0], seeds=seeds, evals=ev, path=path,
+             arm_seeds=arm_seeds)  # fmt: skip
     runs = []
-    for seed in g.seeds:  # seed-major: a grid stopped half-way has every arm on its first seeds
+    for seed in sorted(set(seeds).union(*arm_seeds.values())):  # seed-major: a half-done grid has every arm
         for setting, set_ov in g.settings.items():
             for arm, arm_ov in g.arms.items():
+                if seed not in arm_seeds.get(arm, seeds):
+                    continue
                 ov = [*g.common, *set_ov, *arm_ov, f"train.seed={seed}", "train.heldout_split=none"]
                 try:
                     cfg = load_config(preset, overrides=ov)

@@ -143,3 +143,39 @@ def test_runs_are_keyed_by_their_resolved_config():
     other = parse_grid({**QUICK_GRID, "common": [*QUICK_GRID["common"], "optim.lr=3e-4"]})
     assert not {r.key for r in other.runs} & {r.key for r in g.runs}
     assert [r.seed for r in g.runs] == [0, 0, 1, 1]  # seed-major: a half-finished grid has every arm
+
+
+def test_an_arm_can_have_its_own_seeds():
+    g = parse_grid({**QUICK_GRID, "arms": {"mosaic": ["algo.estimator=mosaic"],
+                                           "fold": {"overrides": ["algo.estimator=fold"], "seeds": [1]}}})
+    assert [(r.arm, r.seed) for r in g.runs] == [("mosaic", 0), ("mosaic", 1), ("fold", 1)]
+    with pytest.raises(GridError, match="arms.fold.seed"):
+        parse_grid({**QUICK_GRID, "arms": {"fold": {"overrides": [], "seed": [1]}}})
+
+
+def test_a_run_made_under_an_older_key_is_taken_over(tmp_path):
+    from mosaic.experiment.runner import DONE, plan, run_dir
+    from mosaic.train.config import dump_config
+
+    g = parse_grid(QUICK_GRID)
+    r = g.runs[0]
+    old = tmp_path / "runs" / f"{r.arm}-{r.setting}-s{r.seed}-00000000"
+    old.mkdir(parents=True)
+    saved = yaml.safe_load(dump_config(r.config))
+    del saved["train"]["resume_force"]  # a field added after the run finished
+    saved["train"]["run_dir"] = str(old)
+    (old / "config.yaml").write_text(yaml.safe_dump(saved))
+    (old / DONE).write_text("{}")
+    units = {u.name: u for u in plan(g, tmp_path)}
+    assert not units[r.name].train and units[r.name].dir == old  # reported, not renamed, in a plan
+    plan(g, tmp_path, rename=True)
+    assert run_dir(tmp_path, r).is_dir() and not old.exists()
+    # a run whose saved config differs in a real value is not taken over
+    other = g.runs[1]
+    odd = tmp_path / "runs" / f"{other.arm}-{other.setting}-s{other.seed}-11111111"
+    odd.mkdir(parents=True)
+    changed = yaml.safe_load(dump_config(other.config))
+    changed["optim"]["lr"] = 0.5
+    (odd / "config.yaml").write_text(yaml.safe_dump(changed))
+    plan(g, tmp_path, rename=True)
+    assert odd.exists() and not run_dir(tmp_path, other).exists()
