@@ -1,10 +1,12 @@
 """Advantage estimators by name: one batch type, one call signature, metrics.
 
 The trainer picks an estimator with ``get_estimator(name)`` and knows nothing of
-the algorithm behind it. Every estimator returns per-session advantages (S,) —
-one training row per session — plus a flat dict of metrics.
+the algorithm behind it. An estimator returns per-session advantages (S,) — one
+training row per session — or, when its ``level`` is ``"turn"``, per-turn
+advantages (U,) that the trainer spreads over each turn's tokens; plus a flat dict
+of metrics.
 
-| name | per-session advantage |
+| name | advantage |
 | --- | --- |
 | ``grpo`` | single-session GRPO: ``A_i`` on the trajectory's one session (fails loud on more) |
 | ``broadcast`` | ``A_i`` copied to every session (SPEC §4.2) |

@@ -28,6 +28,7 @@ from typing import Callable, Literal
 from mosaic.envs.export import SYSTEM_PROMPT
 from mosaic.envs.questions import Task
 from mosaic.envs.search import SearchIndex, format_hits
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 _PROXY = re.compile(r"\w+|[^\w\s]")
 
@@ -58,7 +59,6 @@ class CalibrationConfig:
 
 
 def train_bpe(texts: list[str], vocab_size: int) -> Callable[[str], int]:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -19,6 +19,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from mosaic.envs.questions import Hop, Task
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 DATA_SOURCE = "mosaic/deepsearch"
 ABILITY = "deep-search"
@@ -58,8 +60,6 @@ def row_to_task(row: dict) -> Task:
 
 def export_parquet(tasks: list[Task], path: str | Path) -> Path:
     """Write ``tasks`` as a verl-layout Parquet file; returns the path."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -69,7 +69,6 @@ def export_parquet(tasks: list[Task], path: str | Path) -> Path:
 
 
 def read_rows(path: str | Path) -> list[dict]:
-    import pyarrow.parquet as pq
 
     return pq.read_table(path).to_pylist()
 

@@ -27,6 +27,10 @@ from pathlib import Path
 from typing import Literal
 
 from mosaic.envs.world import World
+from bm25s.stopwords import STOPWORDS_EN
+import Stemmer
+import bm25s
+import numpy as np
 
 INDEX_FORMAT = 1
 _TOKEN = re.compile(r"(?u)\b\w\w+\b")  # bm25s's default token pattern
@@ -49,13 +53,11 @@ class SearchHit:
 
 @functools.lru_cache(maxsize=1)
 def _stopwords() -> frozenset[str]:
-    from bm25s.stopwords import STOPWORDS_EN
 
     return frozenset(STOPWORDS_EN)
 
 
 def _stemmer():
-    import Stemmer
 
     return Stemmer.Stemmer("english")
 
@@ -71,7 +73,6 @@ class SearchIndex:
     def __init__(self, world: World, cache_dir: str | Path | None = None, *,
                  snippet_tokens: int = DEFAULT_SNIPPET_TOKENS,
                  snippet_mode: Literal["passage", "lead"] = "passage", persist: bool = True):
-        import bm25s
 
         if snippet_tokens < 1:
             raise ValueError(f"snippet_tokens must be >= 1, got {snippet_tokens}")
@@ -124,7 +125,6 @@ class SearchIndex:
         terms = self._terms(query)
         if not terms:
             return []
-        import numpy as np
 
         # bm25s's own top-k (argpartition over every document, mostly zeros) was 3x slower
         # here than partitioning only the non-zero scores; ties go to the earlier document.

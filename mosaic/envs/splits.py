@@ -24,6 +24,7 @@ from typing import Literal
 from mosaic.envs.questions import Task, make_tasks
 from mosaic.envs.search import DEFAULT_SNIPPET_TOKENS, SearchIndex, default_cache_dir
 from mosaic.envs.world import World, WorldConfig, generate_world
+from mosaic.envs.names import name_key
 
 SPLITS = ("train", "validation", "test")
 SPLIT_INDEX = {s: i for i, s in enumerate(SPLITS)}
@@ -135,7 +136,6 @@ def load_split(split: str, config: SplitConfig | None = None, cache_dir: str | P
 
 def check_disjoint(worlds: dict[str, World]) -> None:
     """Raise ValueError if two worlds share an entity name (normalised) or a seed."""
-    from mosaic.envs.names import name_key
 
     items = list(worlds.items())
     for i, (a, wa) in enumerate(items):

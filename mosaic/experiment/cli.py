@@ -1,4 +1,7 @@
-"""``mosaic experiment GRID.yaml`` (run a grid) and ``mosaic experiment report WORK_DIR``."""
+"""``mosaic experiment GRID.yaml`` (run a grid) and ``mosaic experiment report WORK_DIR``.
+
+The runner, report and config modules load torch: they are imported inside the commands so that
+``mosaic --help`` stays fast (the same rule for every ``*/cli.py``)."""
 
 from __future__ import annotations
 

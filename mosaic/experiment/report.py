@@ -23,6 +23,7 @@ from mosaic.experiment.runner import DONE, run_dir, warm_dir
 from mosaic.experiment.spec import Grid, load_grid
 from mosaic.train.runlog import read_metrics
 from mosaic.train.stats import compare_arms, detectable_difference, holm, seed_question_ci
+from mosaic.experiment.plots import make_plots
 
 __all__ = ["collect", "write_report"]
 
@@ -183,7 +184,6 @@ def _md_table(t: dict) -> list[str]:
 
 def write_report(work: Path, out: Path) -> list[Path]:
     """Write ``report.md``, ``results.json`` and ``plots/*.png`` for the grid in ``work``."""
-    from mosaic.experiment.plots import make_plots
 
     grid = load_grid(work / "grid.yaml")
     data = collect(grid, work)

@@ -29,6 +29,8 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from mosaic.trace.graph import StateRef, TraceError, Trajectory, validate
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 SCHEMA = "mosaic.trajectory"
 SCHEMA_VERSION = 1
@@ -256,7 +258,6 @@ def write_jsonl(path: str | os.PathLike, trajs: Iterable[Trajectory]) -> int:
 
 
 def _arrow_schema():
-    import pyarrow as pa
 
     ref = pa.struct([("session", pa.int32()), ("upto", pa.int64()), ("state", pa.int32())])
     session = pa.struct(
@@ -303,8 +304,6 @@ def _ref_row(ref: StateRef | None):
 
 def write_parquet(path: str | os.PathLike, trajs: Iterable[Trajectory]) -> int:
     """Write trajectories to a Parquet file (atomically: temp file, then rename)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
 
     rows = []
     for t in trajs:
@@ -357,8 +356,6 @@ def read_parquet(path: str | os.PathLike, *, lenient: bool = False) -> list[Traj
     Foreign or broken files (no or bad Mosaic metadata, a missing column) raise
     :class:`StorageError`; a bad row raises it naming ``file: row i`` and the field, or is skipped
     with a :class:`BadRecordWarning` when ``lenient=True``."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
 
     path = Path(path)
     if not path.exists():

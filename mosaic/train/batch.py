@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from mosaic.core.estimators import AdvantageBatch, Estimator, EstimatorParams, get_estimator
-from mosaic.trace.graph import Trajectory, kind_names
+from mosaic.trace.graph import KIND_CODES, Trajectory, kind_names
 from mosaic.trace.rows import TrainingRow, TurnLayout, flatten, to_rows, turn_layout, turn_spans
 from mosaic.train.config import AlgoConfig, Config
 from mosaic.train.scorer import score_gains, score_turns
@@ -61,7 +61,7 @@ def advantage_batch(trajs: Sequence[Trajectory], gains=None, *, count_kinds: Seq
         if turn_gains is not None:
             turns["turn_gains"] = torch.as_tensor(turn_gains, dtype=torch.float32)
         if context_budget is not None:
-            main = fb.kinds[layout.session] == 0  # KIND_CODES["main"]
+            main = fb.kinds[layout.session] == KIND_CODES["main"]
             turns["turn_over_half"] = torch.from_numpy(main & (layout.context > context_budget / 2))
     return AdvantageBatch(
         rewards=torch.from_numpy(fb.rewards), group_ids=torch.from_numpy(fb.group_ids),

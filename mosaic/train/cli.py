@@ -8,6 +8,8 @@ before any work. ``--print-config`` prints the resolved YAML and exits.
 flags (``eval --checkpoint`` that is missing or does not verify, ``compare``
 with a missing file, ``--n-boot 0``, ``--ci 2``) exit with status 2 and one
 line naming the flag.
+
+The trainer modules (torch) are imported inside the commands so that ``mosaic --help`` stays fast.
 """
 
 from __future__ import annotations

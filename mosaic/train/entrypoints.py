@@ -25,20 +25,17 @@ from pathlib import Path
 
 import torch
 
+from mosaic.agent.models.embedded import save_model
+from mosaic.trace import load_trajectories, write_jsonl
 from mosaic.train import setup
-from mosaic.train.checkpoint import check_resume_config, load_checkpoint, save_checkpoint
+from mosaic.train.checkpoint import check_resume_config, find_latest, load_checkpoint, resolve_resume, save_checkpoint
 from mosaic.train.config import Config, dump_config, resolve_steps
 from mosaic.train.evaluate import evaluate, paired_outcomes
 from mosaic.train.optim import build_optimizer, build_scheduler
 from mosaic.train.rl import RLState, make_reference, rl_step
 from mosaic.train.runlog import RunLogger, write_summary
-from mosaic.train.stats import paired_bootstrap
-from mosaic.train.checkpoint import resolve_resume
-from mosaic.agent.models.embedded import save_model
-from mosaic.trace import load_trajectories, write_jsonl
 from mosaic.train.sft import expert_trajectories, sft_train
-from mosaic.train.checkpoint import find_latest
-from mosaic.train.evaluate import evaluate
+from mosaic.train.stats import paired_bootstrap
 
 __all__ = ["RunPlan", "prepare_run", "run_train", "run_sft", "run_eval", "ensure_warm_start"]
 

@@ -28,25 +28,22 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
 
-from mosaic.train.config import Config
-from mosaic.train.setup import BASE_MODELS_DIR, base_model_dir
 from mosaic.agent.expert import ExpertPolicy
 from mosaic.agent.harness import DeepSearchEnv, Harness
+from mosaic.agent.models.corpus import build_generator_tokenizer
+from mosaic.agent.models.embedded import EmbeddedModelConfig, build_model, load_model, save_model
 from mosaic.envs.splits import load_split, split_config
 from mosaic.trace import to_rows
-from mosaic.train.batching import pack_rows
-from mosaic.train.sft import expert_noise
-from mosaic.train.batching import PackedRow
-import torch.nn.functional as F
-from mosaic.train.batching import collate
-from tqdm.auto import tqdm
-from mosaic.agent.models.embedded import EmbeddedModelConfig, build_model, save_model
-from mosaic.agent.models.corpus import build_generator_tokenizer
 from mosaic.train import setup
+from mosaic.train.batching import PackedRow, collate, pack_rows
+from mosaic.train.config import Config
 from mosaic.train.evaluate import evaluate
 from mosaic.train.optim import lr_factor
-from mosaic.agent.models.embedded import load_model
+from mosaic.train.setup import BASE_MODELS_DIR, base_model_dir  # noqa: F401  (re-exported: where the base models live)
+from mosaic.train.sft import expert_noise
 
 log = logging.getLogger(__name__)
 

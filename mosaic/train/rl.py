@@ -90,6 +90,34 @@ def rollout(st: RLState, tasks: Sequence, step: int) -> list[Trajectory]:
     return harness.run(tasks, group_size=cfg.train.group_size, seed=cfg.train.seed + step, step=step)
 
 
+def _accumulate_gradients(st: RLState, packed, w_rows: torch.Tensor, *, temperature: float) -> dict[str, float]:
+    """Backward the loss of every micro-batch of ``packed`` (weights from the whole mini-batch) and
+    combine their metrics: weighted ones add up, extrema combine."""
+    cfg = st.cfg
+    out: dict[str, float] = {}
+    for micro in micro_batches(packed, range(len(packed)), cfg.optim.micro_batch_size):
+        batch = collate(packed, micro, pad_id=st.tokenizer.pad_token_id).to(st.device)
+        lp, ent = completion_logprobs(st.model, batch, temperature=temperature, with_entropy=True)
+        ref_lp = None
+        if st.ref_model is not None and cfg.algo.kl_coef > 0:
+            with torch.no_grad():
+                ref_lp, _ = completion_logprobs(st.ref_model, batch, temperature=temperature)
+        w = batch.token_weights(w_rows)  # (R, Lc): each token carries its session's weight
+        res = policy_loss(lp, batch.old_logprobs, batch.advantages, batch.loss_mask, w,
+                          clip_low=cfg.algo.clip_low, clip_high=cfg.algo.clip_high,
+                          clip_ratio_c=cfg.algo.clip_ratio_c, ref_logprobs=ref_lp,
+                          kl_coef=cfg.algo.kl_coef, entropy=ent)  # fmt: skip
+        res.loss.backward()
+        for k, v in res.metrics.items():
+            if k.endswith("_max"):
+                out[k] = max(out.get(k, v), v)
+            elif k.endswith("_min"):
+                out[k] = min(out.get(k, v), v)
+            else:
+                out[k] = out.get(k, 0.0) + v
+    return out
+
+
 def update(st: RLState, rows, *, temperature: float) -> dict[str, float]:
     """PPO epochs × mini-batches (split by trajectory) × micro-batches; returns averaged metrics."""
     cfg = st.cfg
@@ -114,28 +142,7 @@ def update(st: RLState, rows, *, temperature: float) -> dict[str, float]:
             # Sessions whose ids prefix another session's (main → its compaction) train in one pass.
             packed = pack_rows(rows, idx)
             st.optimizer.zero_grad(set_to_none=True)
-            mb_metrics: dict[str, float] = {}
-            for micro in micro_batches(packed, range(len(packed)), o.micro_batch_size):
-                batch = collate(packed, micro, pad_id=st.tokenizer.pad_token_id).to(st.device)
-                lp, ent = completion_logprobs(model, batch, temperature=temperature, with_entropy=True)
-                ref_lp = None
-                if st.ref_model is not None and cfg.algo.kl_coef > 0:
-                    with torch.no_grad():
-                        ref_lp, _ = completion_logprobs(st.ref_model, batch, temperature=temperature)
-                w = batch.token_weights(w_rows)  # (R, Lc): each token carries its session's weight
-                out = policy_loss(lp, batch.old_logprobs, batch.advantages, batch.loss_mask, w,
-                                  clip_low=cfg.algo.clip_low, clip_high=cfg.algo.clip_high,
-                                  clip_ratio_c=cfg.algo.clip_ratio_c, ref_logprobs=ref_lp,
-                                  kl_coef=cfg.algo.kl_coef, entropy=ent)  # fmt: skip
-                out.loss.backward()
-                for k, v in out.metrics.items():
-                    # weighted metrics add up over micro-batches; extrema combine
-                    if k.endswith("_max"):
-                        mb_metrics[k] = max(mb_metrics.get(k, v), v)
-                    elif k.endswith("_min"):
-                        mb_metrics[k] = min(mb_metrics.get(k, v), v)
-                    else:
-                        mb_metrics[k] = mb_metrics.get(k, 0.0) + v
+            mb_metrics = _accumulate_gradients(st, packed, w_rows, temperature=temperature)
             clip = o.grad_clip if o.grad_clip > 0 else float("inf")
             gn = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
             mb_metrics["actor/grad_norm"] = float(gn)

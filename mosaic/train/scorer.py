@@ -48,25 +48,12 @@ from typing import Literal, Sequence
 
 import torch
 
-from mosaic.agent.chat import PROBE_TEMPLATE, Probe, ProbeFn, make_probe_fn
+from mosaic.agent.chat import Probe, ProbeFn
 from mosaic.trace.graph import Session, StateRef, Trajectory
 from mosaic.trace.rows import turn_boundaries, turn_spans
-from mosaic.train.probes import Host, ScoreStats, eval_mode, recompute_logprobs_reference, run_cached, run_reference
+from mosaic.train.probes import Host, ScoreStats, eval_mode, run_cached, run_reference
 
-__all__ = [
-    "Probe",
-    "ProbeFn",
-    "PROBE_TEMPLATE",
-    "make_probe_fn",
-    "ScoreStats",
-    "ScoreResult",
-    "TurnScoreResult",
-    "score_gains",
-    "score_reference",
-    "score_turns",
-    "turn_boundaries",
-    "recompute_logprobs_reference",
-]
+__all__ = ["ScoreResult", "TurnScoreResult", "score_gains", "score_reference", "score_turns"]
 
 @dataclass
 class ScoreResult:

@@ -18,15 +18,14 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+from tqdm.auto import tqdm
 
+from mosaic.agent.expert import ExpertNoise, ExpertPolicy
+from mosaic.agent.harness import DeepSearchEnv, Harness
 from mosaic.trace import Trajectory, to_rows
 from mosaic.train.batching import collate, completion_logprobs, pack_rows
 from mosaic.train.config import Config
 from mosaic.train.optim import lr_factor
-from mosaic.agent.expert import ExpertNoise
-from mosaic.agent.expert import ExpertPolicy
-from mosaic.agent.harness import DeepSearchEnv, Harness
-from tqdm.auto import tqdm
 
 log = logging.getLogger(__name__)
 

@@ -31,6 +31,7 @@ from typing import Literal
 
 import numpy as np
 from statistics import NormalDist
+from itertools import combinations
 
 __all__ = ["wilson_ci", "accuracy_ci", "AccuracyCI", "paired_bootstrap", "PairedComparison",
            "load_outcomes", "align_outcomes", "compare_outcome_files", "format_comparison", "sign_test",
@@ -298,7 +299,6 @@ def seed_permutation_test(a, b) -> float:
     come from one distribution: every split of the pooled runs into groups of S_a and S_b
     (``scipy.stats.permutation_test`` with ``permutation_type='independent'`` and all splits). The unit
     is the training run, so seed-to-seed variance is in the test; with 5 + 5 seeds the smallest p is 2/252."""
-    from itertools import combinations
 
     a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
     pooled = np.concatenate([a, b])

@@ -4,14 +4,10 @@ import pytest
 import torch
 
 from mosaic.trace import flatten
-from mosaic.train.scorer import (
-    make_probe_fn,
-    recompute_logprobs_reference,
-    score_gains,
-    score_reference,
-    score_turns,
-    turn_boundaries,
-)
+from mosaic.agent.chat import make_probe_fn
+from mosaic.trace import turn_boundaries
+from mosaic.train.probes import recompute_logprobs_reference
+from mosaic.train.scorer import score_gains, score_reference, score_turns
 
 from .conftest import tiny_model
 from .trajs import compaction_chain, fork

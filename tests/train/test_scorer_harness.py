@@ -50,7 +50,8 @@ def test_scorer_matches_reference_on_harness_rollouts(rollouts):
 
 
 def test_turn_states_end_at_message_boundaries(rollouts):
-    from mosaic.train.scorer import score_turns, turn_boundaries
+    from mosaic.trace import turn_boundaries
+    from mosaic.train.scorer import score_turns
 
     chat, trajs = rollouts
     tok = chat.tokenizer
