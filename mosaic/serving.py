@@ -29,6 +29,22 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def address_error(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be served, as one line naming ``--port`` / ``--host``, or None.
+
+    For the serving CLIs' argument checks, before any work: a port outside [0, 65535], or a bind
+    that fails (address in use, a host that does not resolve or is not local). The trial socket
+    is closed at once.
+    """
+    if not 0 <= port <= 65535:
+        return f"--port must be in [0, 65535] (0: any free port), got {port}"
+    try:
+        bind(host, port).close()
+    except OSError as exc:
+        return f"--host {host} --port {port}: cannot bind ({exc.strerror or exc})"
+    return None
+
+
 def socket_url(sock: socket.socket) -> str:
     host, port = sock.getsockname()[:2]
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"

@@ -8,15 +8,23 @@ ones); a summary table follows. Harness fields: the named flags or
 ``--set key=value`` for any :class:`~mosaic.agent.harness.HarnessConfig` field;
 ``--set noise.<field>=rate`` for the expert's :class:`~mosaic.agent.expert.ExpertNoise`.
 Model-backed policies import torch inside the command, so ``mosaic --help`` stays fast.
+
+Bad arguments (a count below its minimum, a non-finite or out-of-range number, an
+unknown or ill-typed ``--set``, a missing model or tokenizer directory, an
+unwritable ``--out``) exit with status 2 and one line naming the flag, before any
+work; never a traceback. ``--n-tasks`` must be >= 1 (leave it out for every task
+of the split; ``0`` or a negative count is an error, not "all").
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 from collections import Counter
 from io import StringIO
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
@@ -28,7 +36,7 @@ from mosaic.agent.harness import DeepSearchEnv, Harness
 from mosaic.agent.models import load_any
 from mosaic.agent.models.corpus import build_project_tokenizer
 from mosaic.agent.tokenizer import load_tokenizer, save_tokenizer
-from mosaic.envs.cli import parse_value
+from mosaic.envs.cli import EXIT_USAGE, UsageError, parse_value
 from mosaic.envs.splits import load_split, split_config
 from mosaic.trace import JsonlWriter
 
@@ -50,7 +58,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--preset", default="paper", choices=("paper", "cpu"))
     p.add_argument("--seed", type=int, default=0, help="data seed (split worlds) and rollout seed")
     p.add_argument("--cache-dir", default=None, help="split cache (default: $MOSAIC_CACHE or ~/.cache/mosaic)")
-    p.add_argument("--n-tasks", type=int, default=None, help="first N tasks of the split (default: all)")
+    p.add_argument("--n-tasks", type=int, default=None,
+                   help="first N tasks of the split, N >= 1 (default: all)")
     p.add_argument("--group-size", type=int, default=1, help="rollouts per task (G)")
     p.add_argument("--mode", default="compaction", choices=("single", "compaction", "fork", "compaction+fork"))
     p.add_argument("--context-budget", type=int, default=None)
@@ -65,34 +74,104 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--out", required=True, help="JSONL file (appended)")
     p.add_argument("--no-progress", action="store_true")
-    p.set_defaults(func=_run)
+    p.set_defaults(func=_guarded)
+
+
+def _guarded(args: argparse.Namespace) -> int:
+    """Run ``rollout``; a bad argument is one line on stderr and exit status 2."""
+    try:
+        return _run(args)
+    except UsageError as exc:
+        print(f"mosaic rollout: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+_HARNESS_FLAGS = ("context_budget", "max_new_tokens", "max_sessions", "max_turns")
 
 
 def _configs(args: argparse.Namespace):
-    h = {"mode": args.mode}
-    for flag in ("context_budget", "max_new_tokens", "max_sessions", "max_turns"):
+    """The harness config and expert noise of the flags and ``--set`` items; :class:`UsageError`
+    naming the flag or item that is malformed, unknown or out of range."""
+    h, given = {"mode": args.mode}, {"mode": f"--mode {args.mode}"}
+    for flag in _HARNESS_FLAGS:
         if getattr(args, flag) is not None:
             h[flag] = getattr(args, flag)
+            given[flag] = f"--{flag.replace('_', '-')} {getattr(args, flag)}"
     n = {}
+    known = {f.name for f in dataclasses.fields(HarnessConfig)}
+    noise_known = {f.name for f in dataclasses.fields(ExpertNoise)}
     for item in args.overrides:
         if "=" not in item:
-            raise SystemExit(f"--set expects KEY=VALUE, got {item!r}")
+            raise UsageError(f"--set expects KEY=VALUE, got {item!r}")
         key, value = item.split("=", 1)
         if key.startswith("noise."):
-            n[key[len("noise."):]] = float(value)
+            field = key[len("noise."):]
+            if field not in noise_known:
+                raise UsageError(f"--set {item}: unknown noise field {field!r}; known: {sorted(noise_known)}")
+            try:
+                n[field] = float(value)
+            except ValueError:
+                raise UsageError(f"--set {item}: {key} must be a number (a rate in [0, 1])") from None
+            if not math.isfinite(n[field]):
+                raise UsageError(f"--set {item}: {key} must be finite")
+        elif key not in known:
+            raise UsageError(f"--set {item}: unknown harness field {key!r}; known: {sorted(known)}")
         else:
             h[key] = parse_value(value)
-    known = {f.name for f in dataclasses.fields(HarnessConfig)}
-    bad = sorted(set(h) - known)
-    if bad:
-        raise SystemExit(f"unknown harness field(s) {bad}; known: {sorted(known)}")
+        given[key] = f"--set {item}"
     try:
         cfg = HarnessConfig(**h)
-        base = ExpertNoise.off() if args.noise == "off" else ExpertNoise()
+    except (TypeError, ValueError) as exc:
+        # name the flag that set the field the message is about (HarnessConfig.<field>: ...)
+        culprit = next((g for k, g in given.items() if f"HarnessConfig.{k}:" in str(exc)), None)
+        if culprit is None:  # e.g. a comparison of an ill-typed value: name every flag given
+            culprit = " ".join(g for k, g in given.items() if k != "mode")
+        raise UsageError(f"{culprit}: bad value ({exc})") from None
+    base = ExpertNoise.off() if args.noise == "off" else ExpertNoise()
+    try:
         noise = dataclasses.replace(base, **n)
     except (TypeError, ValueError) as exc:
-        raise SystemExit(str(exc)) from None
+        culprit = next((g for k, g in given.items() if f"ExpertNoise.{k.removeprefix('noise.')}:" in str(exc)),
+                       "--set noise.*")
+        raise UsageError(f"{culprit}: {exc}") from None
     return cfg, noise
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    """Counts, numbers and paths, checked before any work (see the module docstring)."""
+    if args.n_tasks is not None and args.n_tasks < 1:
+        raise UsageError(f"--n-tasks must be >= 1 (leave it out for all tasks), got {args.n_tasks}")
+    if args.group_size < 1:
+        raise UsageError(f"--group-size must be >= 1, got {args.group_size}")
+    if args.seed < 0:
+        raise UsageError(f"--seed must be >= 0, got {args.seed}")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise UsageError(f"--temperature must be a finite number >= 0, got {args.temperature}")
+    if not (0 < args.top_p <= 1):  # (NaN fails too)
+        raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.policy == "local":
+        if not args.model:
+            raise UsageError("--policy local needs --model DIR (or 'smollm2')")
+        if args.model != "smollm2" and not Path(args.model).is_dir():
+            raise UsageError(f"--model {args.model}: neither 'smollm2' nor an existing directory")
+    if args.policy == "openai" and not args.base_url.startswith(("http://", "https://")):
+        raise UsageError(f"--base-url {args.base_url}: expected an http:// or https:// URL")
+    if args.tokenizer and args.tokenizer != "smollm2" and not Path(args.tokenizer).is_dir():
+        raise UsageError(f"--tokenizer {args.tokenizer}: neither 'smollm2' nor an existing directory")
+    for flag, value in (("--cache-dir", args.cache_dir), ("--save-tokenizer", args.save_tokenizer)):
+        if value is not None and _blocked(Path(value), is_dir=True):
+            raise UsageError(f"{flag} {value}: not a directory")
+    if _blocked(Path(args.out), is_dir=False):
+        raise UsageError(f"--out {args.out}: cannot write a file there")
+
+
+def _blocked(path: Path, *, is_dir: bool) -> bool:
+    """True when ``path`` (a directory if ``is_dir``, else a file) cannot be made: it exists as the
+    other kind, or an existing ancestor is not a directory."""
+    if path.exists():
+        return path.is_dir() != is_dir
+    ancestor = next((p for p in path.parents if p.exists()), None)
+    return ancestor is not None and not ancestor.is_dir()
 
 
 def _tokenizer(args, split, model_tok):
@@ -107,13 +186,12 @@ def _tokenizer(args, split, model_tok):
 
 
 def _run(args: argparse.Namespace) -> int:
+    _check_args(args)
     cfg, noise = _configs(args)
     split = load_split(args.split, split_config(args.split, args.preset, seed=args.seed), args.cache_dir)
-    tasks = split.tasks[: args.n_tasks] if args.n_tasks else split.tasks
+    tasks = split.tasks if args.n_tasks is None else split.tasks[: args.n_tasks]
     model = model_tok = None
     if args.policy == "local":
-        if not args.model:
-            raise SystemExit("--policy local needs --model DIR (or 'smollm2')")
         model, model_tok = load_any(args.model, device=args.device)
     tok = _tokenizer(args, split, model_tok)
     if args.save_tokenizer:

@@ -25,6 +25,14 @@ The turn-level probe points (SPEC §4.7) are derived from the recorded tokens by
 of each turn's tool response). A session cut off mid-turn (policy error) ends at
 the boundary before its pending generation header.
 
+Text from outside is made safe once, where it enters (issue 11): a tool call's
+argument (:func:`~mosaic.agent.tools.parse_action`), a tool's result, a task's
+question and answer, a policy's error message. Lone surrogates (a JSON
+``"\\udfff"`` escape in a call) become U+FFFD, so no string can crash
+tokenisation, storage or JSON; each text replaced is counted in the
+trajectory's ``meta["sanitized_text"]``. A tool that returns something other
+than text is a counted ``tool_error``.
+
 Simplifications (ours): one tool call per turn (extra calls in the same message
 are ignored and counted); a compaction turn may exceed ``context_budget`` by the
 instruction and ``summary_max_new_tokens`` (the model's positional limit must
@@ -48,7 +56,7 @@ from mosaic.agent.config import (  # noqa: F401  (re-exported: the harness API)
     HarnessConfig, Mode,
 )
 from mosaic.agent.policy import GenRequest, GenResult, Policy
-from mosaic.agent.tools import Action, parse_action
+from mosaic.agent.tools import Action, parse_action, safe_text
 from mosaic.envs.rewards import score_answer
 from mosaic.envs.search import format_hits
 from mosaic.trace.graph import Session, StateRef, Trajectory, validate
@@ -91,6 +99,7 @@ class _Run:
     traj: Trajectory
     task: object
     sample: int
+    question: str = ""  # the task's question, made safe
     stack: list[_Live] = field(default_factory=list)
     done: bool = False
     total_turns: int = 0
@@ -125,7 +134,10 @@ class Harness:
                 traj = Trajectory(id=f"{gid}/{g}", task_id=task.id, group_id=gid, sessions=[],
                                   ground_truth=task.answer)
                 run = _Run(traj, task, g)
-                self._open_main(run, task.question, parent=None)
+                run.question = self._safe(run, task.question)
+                if isinstance(task.answer, str):
+                    traj.ground_truth = self._safe(run, task.answer)
+                self._open_main(run, run.question, parent=None)
                 runs.append(run)
         self._seed = seed
         bar = None
@@ -175,7 +187,7 @@ class Harness:
     def _open_main(self, run: _Run, user: str, parent: int | None) -> _Live:
         prompt, boundary = self.chat.initial_prompt(self.config.system_text(0), user)
         live = self._new_session(run, "main", prompt, parent, None if parent is None else "continues", 0,
-                                 run.task.question)
+                                 run.question)
         live.session.state_before = StateRef(session=live.session.id, upto=boundary)
         live.turn_start = boundary
         return live
@@ -282,7 +294,7 @@ class Harness:
     def _apply(self, run: _Run, req: GenRequest, res: GenResult) -> None:
         live = run.stack[-1]
         if res.finish_reason == "error":
-            run.traj.meta["error"] = res.error or "policy error"
+            run.traj.meta["error"] = self._safe(run, str(res.error or "policy error"))
             self._end_trajectory(run, "policy_error")
             return
         _check_result(req, res)
@@ -290,7 +302,7 @@ class Harness:
         if live.session.kind == "compaction":
             summary = text.replace("<|im_end|>", "").strip()  # (other specials: sanitised in the prompt)
             self._close(run, live, "summary")
-            new = self._open_main(run, self.config.resume_text(run.task.question, summary), parent=live.session.id)
+            new = self._open_main(run, self.config.resume_text(run.question, summary), parent=live.session.id)
             live.session.state_after = new.session.state_before
             return
         self._act(run, live, self._parse(live, text), text)
@@ -317,13 +329,15 @@ class Harness:
         allowed = ("search", "delegate") if cfg.forks else ("search",)
         action = parse_action(text, allowed, max_arg_chars=cfg.max_arg_chars)
         if action.kind == "call" and action.name == "delegate" and live.depth >= cfg.max_depth:
-            action = Action("invalid", error="delegate_depth", message=(
+            action = Action("invalid", error="delegate_depth", sanitized=action.sanitized, message=(
                 f"Error (delegate_depth): helpers at depth {live.depth} cannot delegate (limit "
                 f"{cfg.max_depth}); search yourself."))
         return action
 
     def _act(self, run: _Run, live: _Live, action: Action, text: str) -> None:
         """Carry out a main or subagent session's action: answer, invalid, search or delegate."""
+        if action.sanitized:  # its argument was made safe by parse_action
+            run.counters["sanitized_text"] += 1
         if action.kind == "answer":
             if live.session.kind == "subagent":
                 self._return_to_parent(run, live, action.answer or "", "answer")
@@ -342,12 +356,22 @@ class Harness:
             else:
                 self._delegate(run, live, action.argument)
 
+    def _safe(self, run: _Run, text: str) -> str:
+        """``text`` from outside made safe (:func:`safe_text`); a replacement is counted."""
+        text, changed = safe_text(text)
+        if changed:
+            run.counters["sanitized_text"] += 1
+        return text
+
     def _search(self, run: _Run, query: str) -> str:
         try:
-            return self.env.search(query, self.config.search_k)
+            out = self.env.search(query, self.config.search_k)
+            if not isinstance(out, str):
+                raise TypeError(f"the environment returned {type(out).__name__}, not text")
         except Exception as exc:  # a tool failure is visible to the model and in metrics
             run.counters["tool_errors"] += 1
-            return f"Error (tool_error): search failed: {type(exc).__name__}: {exc}"
+            out = f"Error (tool_error): search failed: {type(exc).__name__}: {exc}"
+        return self._safe(run, out)
 
     def _delegate(self, run: _Run, live: _Live, question: str) -> None:
         if len(run.traj.sessions) + 1 > self.config.max_sessions:
@@ -395,6 +419,7 @@ class Harness:
             "subagent_answers": run.counters["subagent_answers"],
             "subagent_failures": run.counters["subagent_failures"],
             "tool_errors": run.counters["tool_errors"],
+            "sanitized_text": run.counters["sanitized_text"],
         })
         hook = getattr(self.policy, "trajectory_meta", None)
         if callable(hook):

@@ -1,4 +1,9 @@
-"""``mosaic serve``: an OpenAI-compatible server over a local model (see :mod:`mosaic.agent.server`)."""
+"""``mosaic serve``: an OpenAI-compatible server over a local model (see :mod:`mosaic.agent.server`).
+
+Bad flags (a missing model directory, a port outside [0, 65535] or one that cannot be bound,
+``--max-batch-size 0``, a device torch does not know) exit with status 2 and one line naming
+the flag, before the model loads; never a traceback.
+"""
 
 from __future__ import annotations
 
@@ -26,7 +31,28 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run)
 
 
+def _args_error(args: argparse.Namespace) -> str | None:
+    """Bad flags, checked before the model loads (``load_any`` names a missing ``--model``): one
+    line naming the flag, or None."""
+    from mosaic.serving import address_error  # lazy: uvicorn
+
+    for flag, value in (("--max-batch-size", args.max_batch_size), ("--default-max-tokens", args.default_max_tokens)):
+        if value < 1:
+            return f"{flag} must be >= 1, got {value}"
+    try:
+        import torch  # lazy: seconds
+
+        torch.device(args.device)
+    except (RuntimeError, ValueError) as exc:
+        return f"--device {args.device!r}: not a torch device ({str(exc).splitlines()[0][:120]})"
+    return address_error(args.host, args.port)
+
+
 def _run(args: argparse.Namespace) -> int:
+    bad = _args_error(args)
+    if bad:
+        print(f"mosaic serve: {bad}", file=sys.stderr)
+        return 2
     from mosaic.agent.server import create_app  # lazy: torch, FastAPI; keeps `mosaic --help` fast
     from mosaic.serving import run_server  # lazy: uvicorn
 

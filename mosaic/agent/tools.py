@@ -7,11 +7,20 @@ the same rule the reward uses). Everything else that is not exactly one well-for
 call of an available tool is an *invalid action* with a type (counted in the
 trajectory's metrics) and a message the model reads as the tool response.
 Parsing never raises.
+
+Text safety (issue 11): decoded model output is always valid Unicode, but a JSON
+escape such as ``"\\udfff"`` in a tool call decodes to a lone surrogate, which no
+tokenizer, UTF-8 file or Parquet column accepts. :func:`safe_text` is the one
+rule for text entering the agent loop from outside (a tool call's argument here;
+a tool's result and a task's text in the harness): each lone surrogate becomes
+U+FFFD and the caller counts the text as sanitised (``Action.sanitized``; the
+trajectory's ``meta["sanitized_text"]``).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -37,12 +46,25 @@ _CALL_HINT = ('Call a tool with <tool_call>{"name": "search", "arguments": {"que
               "or answer with <answer>NAME</answer>.")
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def safe_text(text: str) -> tuple[str, bool]:
+    """``(text, changed)``: ``text`` with every lone surrogate (U+D800..U+DFFF) replaced by U+FFFD,
+    so it encodes as UTF-8 (tokenizers, JSONL, Parquet); ``changed`` says whether any was replaced.
+    Everything else (NUL, control characters, any valid code point) is kept as it is."""
+    if _SURROGATE.search(text) is None:
+        return text, False
+    return _SURROGATE.sub("\ufffd", text), True
+
+
 @dataclass(frozen=True)
 class Action:
     """What one assistant message asks for.
 
     ``kind``: ``answer`` (``answer`` holds the extracted text, possibly None when empty),
     ``call`` (``name`` + ``argument``), or ``invalid`` (``error`` type + ``message``).
+    ``sanitized``: the call's argument held lone surrogates, replaced by :func:`safe_text`.
     """
 
     kind: Literal["answer", "call", "invalid"]
@@ -52,6 +74,7 @@ class Action:
     error: str = ""
     message: str = ""
     extra_calls: int = 0
+    sanitized: bool = False
     meta: dict[str, Any] = field(default_factory=dict)
 
 
@@ -98,7 +121,8 @@ def parse_action(text: str, tools: tuple[str, ...], *, max_arg_chars: int = 512)
     if len(value) > max_arg_chars:
         return _invalid("argument_too_long", f"the {key} has {len(value)} characters; the limit is "
                                              f"{max_arg_chars}.")
-    return Action("call", name=name, argument=value, extra_calls=extra)
+    value, sanitized = safe_text(value)
+    return Action("call", name=name, argument=value, extra_calls=extra, sanitized=sanitized)
 
 
 def error_texts() -> list[str]:

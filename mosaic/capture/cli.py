@@ -6,21 +6,36 @@
     mosaic proxy scripted-upstream --port 8001       # the deterministic test upstream (mosaic.testing)
 
 The servers import FastAPI inside their commands, so ``mosaic --help`` stays fast.
+
+Bad arguments (a port outside [0, 65535] or one that cannot be bound, a
+non-positive or non-finite ``--timeout`` / ``--max-body-mb``, ``--retries -1``, an
+upstream that is not an http(s) URL, a missing ``--records`` or ``--tokenizer``,
+an ``--out`` that cannot be written, a bad ``--rule``, an unset ``--api-key-env``)
+exit with status 2 and one line naming the flag, before any work. ``export``
+skips a record with a bad field (and the rest of its rollout) with a warning
+naming ``file:line`` and the field, and counts it (``bad_records``); a records
+file it cannot read at all (a broken line, a foreign schema) is one line and
+status 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import math
 import os
 import sys
 import warnings
 from dataclasses import fields
+from pathlib import Path
 
 from mosaic.agent.tokenizer import load_tokenizer
 from mosaic.capture.reconstruct import ReconstructionRules, reconstruct
-from mosaic.capture.records import load_records
+from mosaic.capture.records import BadRecordWarning, RecordError, load_records
 from mosaic.capture.wire import retokenize
+from mosaic.envs.cli import EXIT_USAGE, UsageError
+from mosaic.trace.graph import TraceError, validate
 from mosaic.trace.storage import write_jsonl, write_parquet
 
 
@@ -44,16 +59,75 @@ def _add_serve_args(p: argparse.ArgumentParser, *, required: bool) -> None:
     p.add_argument("--log-level", default="warning")
 
 
+def _guarded(fn):
+    """Run a ``proxy`` command; a bad argument is one line on stderr and exit status 2."""
+
+    @functools.wraps(fn)
+    def cmd(args) -> int:
+        try:
+            return fn(args)
+        except UsageError as exc:
+            name = getattr(args, "proxy_command", None) or "serve"
+            print(f"mosaic proxy {name}: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+
+    return cmd
+
+
+def _dir_blocked(path: Path) -> bool:
+    """True when directory ``path`` cannot be made: it is a file, or an existing ancestor is one."""
+    if path.exists():
+        return not path.is_dir()
+    ancestor = next((p for p in path.parents if p.exists()), None)
+    return ancestor is not None and not ancestor.is_dir()
+
+
+def _check_serve_args(args) -> None:
+    from mosaic.serving import address_error  # lazy: uvicorn
+
+    if not args.upstream.startswith(("http://", "https://")):
+        raise UsageError(f"--upstream {args.upstream}: expected an http:// or https:// URL")
+    if not args.out:
+        raise UsageError("--out DIR is required")
+    if _dir_blocked(Path(args.out)):
+        raise UsageError(f"--out {args.out}: not a directory")
+    for flag, value in (("--max-body-mb", args.max_body_mb), ("--timeout", args.timeout)):
+        if not (math.isfinite(value) and value > 0):
+            raise UsageError(f"{flag} must be a finite number > 0, got {value}")
+    if args.retries < 0:
+        raise UsageError(f"--retries must be >= 0, got {args.retries}")
+    if args.tokenizer is not None and not Path(args.tokenizer).is_dir():
+        raise UsageError(f"--tokenizer {args.tokenizer}: no such directory")
+    bad = address_error(args.host, args.port)
+    if bad:
+        raise UsageError(bad)
+
+
+def _check_export_args(args) -> None:
+    records = Path(args.records)
+    if not records.exists():
+        raise UsageError(f"--records {records}: no such file or directory")
+    if records.is_dir() and not any(records.glob("*.jsonl")):
+        raise UsageError(f"--records {records}: no *.jsonl record files in this directory")
+    out = Path(args.out)
+    if out.suffix not in (".jsonl", ".parquet"):
+        raise UsageError(f"--out {args.out}: use a .jsonl or .parquet file")
+    if out.is_dir() or _dir_blocked(out.parent):
+        raise UsageError(f"--out {args.out}: cannot write a file there")
+    if args.tokenizer is not None and not Path(args.tokenizer).is_dir():
+        raise UsageError(f"--tokenizer {args.tokenizer}: no such directory")
+
+
 def register(subparsers) -> None:
     p = subparsers.add_parser("proxy", help="recording OpenAI-compatible proxy: capture any harness's sessions",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_serve_args(p, required=False)
-    p.set_defaults(func=_cmd_proxy, _proxy_parser=p)
+    p.set_defaults(func=_guarded(_cmd_proxy), _proxy_parser=p)
     sub = p.add_subparsers(dest="proxy_command", metavar="SUBCOMMAND")
 
     s = sub.add_parser("serve", help="run the recording proxy in front of an upstream")
     _add_serve_args(s, required=True)
-    s.set_defaults(func=_cmd_serve)
+    s.set_defaults(func=_guarded(_cmd_serve))
 
     e = sub.add_parser("export", help="rebuild session graphs from records and write trajectories")
     e.add_argument("--records", required=True, help="records directory (or a records .jsonl file)")
@@ -62,7 +136,7 @@ def register(subparsers) -> None:
                    help="re-tokenize calls recorded without token ids (marked retokenized)")
     e.add_argument("--rule", action="append", default=[], metavar="KEY=VALUE",
                    help="override a ReconstructionRules field (value parsed as JSON, else a string)")
-    e.set_defaults(func=_cmd_export)
+    e.set_defaults(func=_guarded(_cmd_export))
 
     u = sub.add_parser("scripted-upstream", help="run the deterministic scripted OpenAI-compatible test server")
     u.add_argument("--host", default="127.0.0.1")
@@ -82,24 +156,24 @@ def _cmd_proxy(args) -> int:
     return _cmd_serve(args)
 
 
-def _env(var: str | None) -> str | None:
+def _env(var: str | None, flag: str) -> str | None:
     if var is None:
         return None
     val = os.environ.get(var)
     if not val:
-        raise SystemExit(f"error: environment variable {var} is not set")
+        raise UsageError(f"{flag} {var}: environment variable {var} is not set")
     return val
 
 
 def _cmd_serve(args) -> int:
+    _check_serve_args(args)
+    api_key = _env(args.api_key_env, "--api-key-env")
+    upstream_key = _env(args.upstream_api_key_env, "--upstream-api-key-env")
     from mosaic.capture.proxy import ProxyConfig, serve  # lazy: FastAPI, httpx
 
-    if not args.out:
-        print("error: --out DIR is required", file=sys.stderr)
-        return 2
     cfg = ProxyConfig(
         upstream=args.upstream, out_dir=args.out, host=args.host, port=args.port,
-        api_key=_env(args.api_key_env), upstream_api_key=_env(args.upstream_api_key_env),
+        api_key=api_key, upstream_api_key=upstream_key,
         max_body_bytes=int(args.max_body_mb * 1024 * 1024), timeout_s=args.timeout, retries=args.retries,
         tokenizer=args.tokenizer, request_token_ids=not args.no_token_ids_flag, fsync=args.fsync,
     )
@@ -113,9 +187,9 @@ def parse_rules(pairs: list[str]) -> ReconstructionRules:
     for pair in pairs:
         key, sep, raw = pair.partition("=")
         if not sep:
-            raise SystemExit(f"error: --rule {pair!r}: expected KEY=VALUE")
+            raise UsageError(f"--rule {pair!r}: expected KEY=VALUE")
         if key not in names:
-            raise SystemExit(f"error: --rule {key!r}: unknown rule (known: {', '.join(sorted(names))})")
+            raise UsageError(f"--rule {key!r}: unknown rule (known: {', '.join(sorted(names))})")
         try:
             val = json.loads(raw)
         except json.JSONDecodeError:
@@ -124,38 +198,57 @@ def parse_rules(pairs: list[str]) -> ReconstructionRules:
     try:
         return ReconstructionRules(**kw)
     except (TypeError, ValueError) as exc:
-        raise SystemExit(f"error: --rule: {exc}") from None
+        raise UsageError(f"--rule {' '.join(pairs)}: {exc}") from None
 
 
 def export(records: str, out: str, *, tokenizer: str | None = None, rules=None) -> dict:
-    """Records → trajectories file; returns a summary dict (rollouts, sessions by kind, skipped)."""
-    calls, rewards = load_records(records)
-    fixed = 0
-    if tokenizer:  # the recorded model's own: no template is guessed
-        tok = load_tokenizer(tokenizer, fallback_template=None)
-        for c in calls:
-            if c.error and c.error.startswith("no token ids"):
-                retokenize(c, tok)
-                fixed += 1
+    """Records → trajectories file; returns a summary dict (rollouts, sessions by kind, skipped).
+
+    A record with a bad field is skipped with its rollout and a warning naming ``file:line`` and the
+    field (``bad_records`` counts them); a rebuilt rollout that is not a valid trajectory is skipped
+    with a warning naming it (``invalid_rollouts``), so nothing is written that the readers reject.
+    """
+    if not (out.endswith(".parquet") or out.endswith(".jsonl")):
+        raise UsageError(f"--out {out!r}: use a .jsonl or .parquet file")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trajs = reconstruct(calls, rewards, rules)
+        calls, rewards = load_records(records, lenient=True)
+        bad_records = sum(issubclass(w.category, BadRecordWarning) and "skipped with rollout" in str(w.message)
+                          for w in caught)
+        fixed = 0
+        if tokenizer:  # the recorded model's own: no template is guessed
+            tok = load_tokenizer(tokenizer, fallback_template=None)
+            for c in calls:
+                if c.error and c.error.startswith("no token ids"):
+                    retokenize(c, tok)
+                    fixed += 1
+        trajs, invalid = [], 0
+        for t in reconstruct(calls, rewards, rules):
+            try:
+                trajs.append(validate(t))
+            except TraceError as exc:
+                invalid += 1
+                warnings.warn(f"rollout {t.id!r}: not a valid trajectory, skipped ({exc})", stacklevel=2)
     if out.endswith(".parquet"):
         write_parquet(out, trajs)
     elif out.endswith(".jsonl"):
         write_jsonl(out, trajs)
-    else:
-        raise SystemExit(f"error: --out {out!r}: use a .jsonl or .parquet file")
     kinds: dict[str, int] = {}
     for t in trajs:
         for k, n in t.count_kinds().items():
             kinds[k] = kinds.get(k, 0) + n
     return {"calls": len(calls), "rollouts": len(trajs), "sessions": kinds, "retokenized_now": fixed,
+            "bad_records": bad_records, "invalid_rollouts": invalid,
             "warnings": [str(w.message) for w in caught], "out": out}
 
 
 def _cmd_export(args) -> int:
-    summary = export(args.records, args.out, tokenizer=args.tokenizer, rules=parse_rules(args.rule))
+    _check_export_args(args)
+    rules = parse_rules(args.rule)
+    try:
+        summary = export(args.records, args.out, tokenizer=args.tokenizer, rules=rules)
+    except RecordError as exc:  # a file that cannot be read at all: a broken line, a foreign schema
+        raise UsageError(f"--records {args.records}: {exc}") from None
     for w in summary.pop("warnings"):
         print(f"warning: {w}", file=sys.stderr)
     print(json.dumps(summary))

@@ -15,16 +15,30 @@ Lines are flushed one by one as calls finish, so a killed proxy loses at most
 the line being written; a torn last line is cut off (kept in ``.torn``) before
 appending and skipped with a warning when reading, exactly as
 ``mosaic.trace.storage`` does for trajectories.
+
+Reading checks each record's fields strictly (types never coerced: ``"abc"`` is
+not a token id list, ``"1"`` not a reward; token ids in ``[0, 2**31)``, finite
+log-probs ``<= 0``, a reward in ``[0, 1]``): the first bad one raises
+:class:`RecordError` naming ``file:line`` and the field, or, with
+``load_records(path, lenient=True)`` (what ``mosaic proxy export`` uses), is
+skipped with a :class:`BadRecordWarning` naming them, together with every other
+record of its rollout (a rollout missing a call or its reward would be rebuilt
+wrong).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import warnings
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Iterator
 
+from mosaic.trace.graph import (
+    TraceError, _check_ids, _check_logprobs, _dict, _float_list, _int, _int_list, _list, _number, _str,
+)
 from mosaic.trace.storage import LineAppender, iter_json_lines
 
 RECORD_SCHEMA = "mosaic.capture"
@@ -45,6 +59,34 @@ def content_text(content: Any) -> str:
 
 class RecordError(ValueError):
     """A records file or line that cannot be read; the message names the file and line."""
+
+
+class BadRecordWarning(UserWarning):
+    """``lenient=True``: a record with a bad field was skipped with its rollout (the message says where)."""
+
+
+def _check_call(d: dict[str, Any]) -> None:
+    """Strict types and ranges of a call record's fields (:class:`TraceError` naming the field)."""
+    for name in ("call_id", "rollout_id", "endpoint"):
+        _str(d[name], name)
+    _int(d["seq"], "seq")
+    for name in ("prompt_ids", "completion_ids"):
+        if name in d:
+            _check_ids(_int_list(d[name], name), name)
+    if "logprobs" in d:
+        _check_logprobs(_float_list(d["logprobs"], "logprobs"), "logprobs")
+    for name in ("model", "text"):
+        if name in d:
+            _str(d[name], name)
+    for name in ("prompt", "finish_reason", "error"):
+        if name in d:
+            _str(d[name], name, optional=True)
+    for name in ("messages", "tools", "tool_calls"):
+        if name in d:
+            _list(d[name], name)
+    for name in ("request_params", "headers"):
+        if name in d:
+            _dict(d[name], name)
 
 
 @dataclass
@@ -118,6 +160,10 @@ class CallRecord:
         missing = [k for k in ("call_id", "rollout_id", "seq", "endpoint") if k not in d]
         if missing:
             raise RecordError(f"call record is missing field(s) {missing}")
+        try:
+            _check_call(d)
+        except TraceError as exc:
+            raise RecordError(f"call record {exc}") from None
         return CallRecord(**{k: v for k, v in d.items() if k in names})
 
 
@@ -152,6 +198,18 @@ class RewardRecord:
         names = {f.name for f in fields(RewardRecord)}
         if "rollout_id" not in d or "reward" not in d:
             raise RecordError("reward record needs 'rollout_id' and 'reward'")
+        try:
+            _str(d["rollout_id"], "rollout_id")
+            r = _number(d["reward"], "reward")
+            if not 0.0 <= r <= 1.0:  # (NaN too)
+                raise TraceError(f"field 'reward': {r} is not a number in [0, 1]")
+            for name in ("ground_truth", "answer", "task_id", "group_id"):
+                _str(d.get(name), name, optional=True)
+            if not math.isfinite(_number(d.get("t", 0.0), "t")):
+                raise TraceError("field 't': must be finite")
+            _dict(d.get("meta"), "meta")
+        except TraceError as exc:
+            raise RecordError(f"reward record {exc}") from None
         return RewardRecord(**{k: v for k, v in d.items() if k in names})
 
 
@@ -186,11 +244,14 @@ def _record_files(path: Path) -> list[Path]:
     return [path]
 
 
-def iter_records(path: str | os.PathLike) -> Iterator[CallRecord | RewardRecord]:
+def iter_records(path: str | os.PathLike, *, on_bad=None) -> Iterator[CallRecord | RewardRecord]:
     """Yield the records of a file, or of every ``*.jsonl`` file in a directory.
 
     A torn last line is skipped with a :class:`TornLineWarning`; a broken line
     anywhere else, a foreign schema or a newer version raises :class:`RecordError`.
+    A record whose fields are missing or bad raises :class:`RecordError` naming
+    ``file:line`` and the field, or, when ``on_bad`` is given, is passed to
+    ``on_bad(error, raw_object)`` (which may raise) and skipped.
     """
     for file in _record_files(Path(path)):
         for where, obj in iter_json_lines(file, error=RecordError):
@@ -208,16 +269,38 @@ def iter_records(path: str | os.PathLike) -> Iterator[CallRecord | RewardRecord]
                 else:
                     raise RecordError(f"unknown record type {kind!r}")
             except (RecordError, TypeError) as exc:
-                raise RecordError(f"{where}: {exc}") from None
+                if on_bad is None or kind not in ("call", "reward"):
+                    raise RecordError(f"{where}: {exc}") from None
+                on_bad(RecordError(f"{where}: {exc}"), obj)
 
 
-def load_records(path: str | os.PathLike) -> tuple[list[CallRecord], dict[str, RewardRecord]]:
-    """All call records (in file order) and the last reward posted per rollout."""
+def load_records(path: str | os.PathLike, *, lenient: bool = False) -> tuple[list[CallRecord], dict[str, RewardRecord]]:
+    """All call records (in file order) and the last reward posted per rollout.
+
+    ``lenient``: a call or reward record with a bad field is skipped with a :class:`BadRecordWarning`
+    naming ``file:line`` and the field, and so is every record of its rollout (one summary warning
+    counts them); a bad record whose rollout cannot be told still raises :class:`RecordError`.
+    """
+    bad: dict[str, str] = {}  # rollout id -> where its first bad record is
+
+    def skip(exc: RecordError, obj: dict) -> None:
+        rid = obj.get("rollout_id")
+        if not lenient or not isinstance(rid, str):
+            raise exc
+        bad.setdefault(rid, str(exc).split(": ", 1)[0])
+        warnings.warn(f"{exc} (skipped with rollout {rid!r})", BadRecordWarning, stacklevel=3)
+
     calls: list[CallRecord] = []
     rewards: dict[str, RewardRecord] = {}
-    for rec in iter_records(path):
+    for rec in iter_records(path, on_bad=skip):
         if isinstance(rec, CallRecord):
             calls.append(rec)
         else:
             rewards[rec.rollout_id] = rec
+    if bad:
+        calls = [c for c in calls if c.rollout_id not in bad]
+        rewards = {k: v for k, v in rewards.items() if k not in bad}
+        warnings.warn(f"{path}: skipped {len(bad)} rollout(s) with a bad record: "
+                      + ", ".join(f"{rid!r} ({where})" for rid, where in list(bad.items())[:5]),
+                      BadRecordWarning, stacklevel=2)
     return calls, rewards

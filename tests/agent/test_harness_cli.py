@@ -26,11 +26,46 @@ def test_rollout_expert_streams_jsonl(tmp_path, capsys):
     assert all(t.meta["forks"] >= 1 for t in read_jsonl(out2))
 
 
-def test_rollout_rejects_bad_overrides(tmp_path):
-    with pytest.raises(SystemExit, match="unknown harness field"):
-        main(["rollout", "--preset", "cpu", "--out", str(tmp_path / "x.jsonl"), "--set", "bogus=1"])
-    with pytest.raises(SystemExit, match="HarnessConfig.context_budget"):
-        main(["rollout", "--preset", "cpu", "--out", str(tmp_path / "x.jsonl"), "--context-budget", "0"])
+@pytest.mark.parametrize("argv, fragment", [
+    (["--set", "bogus=1"], "--set bogus=1: unknown harness field 'bogus'"),
+    (["--context-budget", "0"], "--context-budget 0: bad value (HarnessConfig.context_budget"),
+    (["--set", "noise.wrong_query=abc"], "--set noise.wrong_query=abc: noise.wrong_query must be a number"),
+    (["--set", "noise.wrong_query=nan"], "--set noise.wrong_query=nan: noise.wrong_query must be finite"),
+    (["--set", "noise.wrong_query=2"], "--set noise.wrong_query=2: ExpertNoise.wrong_query: must be a rate"),
+    (["--set", "noise.bogus=0.1"], "--set noise.bogus=0.1: unknown noise field 'bogus'"),
+    (["--set", "max_depth=abc"], "--set max_depth=abc: bad value"),
+    (["--set", "success_threshold=inf"], "--set success_threshold=inf: bad value (HarnessConfig.success"),
+    (["--set", "noequals"], "--set expects KEY=VALUE"),
+    (["--group-size", "0"], "--group-size must be >= 1, got 0"),
+    (["--n-tasks", "-63"], "--n-tasks must be >= 1 (leave it out for all tasks), got -63"),
+    (["--n-tasks", "0"], "--n-tasks must be >= 1 (leave it out for all tasks), got 0"),
+    (["--seed", "-1"], "--seed must be >= 0"),
+    (["--temperature", "inf"], "--temperature must be a finite number >= 0, got inf"),
+    (["--temperature", "-1"], "--temperature must be a finite number >= 0"),
+    (["--top-p", "nan"], "--top-p must be in (0, 1], got nan"),
+    (["--top-p", "0"], "--top-p must be in (0, 1]"),
+    (["--policy", "local"], "--policy local needs --model DIR"),
+    (["--policy", "local", "--model", "{tmp}/missing"], "--model {tmp}/missing: neither 'smollm2' nor an existing"),
+    (["--policy", "openai", "--base-url", "localhost:8000"], "--base-url localhost:8000: expected an http"),
+    (["--tokenizer", "{tmp}/missing"], "--tokenizer {tmp}/missing: neither 'smollm2' nor an existing directory"),
+    (["--cache-dir", "{tmp}/file.txt"], "--cache-dir {tmp}/file.txt: not a directory"),
+    (["--save-tokenizer", "{tmp}/file.txt/tok"], "--save-tokenizer {tmp}/file.txt/tok: not a directory"),
+    (["--out", "{tmp}"], "--out {tmp}: cannot write a file there"),
+    (["--out", "{tmp}/file.txt/x.jsonl"], "--out {tmp}/file.txt/x.jsonl: cannot write a file there"),
+])
+def test_rollout_bad_arguments_exit_2_with_one_line_naming_the_flag(tmp_path, capsys, argv, fragment):
+    # issue 11: `rollout --set noise.wrong_query=abc` and `--group-size 0` ended in tracebacks;
+    # `--n-tasks -63` silently ran 1 task and `--n-tasks 0` ran all of them.
+    (tmp_path / "file.txt").write_text("x")
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    base = ["rollout", "--preset", "cpu", "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "x.jsonl"),
+            "--no-progress"]
+    assert main(base + argv) == 2
+    captured = capsys.readouterr()
+    err = captured.err
+    assert err.startswith("mosaic rollout: ") and fragment.replace("{tmp}", str(tmp_path)) in err, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err + captured.out, err
+    assert not (tmp_path / "x.jsonl").exists() and not (tmp_path / "cache").exists()  # before any work
 
 
 @pytest.mark.slow  # builds, saves and loads a model: ~20 s alone, minutes on a loaded machine

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import socket
 import sys
 
 import httpx
+import pytest
 
 from mosaic.agent.models.embedded import save_model
 from _tiny import tiny_model
@@ -34,3 +36,32 @@ def test_serve_cli_rejects_a_missing_model(tmp_path, capsys):
 
     assert main(["serve", "--model", str(tmp_path / "nope")]) == 2
     assert "neither 'smollm2' nor an existing directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--model", "{tmp}/nope"], "--model '{tmp}/nope': neither 'smollm2' nor an existing directory"),
+    (["--port", "-1"], "--port must be in [0, 65535] (0: any free port), got -1"),
+    (["--port", "65536"], "--port must be in [0, 65535]"),
+    (["--port", "{busy}"], "--host 127.0.0.1 --port {busy}: cannot bind"),
+    (["--max-batch-size", "0"], "--max-batch-size must be >= 1, got 0"),
+    (["--default-max-tokens", "-5"], "--default-max-tokens must be >= 1, got -5"),
+    (["--device", "bogus"], "--device 'bogus': not a torch device"),
+])
+def test_serve_bad_arguments_exit_2_with_one_line_naming_the_flag(tmp_path, capsys, argv, fragment):
+    # issue 11: `serve` with a bad port loaded the model, then ended in a traceback.
+    from mosaic.cli import main
+
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen(1)
+    port = str(busy.getsockname()[1])
+    (tmp_path / "m").mkdir()  # (a model dir that is never loaded: the flags are checked first)
+    try:
+        argv = [a.replace("{tmp}", str(tmp_path)).replace("{busy}", port) for a in argv]
+        assert main(["serve", "--model", str(tmp_path / "m"), *argv]) == 2
+    finally:
+        busy.close()
+    captured = capsys.readouterr()
+    want = fragment.replace("{tmp}", str(tmp_path)).replace("{busy}", port)
+    assert captured.err.startswith("mosaic serve: ") and want in captured.err, captured.err
+    assert len(captured.err.strip().splitlines()) == 1 and "Traceback" not in captured.err + captured.out
