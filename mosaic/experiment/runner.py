@@ -18,7 +18,6 @@ killed training run from its last checkpoint (``train.resume=auto``).
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import shutil
@@ -32,9 +31,9 @@ from statistics import median
 
 import yaml
 
-from mosaic.experiment.spec import EvalSpec, Grid, RunSpec
+from mosaic.experiment.spec import EvalSpec, Grid, RunSpec, config_key
 from mosaic.train.checkpoint import config_diff
-from mosaic.train.config import dump_config, load_config
+from mosaic.train.config import Config, dump_config, load_config
 
 __all__ = ["Unit", "plan", "run_grid", "print_plan", "DONE", "run_dir", "warm_dir"]
 
@@ -52,9 +51,8 @@ def run_dir(work: Path, r: RunSpec) -> Path:
 def warm_dir(work: Path, grid: Grid, setting: str) -> Path:
     """Where the warm start's evaluations under ``setting`` go: keyed by the evaluation config's hash."""
     ecfg = load_config(grid.preset, overrides=grid.eval_overrides(setting))
-    blob = json.dumps({k: dataclasses.asdict(getattr(ecfg, k)) for k in ("model", "data", "harness")},
-                      sort_keys=True, default=str)  # what shapes an evaluation of the warm start
-    return work / "warmstart" / f"eval-{hashlib.sha256(blob.encode()).hexdigest()[:10]}"
+    shaping = Config(model=ecfg.model, data=ecfg.data, harness=ecfg.harness)  # what shapes a warm-start evaluation
+    return work / "warmstart" / f"eval-{config_key(shaping)[:10]}"
 
 
 @dataclass

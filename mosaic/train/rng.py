@@ -3,6 +3,7 @@ checkpoint so a resumed run draws exactly what an uninterrupted one would."""
 
 from __future__ import annotations
 
+import json
 import random
 from typing import Any, Mapping
 

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from mosaic.train import pretrain as pt
+from mosaic.train import setup
 from mosaic.train.config import load_config
 
 SMALL = ["model.embedded_preset=tiny", "data.n_eval_tasks=2", "harness.context_budget=300",
