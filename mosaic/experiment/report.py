@@ -19,7 +19,8 @@ from statistics import median
 
 import numpy as np
 
-from mosaic.experiment.runner import DONE, run_dir, warm_dir
+from mosaic.experiment.runner import DONE, adopt, warm_dir
+from mosaic.train.config import dump_config
 from mosaic.experiment.spec import Grid, load_grid
 from mosaic.train.runlog import read_metrics
 from mosaic.train.stats import compare_arms, detectable_difference, holm, seed_question_ci
@@ -57,7 +58,7 @@ def collect(grid: Grid, work: Path) -> dict:
     """Everything finished in ``work``: per (arm, setting) the per-seed outcomes of each evaluation, metrics."""
     groups: dict[str, dict] = {}
     for r in grid.runs:
-        d = run_dir(work, r)
+        d = adopt(work, r, dump_config(r.config), rename=False)
         g = groups.setdefault(f"{r.arm}/{r.setting}", {"arm": r.arm, "setting": r.setting, "seeds": {}})
         if not (d / DONE).exists():
             continue
