@@ -34,6 +34,7 @@ from mosaic.agent.tokenizer import load_tokenizer
 from mosaic.capture.reconstruct import ReconstructionRules, reconstruct
 from mosaic.capture.records import BadRecordWarning, RecordError, load_records
 from mosaic.capture.wire import retokenize
+from mosaic.cliargs import output_error
 from mosaic.envs.cli import EXIT_USAGE, UsageError
 from mosaic.trace.graph import TraceError, validate
 from mosaic.trace.storage import write_jsonl, write_parquet
@@ -74,14 +75,6 @@ def _guarded(fn):
     return cmd
 
 
-def _dir_blocked(path: Path) -> bool:
-    """True when directory ``path`` cannot be made: it is a file, or an existing ancestor is one."""
-    if path.exists():
-        return not path.is_dir()
-    ancestor = next((p for p in path.parents if p.exists()), None)
-    return ancestor is not None and not ancestor.is_dir()
-
-
 def _check_serve_args(args) -> None:
     from mosaic.serving import address_error  # lazy: uvicorn
 
@@ -89,8 +82,9 @@ def _check_serve_args(args) -> None:
         raise UsageError(f"--upstream {args.upstream}: expected an http:// or https:// URL")
     if not args.out:
         raise UsageError("--out DIR is required")
-    if _dir_blocked(Path(args.out)):
-        raise UsageError(f"--out {args.out}: not a directory")
+    bad = output_error("--out", args.out, is_dir=True)
+    if bad:
+        raise UsageError(bad)
     for flag, value in (("--max-body-mb", args.max_body_mb), ("--timeout", args.timeout)):
         if not (math.isfinite(value) and value > 0):
             raise UsageError(f"{flag} must be a finite number > 0, got {value}")
@@ -112,8 +106,9 @@ def _check_export_args(args) -> None:
     out = Path(args.out)
     if out.suffix not in (".jsonl", ".parquet"):
         raise UsageError(f"--out {args.out}: use a .jsonl or .parquet file")
-    if out.is_dir() or _dir_blocked(out.parent):
-        raise UsageError(f"--out {args.out}: cannot write a file there")
+    bad = output_error("--out", args.out, is_dir=False)
+    if bad:
+        raise UsageError(bad)
     if args.tokenizer is not None and not Path(args.tokenizer).is_dir():
         raise UsageError(f"--tokenizer {args.tokenizer}: no such directory")
 

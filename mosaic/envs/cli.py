@@ -98,9 +98,12 @@ def _check_args(args: argparse.Namespace) -> None:
         for v in value if isinstance(value, list) else [value]:
             if v is not None and v < least:
                 raise UsageError(f"{flag} must be >= {least}, got {v}")
+    from mosaic.cliargs import output_error
+
     cache = getattr(args, "cache_dir", None)
-    if cache is not None and Path(cache).exists() and not Path(cache).is_dir():
-        raise UsageError(f"--cache-dir {cache}: not a directory")
+    bad = output_error("--cache-dir", cache, is_dir=True) if cache is not None else None
+    if bad:
+        raise UsageError(bad)
 
 
 def _guarded(fn):
@@ -186,11 +189,11 @@ def cmd_score(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from mosaic.envs.export import export_parquet, load_parquet
 
-    out = Path(args.out)
-    blocked = next((p for p in [out.parent, *out.parent.parents] if p.exists()), None)
-    if out.is_dir() or (blocked is not None and not blocked.is_dir()):
-        raise UsageError(f"--out {args.out}: cannot write a file there"
-                         + (f" ({blocked} is not a directory)" if blocked is not None and not blocked.is_dir() else ""))
+    from mosaic.cliargs import output_error
+
+    bad = output_error("--out", args.out, is_dir=False)
+    if bad:
+        raise UsageError(bad)
     split = _load(args)
     path = export_parquet(split.tasks, args.out)
     back = load_parquet(path)

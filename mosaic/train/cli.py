@@ -51,9 +51,11 @@ def _eval_args_error(args) -> str | None:
     that verifies (those skipped are printed). The message names the flag, or None when fine."""
     from mosaic.train.checkpoint import find_latest, verify_checkpoint
 
-    out = Path(args.out) if args.out else None
-    if out is not None and (out.is_dir() or (out.parent.exists() and not out.parent.is_dir())):
-        return f"--out {out}: cannot write a file there"
+    from mosaic.cliargs import output_error
+
+    bad = output_error("--out", args.out, is_dir=False) if args.out else None
+    if bad:
+        return bad
     if args.checkpoint is None:
         return None
     p = Path(args.checkpoint)
@@ -148,7 +150,13 @@ def _pretrain(args) -> int:
     cfg, code = _config(args)
     if cfg is None:
         return code
+    from mosaic.cliargs import output_error
     from mosaic.train.pretrain import BASE_MODELS_DIR, PretrainConfig, pretrain
+
+    bad = output_error("--out", args.out, is_dir=True) if args.out else None
+    if bad:
+        print(f"mosaic pretrain: {bad}", file=sys.stderr)
+        return EXIT_CONFIG
 
     try:
         pc = PretrainConfig(**{k: v for k, v in (("steps", args.steps), ("lr", args.lr),

@@ -52,6 +52,10 @@ def test_rollout_expert_streams_jsonl(tmp_path, capsys):
     (["--save-tokenizer", "{tmp}/file.txt/tok"], "--save-tokenizer {tmp}/file.txt/tok: not a directory"),
     (["--out", "{tmp}"], "--out {tmp}: cannot write a file there"),
     (["--out", "{tmp}/file.txt/x.jsonl"], "--out {tmp}/file.txt/x.jsonl: cannot write a file there"),
+    (["--out", "/proc/nope/r.jsonl"], "--out /proc/nope/r.jsonl: cannot write a file there"),
+    (["--save-tokenizer", "/proc/nope"], "--save-tokenizer /proc/nope: cannot create the directory"),
+    (["--policy", "local", "--model", "{tmp}", "--device", "bogus"], "--device 'bogus': not a torch device"),
+    (["--policy", "local", "--model", "{tmp}", "--device", "cuda:99"], "--device 'cuda:99': no "),
 ])
 def test_rollout_bad_arguments_exit_2_with_one_line_naming_the_flag(tmp_path, capsys, argv, fragment):
     # issue 11: `rollout --set noise.wrong_query=abc` and `--group-size 0` ended in tracebacks;

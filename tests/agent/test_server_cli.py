@@ -46,6 +46,7 @@ def test_serve_cli_rejects_a_missing_model(tmp_path, capsys):
     (["--max-batch-size", "0"], "--max-batch-size must be >= 1, got 0"),
     (["--default-max-tokens", "-5"], "--default-max-tokens must be >= 1, got -5"),
     (["--device", "bogus"], "--device 'bogus': not a torch device"),
+    (["--device", "cuda:99"], "--device 'cuda:99': no "),  # a device this machine does not have
 ])
 def test_serve_bad_arguments_exit_2_with_one_line_naming_the_flag(tmp_path, capsys, argv, fragment):
     # issue 11: `serve` with a bad port loaded the model, then ended in a traceback.

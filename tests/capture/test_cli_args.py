@@ -56,6 +56,7 @@ def busy_port():
     (["--retries", "-1"], "--retries must be >= 0, got -1"),
     (["--tokenizer", "{tmp}/missing"], "--tokenizer {tmp}/missing: no such directory"),
     (["--out", "{tmp}/file.txt"], "--out {tmp}/file.txt: not a directory"),
+    (["--out", "/proc/nope"], "--out /proc/nope: cannot create the directory"),
     (["--upstream", "localhost:8000"], "--upstream localhost:8000: expected an http:// or https:// URL"),
     (["--api-key-env", "MOSAIC_TEST_SURELY_UNSET_VAR"], "--api-key-env MOSAIC_TEST_SURELY_UNSET_VAR: environment"),
 ])
@@ -84,6 +85,7 @@ def test_proxy_serve_bad_arguments_exit_2_with_one_line(tmp_path, capsys, busy_p
     (["--out", "{tmp}/s.csv"], "--out {tmp}/s.csv: use a .jsonl or .parquet file"),
     (["--out", "{tmp}/file.txt/s.jsonl"], "--out {tmp}/file.txt/s.jsonl: cannot write a file there"),
     (["--out", "{tmp}/dir.jsonl"], "--out {tmp}/dir.jsonl: cannot write a file there"),
+    (["--out", "/proc/nope/x.jsonl"], "--out /proc/nope/x.jsonl: cannot write a file there"),
     (["--tokenizer", "{tmp}/missing"], "--tokenizer {tmp}/missing: no such directory"),
     (["--rule", "bogus=1"], "--rule 'bogus': unknown rule"),
     (["--rule", "noequals"], "--rule 'noequals': expected KEY=VALUE"),

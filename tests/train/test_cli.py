@@ -50,6 +50,8 @@ def test_eval_and_compare_bad_flags_exit_2_with_one_line(tmp_path, capsys):
         (["eval", "--checkpoint", str(tmp_path / "file.txt")], "not a directory"),
         (["eval", "--checkpoint", str(tmp_path / "empty")], "neither a checkpoint, a model directory nor a run dir"),
         (["eval", "--out", str(tmp_path / "file.txt" / "o.jsonl")], "--out "),
+        (["eval", "--out", "/proc/nope/o.jsonl"], "--out /proc/nope/o.jsonl: cannot write a file there"),
+        (["pretrain", "--out", "/proc/nope"], "--out /proc/nope: cannot create the directory"),
         (["compare", str(tmp_path / "missing.jsonl"), str(tmp_path / "file.txt")], "outcome file a ("),
         (["compare", str(tmp_path / "file.txt"), str(tmp_path / "empty")], "outcome file b (") ,
         (["compare", str(tmp_path / "file.txt"), str(tmp_path / "file.txt"), "--n-boot", "0"], "--n-boot must be >= 1"),
@@ -58,7 +60,7 @@ def test_eval_and_compare_bad_flags_exit_2_with_one_line(tmp_path, capsys):
     for argv, fragment in cases:
         assert main(argv) == 2, argv
         err = capsys.readouterr().err
-        assert fragment in err and len(err.strip().splitlines()) == 1, (argv, err)
+        assert fragment in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err, (argv, err)
 
 
 def test_eval_checkpoint_that_does_not_verify_is_named(tmp_path, capsys):
