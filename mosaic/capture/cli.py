@@ -40,6 +40,10 @@ from mosaic.trace.graph import TraceError, validate
 from mosaic.trace.storage import write_jsonl, write_parquet
 
 
+# uvicorn's log levels (uvicorn.config.LOG_LEVELS; not imported here, to keep `mosaic --help` fast)
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
 def _add_serve_args(p: argparse.ArgumentParser, *, required: bool) -> None:
     p.add_argument("--upstream", required=required, help="base URL of the model server (vLLM, SGLang, ...)")
     p.add_argument("--out", help="directory for records.jsonl (required with --upstream)")
@@ -57,7 +61,7 @@ def _add_serve_args(p: argparse.ArgumentParser, *, required: bool) -> None:
     p.add_argument("--no-token-ids-flag", action="store_true",
                    help="do not add return_token_ids to forwarded requests (for upstreams that reject it)")
     p.add_argument("--fsync", action="store_true", help="fsync every record (durable against power loss)")
-    p.add_argument("--log-level", default="warning")
+    p.add_argument("--log-level", default="warning", choices=LOG_LEVELS, help="uvicorn's log level")
 
 
 def _guarded(fn):
@@ -141,7 +145,7 @@ def register(subparsers) -> None:
     u.add_argument("--slots", type=int, default=0,
                    help="requests generated at once (like vLLM max_num_seqs); 0 = unlimited")
     u.add_argument("--no-token-ids", action="store_true", help="behave like a server that returns no ids")
-    u.set_defaults(func=_cmd_scripted)
+    u.set_defaults(func=_guarded(_cmd_scripted))
 
 
 def _cmd_proxy(args) -> int:
@@ -251,9 +255,18 @@ def _cmd_export(args) -> int:
 
 
 def _cmd_scripted(args) -> int:
-    from mosaic.serving import run_server  # lazy, like the next line: uvicorn, FastAPI
+    from mosaic.serving import address_error, run_server  # lazy, like the next line: uvicorn, FastAPI
     from mosaic.testing import ScriptedConfig, build_tokenizer, create_scripted_app
 
+    bad = address_error(args.host, args.port)
+    if bad:
+        raise UsageError(bad)
+    if args.tokenizer is not None and not Path(args.tokenizer).is_dir():
+        raise UsageError(f"--tokenizer {args.tokenizer}: no such directory")
+    if not (math.isfinite(args.delay) and args.delay >= 0):
+        raise UsageError(f"--delay must be a finite number >= 0, got {args.delay}")
+    if args.slots < 0:
+        raise UsageError(f"--slots must be >= 0 (0: unlimited), got {args.slots}")
     tok = load_tokenizer(args.tokenizer) if args.tokenizer else build_tokenizer()
     app = create_scripted_app(tok, ScriptedConfig(token_ids=not args.no_token_ids, delay_s=args.delay, slots=args.slots))
     run_server(app, host=args.host, port=args.port, announce="mosaic proxy scripted-upstream: listening on {url}")

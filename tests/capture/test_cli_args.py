@@ -135,3 +135,33 @@ def test_export_skips_a_bad_record_with_its_rollout_naming_file_and_line(tmp_pat
     summary = json.loads(captured.out.strip().splitlines()[-1])
     assert summary["bad_records"] == 1 and summary["rollouts"] == 2
     assert [t.id for t in load_trajectories(out)] == ["r1", "r2"]  # the rest is exported, and reads back
+
+
+def _exit_code(argv):
+    """``main(argv)``'s exit status, whether returned or raised (argparse errors raise SystemExit)."""
+    try:
+        return main(argv)
+    except SystemExit as exc:
+        return exc.code
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["proxy", "serve", "--upstream", "http://127.0.0.1:9", "--out", "{tmp}/rec", "--log-level", "bogus"],
+     "mosaic proxy serve: argument --log-level: invalid choice: 'bogus'"),
+    (["proxy", "scripted-upstream", "--port", "-1"], "mosaic proxy scripted-upstream: --port must be in [0, 65535]"),
+    (["proxy", "scripted-upstream", "--port", "70000"], "mosaic proxy scripted-upstream: --port must be in [0, 65535]"),
+    (["proxy", "scripted-upstream", "--port", "0", "--tokenizer", "{tmp}/missing"],
+     "mosaic proxy scripted-upstream: --tokenizer {tmp}/missing: no such directory"),
+    (["proxy", "scripted-upstream", "--port", "0", "--delay", "nan"], "--delay must be a finite number >= 0, got nan"),
+    (["proxy", "scripted-upstream", "--port", "0", "--slots", "-1"], "--slots must be >= 0"),
+    (["proxy", "export", "--records", "{tmp}/r.jsonl"], "mosaic proxy export: the following arguments are required: --out"),
+])
+def test_proxy_more_bad_arguments_exit_2_with_one_line(tmp_path, capsys, argv, fragment):
+    # issue 11: `--log-level bogus` crashed later in uvicorn (KeyError); `scripted-upstream --port -1`
+    # ended in an OverflowError traceback; argparse errors printed the usage block.
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    assert _exit_code(argv) == 2
+    captured = capsys.readouterr()
+    assert fragment.replace("{tmp}", str(tmp_path)) in captured.err, captured.err
+    assert len(captured.err.strip().splitlines()) == 1 and "Traceback" not in captured.err + captured.out
+    assert not (tmp_path / "rec").exists()

@@ -68,6 +68,8 @@ def test_data_commands(cache, capsys):
     # an output that cannot be created (a pseudo file system takes no new entries)
     (["data", "generate", "--preset", "cpu", "--cache-dir", "/proc/nope"], "--cache-dir /proc/nope: cannot create"),
     (["data", "export", "--preset", "cpu", "--out", "/proc/x.parquet"], "--out /proc/x.parquet: cannot write a file"),
+    (["data", "score", "--metric", "em", "", ""], "mosaic data score: GROUND_TRUTH '': must be a non-empty answer"),
+    (["data", "score", "<answer>x</answer>", "  "], "GROUND_TRUTH '  ': must be a non-empty answer"),
 ])
 def test_bad_arguments_exit_2_with_one_line_naming_the_flag(cache, capsys, argv, fragment):
     # issue 11: `data search -k 0` and friends ended in tracebacks.
