@@ -1,5 +1,7 @@
 import json
 
+import pytest
+
 from mosaic.cli import main
 
 
@@ -75,3 +77,28 @@ def test_eval_checkpoint_that_does_not_verify_is_named(tmp_path, capsys):
     assert "not a usable checkpoint: corrupt safetensors header in model.safetensors" in err
     assert main(["eval", "--checkpoint", str(tmp_path / "run")]) == 2  # its only checkpoint is skipped
     assert "skipping" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content, fragment", [
+    (b"\xff\xfe\x00a: 1\n", "is not UTF-8 text (byte 0: b'\\xff')"),
+    (b"algo:\n  lam: [1, 2\nfoo: bar\n", "is not valid YAML: expected ',' or ']', but got ':' at line 3, column 4"),
+    (b"- just\n- a list\n", "must hold a mapping of sections"),
+])
+@pytest.mark.parametrize("verb", ["train", "sft", "eval"])
+def test_config_file_that_cannot_be_read_is_one_line(tmp_path, capsys, content, fragment, verb):
+    # issue 11: binary bytes in --config ended in a UnicodeDecodeError traceback; invalid YAML printed
+    # PyYAML's 8-line message.
+    y = tmp_path / "c.yaml"
+    y.write_bytes(content)
+    assert main([verb, "--config", str(y)]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith(f"mosaic {verb}: config error: config file {str(y)!r} ")
+    assert fragment in captured.err, captured.err
+    assert len(captured.err.strip().splitlines()) == 1 and "Traceback" not in captured.err + captured.out
+
+
+def test_config_override_with_invalid_yaml_is_one_line(capsys):
+    assert main(["train", "algo.lam=[1,"]) == 2
+    err = capsys.readouterr().err
+    assert "config key 'algo.lam': value '[1,' is not valid YAML: " in err and "line 1, column 4" in err
+    assert len(err.strip().splitlines()) == 1, err
