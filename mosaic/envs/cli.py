@@ -59,14 +59,24 @@ def split_config_from_args(args: argparse.Namespace):
     import dataclasses
 
     from mosaic.envs.splits import split_config
+    from mosaic.envs.world import WorldConfig
 
+    world_fields = {f.name: f.default for f in dataclasses.fields(WorldConfig)}
     world_over, top_over = {}, {}
     for item in args.overrides:
         if "=" not in item:
             raise UsageError(f"--set expects KEY=VALUE, got {item!r}")
         key, value = item.split("=", 1)
         if key.startswith("world."):
-            world_over[key[len("world."):]] = parse_value(value)
+            name, v = key[len("world."):], parse_value(value)
+            if name not in world_fields:
+                raise UsageError(f"--set {item}: unknown world field {name!r}; known: {sorted(world_fields)}")
+            default = world_fields[name]
+            if isinstance(default, int) and not isinstance(v, int):
+                raise UsageError(f"--set {item}: {key} must be an integer, got {value!r}")
+            if isinstance(default, float) and not isinstance(v, (int, float)):
+                raise UsageError(f"--set {item}: {key} must be a number, got {value!r}")
+            world_over[name] = v
         elif key == "hop_mix":
             try:
                 top_over[key] = tuple((int(k), float(w)) for k, w in
@@ -79,8 +89,8 @@ def split_config_from_args(args: argparse.Namespace):
     given = " ".join(f"--set {x}" for x in args.overrides)
     try:
         cfg = split_config(args.split, args.preset, seed=args.seed, **world_over)
-    except TypeError as exc:
-        raise UsageError(f"{given}: unknown world field ({exc})") from None
+    except TypeError as exc:  # (unknown fields and ill-typed numbers are caught above)
+        raise UsageError(f"{given}: a world field has the wrong type ({exc})") from None
     except ValueError as exc:
         raise UsageError(f"{given}: {exc}") from None
     try:

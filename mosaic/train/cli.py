@@ -135,7 +135,9 @@ def _compare(args) -> int:
         c = compare_outcome_files(args.a, args.b, ci=args.ci, n_boot=args.n_boot, seed=args.seed,
                                   on_mismatch="intersect" if args.intersect else "error")  # fmt: skip
     except (OSError, ValueError) as exc:
-        print(f"mosaic compare: {exc}", file=sys.stderr)
+        # (the library's hint names its keyword; the command line's switch is --intersect)
+        msg = str(exc).replace("pass on_mismatch='intersect'", "pass --intersect")
+        print(f"mosaic compare: {msg}", file=sys.stderr)
         return EXIT_CONFIG
     if args.json:
         from dataclasses import asdict

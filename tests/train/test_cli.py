@@ -102,3 +102,15 @@ def test_config_override_with_invalid_yaml_is_one_line(capsys):
     err = capsys.readouterr().err
     assert "config key 'algo.lam': value '[1,' is not valid YAML: " in err and "line 1, column 4" in err
     assert len(err.strip().splitlines()) == 1, err
+
+
+def test_compare_mismatch_suggests_the_cli_flag(tmp_path, capsys):
+    # issue 11: the message suggested on_mismatch='intersect' (the library keyword), not --intersect.
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text("".join(json.dumps({"question_id": f"q{i}", "correct": True}) + "\n" for i in range(4)))
+    b.write_text("".join(json.dumps({"question_id": f"q{i}", "correct": False}) + "\n" for i in range(1, 5)))
+    assert main(["compare", str(a), str(b), "--n-boot", "10"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mosaic compare: ") and "pass --intersect to compare the common ones" in err, err
+    assert "on_mismatch" not in err and len(err.strip().splitlines()) == 1
+    assert main(["compare", str(a), str(b), "--n-boot", "10", "--intersect"]) == 0
