@@ -118,6 +118,10 @@ def test_proxy_export_bad_arguments_exit_2_with_one_line(tmp_path, capsys, argv,
     (1, "prompt_ids", [1, 2.5], "call record field 'prompt_ids[1]': must be an integer, got 2.5"),
     (1, "completion_ids", [-4], "call record field 'completion_ids[0]': token id -4 is outside [0, 2147483647]"),
     (1, "logprobs", [-0.1, 3.0], "call record field 'logprobs[1]': log-prob 3.0 is not finite and <= 0"),
+    (1, "t_start", "x", "call record field 't_start': must be a number, got 'x'"),
+    (1, "t_end", None, "call record field 't_end': must be a number, got None"),
+    (1, "t_first", "soon", "call record field 't_first': must be a number, got 'soon'"),
+    (1, "status", "200", "call record field 'status': must be an integer, got '200'"),
 ])
 @pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
 def test_export_skips_a_bad_record_with_its_rollout_naming_file_and_line(tmp_path, capsys, line, field, value, says,
