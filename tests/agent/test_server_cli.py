@@ -66,3 +66,25 @@ def test_serve_bad_arguments_exit_2_with_one_line_naming_the_flag(tmp_path, caps
     want = fragment.replace("{tmp}", str(tmp_path)).replace("{busy}", port)
     assert captured.err.startswith("mosaic serve: ") and want in captured.err, captured.err
     assert len(captured.err.strip().splitlines()) == 1 and "Traceback" not in captured.err + captured.out
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["serve", "--model", "m", "--port", "abc"], "mosaic serve: argument --port: invalid int value: 'abc'"),
+    (["serve"], "mosaic serve: the following arguments are required: --model"),
+    (["bogus-verb"], "mosaic: argument COMMAND: invalid choice: 'bogus-verb'"),
+    (["data", "score", "x"], "mosaic data score: the following arguments are required: ground_truth"),
+    (["data", "generate", "--seed", "x"], "mosaic data generate: argument --seed: invalid int value: 'x'"),
+    (["train", "--preset"], "mosaic train: argument --preset: expected one argument"),
+    (["compare", "a", "b", "--n-boot", "1e3"], "mosaic compare: argument --n-boot: invalid int value: '1e3'"),
+    (["proxy", "scripted-upstream", "--port", "abc"], "mosaic proxy scripted-upstream: argument --port: invalid int"),
+])
+def test_argparse_errors_are_one_line_for_every_verb(capsys, argv, fragment):
+    # issue 11: argparse errors printed the usage block (5-14 lines) before the message.
+    from mosaic.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith(fragment), captured.err
+    assert len(captured.err.strip().splitlines()) == 1 and "usage:" not in captured.err
