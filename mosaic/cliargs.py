@@ -28,6 +28,22 @@ class OneLineParser(argparse.ArgumentParser):
         print(f"{self.prog}: {' '.join(message.split())}", file=sys.stderr)
         sys.exit(EXIT_USAGE)
 
+    def parse_known_args(self, args=None, namespace=None):
+        ns, extras = super().parse_known_args(args, namespace)
+        if extras and not hasattr(ns, "_extras_prog"):  # the innermost (sub)parser left them over
+            ns._extras_prog = self.prog
+        return ns, extras
+
+    def parse_args(self, args=None, namespace=None):
+        """Like argparse's, but unrecognized arguments are named with the verb that got them
+        (``mosaic rollout: unrecognized arguments: ...``), not with the top-level ``mosaic``."""
+        ns, extras = self.parse_known_args(args, namespace)
+        prog = ns.__dict__.pop("_extras_prog", self.prog)
+        if extras:
+            print(f"{prog}: unrecognized arguments: {' '.join(extras)}", file=sys.stderr)
+            sys.exit(EXIT_USAGE)
+        return ns
+
 
 def _probe_dir(d: Path) -> str | None:
     """Why no entry can be created in the existing directory ``d`` (a trial directory is made and

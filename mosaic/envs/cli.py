@@ -192,7 +192,8 @@ def cmd_score(args: argparse.Namespace) -> int:
     from mosaic.envs.rewards import normalize_answer, score_answer
 
     if not normalize_answer(args.ground_truth):
-        raise UsageError(f"GROUND_TRUTH {args.ground_truth!r}: must be a non-empty answer")
+        raise UsageError(f"GROUND_TRUTH {args.ground_truth!r}: must be a non-empty answer "
+                         f"(once normalized: lower case, no articles or punctuation)")
     s = score_answer(args.text, args.ground_truth, metric=args.metric)
     print(json.dumps({"reward": s.reward, "answer": s.answer, "status": s.status}))
     return 0

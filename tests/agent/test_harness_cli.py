@@ -115,7 +115,7 @@ def test_rollout_openai_policy(tmp_path):
     (["--n-tasks", "abc"], "mosaic rollout: argument --n-tasks: invalid int value: 'abc'"),
     (["--temperature", "warm"], "mosaic rollout: argument --temperature: invalid float value: 'warm'"),
     (["--policy", "bogus"], "mosaic rollout: argument --policy: invalid choice: 'bogus'"),
-    (["--bogus-flag"], "mosaic: unrecognized arguments: --bogus-flag"),  # (argparse reports extras at the top)
+    (["--bogus-flag"], "mosaic rollout: unrecognized arguments: --bogus-flag"),
 ])
 def test_rollout_argparse_errors_are_one_line(tmp_path, capsys, argv, fragment):
     # issue 11: argparse errors printed the whole usage block (5-14 lines) before the message.

@@ -88,3 +88,18 @@ def test_argparse_errors_are_one_line_for_every_verb(capsys, argv, fragment):
     captured = capsys.readouterr()
     assert captured.err.startswith(fragment), captured.err
     assert len(captured.err.strip().splitlines()) == 1 and "usage:" not in captured.err
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["serve", "--model", "m", "--bogus"], "mosaic serve: unrecognized arguments: --bogus"),
+    (["data", "score", "a", "b", "c"], "mosaic data score: unrecognized arguments: c"),
+    (["proxy", "export", "--records", "r", "--out", "o.jsonl", "--nope"], "mosaic proxy export: unrecognized arguments: --nope"),
+])
+def test_unrecognized_arguments_name_the_verb(capsys, argv, fragment):
+    from mosaic.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(fragment) and len(err.strip().splitlines()) == 1, err
