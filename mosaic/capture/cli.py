@@ -10,8 +10,9 @@ The servers import FastAPI inside their commands, so ``mosaic --help`` stays fas
 Bad arguments (a port outside [0, 65535] or one that cannot be bound, a
 non-positive or non-finite ``--timeout`` / ``--max-body-mb``, ``--retries -1``, an
 upstream that is not an http(s) URL, a missing ``--records`` or ``--tokenizer``,
-an ``--out`` that cannot be written, a bad ``--rule``, an unset ``--api-key-env``)
-exit with status 2 and one line naming the flag, before any work. ``export``
+an ``--out`` that cannot be created, a bad ``--rule``, an unset ``--api-key-env``, a
+``--log-level`` uvicorn does not know; for ``scripted-upstream`` the port, ``--tokenizer``,
+``--delay`` and ``--slots``) exit with status 2 and one line naming the flag, before any work. ``export``
 skips a record with a bad field (and the rest of its rollout) with a warning
 naming ``file:line`` and the field, and counts it (``bad_records``); a records
 file it cannot read at all (a broken line, a foreign schema) is one line and
