@@ -26,12 +26,15 @@ COMMAND_MODULES = (
 def build_parser() -> argparse.ArgumentParser:
     from mosaic import __version__
 
-    parser = argparse.ArgumentParser(
+    from mosaic.cliargs import OneLineParser
+
+    parser = OneLineParser(
         prog="mosaic",
         description="Multi-session agentic RL: harness, Mosaic credit assignment, trainer.",
     )
     parser.add_argument("--version", action="version", version=f"mosaic {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    # every verb's parser (and its own sub-commands') reports a bad argument in one line, exit 2
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
     for name in COMMAND_MODULES:
         try:
             module = importlib.import_module(name)

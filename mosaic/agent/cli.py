@@ -11,7 +11,8 @@ Model-backed policies import torch inside the command, so ``mosaic --help`` stay
 
 Bad arguments (a count below its minimum, a non-finite or out-of-range number, an
 unknown or ill-typed ``--set``, a missing model or tokenizer directory, an
-unwritable ``--out``) exit with status 2 and one line naming the flag, before any
+``--out`` / ``--cache-dir`` / ``--save-tokenizer`` that cannot be created, a ``--device`` this
+machine does not have under ``--policy local``) exit with status 2 and one line naming the flag, before any
 work; never a traceback. ``--n-tasks`` must be >= 1 (leave it out for every task
 of the split; ``0`` or a negative count is an error, not "all").
 """
@@ -36,6 +37,7 @@ from mosaic.agent.harness import DeepSearchEnv, Harness
 from mosaic.agent.models import load_any
 from mosaic.agent.models.corpus import build_project_tokenizer
 from mosaic.agent.tokenizer import load_tokenizer, save_tokenizer
+from mosaic.cliargs import device_error, output_error
 from mosaic.envs.cli import EXIT_USAGE, UsageError, parse_value
 from mosaic.envs.splits import load_split, split_config
 from mosaic.trace import JsonlWriter
@@ -158,20 +160,15 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--base-url {args.base_url}: expected an http:// or https:// URL")
     if args.tokenizer and args.tokenizer != "smollm2" and not Path(args.tokenizer).is_dir():
         raise UsageError(f"--tokenizer {args.tokenizer}: neither 'smollm2' nor an existing directory")
-    for flag, value in (("--cache-dir", args.cache_dir), ("--save-tokenizer", args.save_tokenizer)):
-        if value is not None and _blocked(Path(value), is_dir=True):
-            raise UsageError(f"{flag} {value}: not a directory")
-    if _blocked(Path(args.out), is_dir=False):
-        raise UsageError(f"--out {args.out}: cannot write a file there")
-
-
-def _blocked(path: Path, *, is_dir: bool) -> bool:
-    """True when ``path`` (a directory if ``is_dir``, else a file) cannot be made: it exists as the
-    other kind, or an existing ancestor is not a directory."""
-    if path.exists():
-        return path.is_dir() != is_dir
-    ancestor = next((p for p in path.parents if p.exists()), None)
-    return ancestor is not None and not ancestor.is_dir()
+    for flag, value, is_dir in (("--cache-dir", args.cache_dir, True), ("--save-tokenizer", args.save_tokenizer, True),
+                                ("--out", args.out, False)):
+        bad = output_error(flag, value, is_dir=is_dir) if value is not None else None
+        if bad:
+            raise UsageError(bad)
+    if args.policy == "local":  # (the expert and openai policies do not use --device)
+        bad = device_error("--device", args.device)
+        if bad:
+            raise UsageError(bad)
 
 
 def _tokenizer(args, split, model_tok):

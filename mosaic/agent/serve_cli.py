@@ -1,7 +1,7 @@
 """``mosaic serve``: an OpenAI-compatible server over a local model (see :mod:`mosaic.agent.server`).
 
 Bad flags (a missing model directory, a port outside [0, 65535] or one that cannot be bound,
-``--max-batch-size 0``, a device torch does not know) exit with status 2 and one line naming
+``--max-batch-size 0``, a device torch does not know or this machine does not have) exit with status 2 and one line naming
 the flag, before the model loads; never a traceback.
 """
 
@@ -39,13 +39,9 @@ def _args_error(args: argparse.Namespace) -> str | None:
     for flag, value in (("--max-batch-size", args.max_batch_size), ("--default-max-tokens", args.default_max_tokens)):
         if value < 1:
             return f"{flag} must be >= 1, got {value}"
-    try:
-        import torch  # lazy: seconds
+    from mosaic.cliargs import device_error  # (imports torch: seconds)
 
-        torch.device(args.device)
-    except (RuntimeError, ValueError) as exc:
-        return f"--device {args.device!r}: not a torch device ({str(exc).splitlines()[0][:120]})"
-    return address_error(args.host, args.port)
+    return device_error("--device", args.device) or address_error(args.host, args.port)
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -10,8 +10,9 @@ The servers import FastAPI inside their commands, so ``mosaic --help`` stays fas
 Bad arguments (a port outside [0, 65535] or one that cannot be bound, a
 non-positive or non-finite ``--timeout`` / ``--max-body-mb``, ``--retries -1``, an
 upstream that is not an http(s) URL, a missing ``--records`` or ``--tokenizer``,
-an ``--out`` that cannot be written, a bad ``--rule``, an unset ``--api-key-env``)
-exit with status 2 and one line naming the flag, before any work. ``export``
+an ``--out`` that cannot be created, a bad ``--rule``, an unset ``--api-key-env``, a
+``--log-level`` uvicorn does not know; for ``scripted-upstream`` the port, ``--tokenizer``,
+``--delay`` and ``--slots``) exit with status 2 and one line naming the flag, before any work. ``export``
 skips a record with a bad field (and the rest of its rollout) with a warning
 naming ``file:line`` and the field, and counts it (``bad_records``); a records
 file it cannot read at all (a broken line, a foreign schema) is one line and
@@ -34,9 +35,14 @@ from mosaic.agent.tokenizer import load_tokenizer
 from mosaic.capture.reconstruct import ReconstructionRules, reconstruct
 from mosaic.capture.records import BadRecordWarning, RecordError, load_records
 from mosaic.capture.wire import retokenize
+from mosaic.cliargs import output_error
 from mosaic.envs.cli import EXIT_USAGE, UsageError
 from mosaic.trace.graph import TraceError, validate
 from mosaic.trace.storage import write_jsonl, write_parquet
+
+
+# uvicorn's log levels (uvicorn.config.LOG_LEVELS; not imported here, to keep `mosaic --help` fast)
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
 def _add_serve_args(p: argparse.ArgumentParser, *, required: bool) -> None:
@@ -56,7 +62,7 @@ def _add_serve_args(p: argparse.ArgumentParser, *, required: bool) -> None:
     p.add_argument("--no-token-ids-flag", action="store_true",
                    help="do not add return_token_ids to forwarded requests (for upstreams that reject it)")
     p.add_argument("--fsync", action="store_true", help="fsync every record (durable against power loss)")
-    p.add_argument("--log-level", default="warning")
+    p.add_argument("--log-level", default="warning", choices=LOG_LEVELS, help="uvicorn's log level")
 
 
 def _guarded(fn):
@@ -74,14 +80,6 @@ def _guarded(fn):
     return cmd
 
 
-def _dir_blocked(path: Path) -> bool:
-    """True when directory ``path`` cannot be made: it is a file, or an existing ancestor is one."""
-    if path.exists():
-        return not path.is_dir()
-    ancestor = next((p for p in path.parents if p.exists()), None)
-    return ancestor is not None and not ancestor.is_dir()
-
-
 def _check_serve_args(args) -> None:
     from mosaic.serving import address_error  # lazy: uvicorn
 
@@ -89,8 +87,9 @@ def _check_serve_args(args) -> None:
         raise UsageError(f"--upstream {args.upstream}: expected an http:// or https:// URL")
     if not args.out:
         raise UsageError("--out DIR is required")
-    if _dir_blocked(Path(args.out)):
-        raise UsageError(f"--out {args.out}: not a directory")
+    bad = output_error("--out", args.out, is_dir=True)
+    if bad:
+        raise UsageError(bad)
     for flag, value in (("--max-body-mb", args.max_body_mb), ("--timeout", args.timeout)):
         if not (math.isfinite(value) and value > 0):
             raise UsageError(f"{flag} must be a finite number > 0, got {value}")
@@ -112,8 +111,9 @@ def _check_export_args(args) -> None:
     out = Path(args.out)
     if out.suffix not in (".jsonl", ".parquet"):
         raise UsageError(f"--out {args.out}: use a .jsonl or .parquet file")
-    if out.is_dir() or _dir_blocked(out.parent):
-        raise UsageError(f"--out {args.out}: cannot write a file there")
+    bad = output_error("--out", args.out, is_dir=False)
+    if bad:
+        raise UsageError(bad)
     if args.tokenizer is not None and not Path(args.tokenizer).is_dir():
         raise UsageError(f"--tokenizer {args.tokenizer}: no such directory")
 
@@ -146,7 +146,7 @@ def register(subparsers) -> None:
     u.add_argument("--slots", type=int, default=0,
                    help="requests generated at once (like vLLM max_num_seqs); 0 = unlimited")
     u.add_argument("--no-token-ids", action="store_true", help="behave like a server that returns no ids")
-    u.set_defaults(func=_cmd_scripted)
+    u.set_defaults(func=_guarded(_cmd_scripted))
 
 
 def _cmd_proxy(args) -> int:
@@ -256,9 +256,18 @@ def _cmd_export(args) -> int:
 
 
 def _cmd_scripted(args) -> int:
-    from mosaic.serving import run_server  # lazy, like the next line: uvicorn, FastAPI
+    from mosaic.serving import address_error, run_server  # lazy, like the next line: uvicorn, FastAPI
     from mosaic.testing import ScriptedConfig, build_tokenizer, create_scripted_app
 
+    bad = address_error(args.host, args.port)
+    if bad:
+        raise UsageError(bad)
+    if args.tokenizer is not None and not Path(args.tokenizer).is_dir():
+        raise UsageError(f"--tokenizer {args.tokenizer}: no such directory")
+    if not (math.isfinite(args.delay) and args.delay >= 0):
+        raise UsageError(f"--delay must be a finite number >= 0, got {args.delay}")
+    if args.slots < 0:
+        raise UsageError(f"--slots must be >= 0 (0: unlimited), got {args.slots}")
     tok = load_tokenizer(args.tokenizer) if args.tokenizer else build_tokenizer()
     app = create_scripted_app(tok, ScriptedConfig(token_ids=not args.no_token_ids, delay_s=args.delay, slots=args.slots))
     run_server(app, host=args.host, port=args.port, announce="mosaic proxy scripted-upstream: listening on {url}")

@@ -87,6 +87,15 @@ def _check_call(d: dict[str, Any]) -> None:
     for name in ("request_params", "headers"):
         if name in d:
             _dict(d[name], name)
+    # times order the calls (reconstruct sorts by t_start) and go into the trajectory's meta
+    for name in ("t_start", "t_first", "t_end", "upstream_s"):
+        if name in d and not (name == "t_first" and d[name] is None) and not math.isfinite(_number(d[name], name)):
+            raise TraceError(f"field {name!r}: must be a finite number, got {d[name]!r}")
+    if "status" in d:
+        _int(d["status"], "status")
+    for name in ("retokenized", "stream"):
+        if name in d and not isinstance(d[name], bool):
+            raise TraceError(f"field {name!r}: must be true or false, got {d[name]!r}")
 
 
 @dataclass

@@ -59,14 +59,24 @@ def split_config_from_args(args: argparse.Namespace):
     import dataclasses
 
     from mosaic.envs.splits import split_config
+    from mosaic.envs.world import WorldConfig
 
+    world_fields = {f.name: f.default for f in dataclasses.fields(WorldConfig)}
     world_over, top_over = {}, {}
     for item in args.overrides:
         if "=" not in item:
             raise UsageError(f"--set expects KEY=VALUE, got {item!r}")
         key, value = item.split("=", 1)
         if key.startswith("world."):
-            world_over[key[len("world."):]] = parse_value(value)
+            name, v = key[len("world."):], parse_value(value)
+            if name not in world_fields:
+                raise UsageError(f"--set {item}: unknown world field {name!r}; known: {sorted(world_fields)}")
+            default = world_fields[name]
+            if isinstance(default, int) and not isinstance(v, int):
+                raise UsageError(f"--set {item}: {key} must be an integer, got {value!r}")
+            if isinstance(default, float) and not isinstance(v, (int, float)):
+                raise UsageError(f"--set {item}: {key} must be a number, got {value!r}")
+            world_over[name] = v
         elif key == "hop_mix":
             try:
                 top_over[key] = tuple((int(k), float(w)) for k, w in
@@ -79,8 +89,8 @@ def split_config_from_args(args: argparse.Namespace):
     given = " ".join(f"--set {x}" for x in args.overrides)
     try:
         cfg = split_config(args.split, args.preset, seed=args.seed, **world_over)
-    except TypeError as exc:
-        raise UsageError(f"{given}: unknown world field ({exc})") from None
+    except TypeError as exc:  # (unknown fields and ill-typed numbers are caught above)
+        raise UsageError(f"{given}: a world field has the wrong type ({exc})") from None
     except ValueError as exc:
         raise UsageError(f"{given}: {exc}") from None
     try:
@@ -98,9 +108,12 @@ def _check_args(args: argparse.Namespace) -> None:
         for v in value if isinstance(value, list) else [value]:
             if v is not None and v < least:
                 raise UsageError(f"{flag} must be >= {least}, got {v}")
+    from mosaic.cliargs import output_error
+
     cache = getattr(args, "cache_dir", None)
-    if cache is not None and Path(cache).exists() and not Path(cache).is_dir():
-        raise UsageError(f"--cache-dir {cache}: not a directory")
+    bad = output_error("--cache-dir", cache, is_dir=True) if cache is not None else None
+    if bad:
+        raise UsageError(bad)
 
 
 def _guarded(fn):
@@ -176,8 +189,11 @@ def cmd_search(args: argparse.Namespace) -> int:
 
 
 def cmd_score(args: argparse.Namespace) -> int:
-    from mosaic.envs.rewards import score_answer
+    from mosaic.envs.rewards import normalize_answer, score_answer
 
+    if not normalize_answer(args.ground_truth):
+        raise UsageError(f"GROUND_TRUTH {args.ground_truth!r}: must be a non-empty answer "
+                         f"(once normalized: lower case, no articles or punctuation)")
     s = score_answer(args.text, args.ground_truth, metric=args.metric)
     print(json.dumps({"reward": s.reward, "answer": s.answer, "status": s.status}))
     return 0
@@ -186,11 +202,11 @@ def cmd_score(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from mosaic.envs.export import export_parquet, load_parquet
 
-    out = Path(args.out)
-    blocked = next((p for p in [out.parent, *out.parent.parents] if p.exists()), None)
-    if out.is_dir() or (blocked is not None and not blocked.is_dir()):
-        raise UsageError(f"--out {args.out}: cannot write a file there"
-                         + (f" ({blocked} is not a directory)" if blocked is not None and not blocked.is_dir() else ""))
+    from mosaic.cliargs import output_error
+
+    bad = output_error("--out", args.out, is_dir=False)
+    if bad:
+        raise UsageError(bad)
     split = _load(args)
     path = export_parquet(split.tasks, args.out)
     back = load_parquet(path)

@@ -51,9 +51,11 @@ def _eval_args_error(args) -> str | None:
     that verifies (those skipped are printed). The message names the flag, or None when fine."""
     from mosaic.train.checkpoint import find_latest, verify_checkpoint
 
-    out = Path(args.out) if args.out else None
-    if out is not None and (out.is_dir() or (out.parent.exists() and not out.parent.is_dir())):
-        return f"--out {out}: cannot write a file there"
+    from mosaic.cliargs import output_error
+
+    bad = output_error("--out", args.out, is_dir=False) if args.out else None
+    if bad:
+        return bad
     if args.checkpoint is None:
         return None
     p = Path(args.checkpoint)
@@ -133,7 +135,9 @@ def _compare(args) -> int:
         c = compare_outcome_files(args.a, args.b, ci=args.ci, n_boot=args.n_boot, seed=args.seed,
                                   on_mismatch="intersect" if args.intersect else "error")  # fmt: skip
     except (OSError, ValueError) as exc:
-        print(f"mosaic compare: {exc}", file=sys.stderr)
+        # (the library's hint names its keyword; the command line's switch is --intersect)
+        msg = str(exc).replace("pass on_mismatch='intersect'", "pass --intersect")
+        print(f"mosaic compare: {msg}", file=sys.stderr)
         return EXIT_CONFIG
     if args.json:
         from dataclasses import asdict
@@ -148,7 +152,13 @@ def _pretrain(args) -> int:
     cfg, code = _config(args)
     if cfg is None:
         return code
+    from mosaic.cliargs import output_error
     from mosaic.train.pretrain import BASE_MODELS_DIR, PretrainConfig, pretrain
+
+    bad = output_error("--out", args.out, is_dir=True) if args.out else None
+    if bad:
+        print(f"mosaic pretrain: {bad}", file=sys.stderr)
+        return EXIT_CONFIG
 
     try:
         pc = PretrainConfig(**{k: v for k, v in (("steps", args.steps), ("lr", args.lr),

@@ -231,7 +231,7 @@ def apply_overrides(tree: dict, overrides: Sequence[str]) -> dict:
         try:
             value = yaml.safe_load(raw) if raw.strip() else ""
         except yaml.YAMLError as exc:
-            raise ConfigError(f"config key '{key}': value {raw!r} is not valid YAML: {exc}") from None
+            raise ConfigError(f"config key '{key}': value {raw!r} is not valid YAML: {_yaml_problem(exc)}") from None
         parts = key.split(".")
         node, path = tree, []
         for p in parts[:-1]:
@@ -248,6 +248,15 @@ def apply_overrides(tree: dict, overrides: Sequence[str]) -> dict:
     return tree
 
 
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """A PyYAML error in one line: its problem and where (``line N, column M``)."""
+    problem = getattr(exc, "problem", None) or (str(exc).splitlines() or ["parse error"])[0]
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    context = getattr(exc, "context", None)
+    return " ".join((f"{problem}{where}" + (f" ({context})" if context else "")).split())
+
+
 def load_config(preset: str | None = None, yaml_path: str | Path | None = None,
                 overrides: Sequence[str] = ()) -> Config:  # fmt: skip
     """Preset → YAML file → ``key=value`` overrides → validated :class:`Config`.
@@ -260,11 +269,18 @@ def load_config(preset: str | None = None, yaml_path: str | Path | None = None,
     if yaml_path is not None:
         p = Path(yaml_path)
         if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} does not exist")
+            raise ConfigError(f"config file {str(p)!r} " + ("is a directory" if p.is_dir() else "does not exist"))
         try:
-            doc = yaml.safe_load(p.read_text()) or {}
+            text = p.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"config file {str(p)!r} is not UTF-8 text (byte {exc.start}: "
+                              f"{exc.object[exc.start:exc.start + 1]!r})") from None
+        except OSError as exc:
+            raise ConfigError(f"config file {str(p)!r} cannot be read ({exc.strerror or exc})") from None
+        try:
+            doc = yaml.safe_load(text) or {}
         except yaml.YAMLError as exc:
-            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {exc}") from None
+            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {_yaml_problem(exc)}") from None
         if not isinstance(doc, dict):
             raise ConfigError(f"config file {str(p)!r} must hold a mapping of sections")
     base_name = preset or doc.get("preset") or "cpu"
@@ -282,7 +298,7 @@ def loads_config(text: str) -> Config:
     try:
         doc = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise ConfigError(f"config text is not valid YAML: {exc}") from None
+        raise ConfigError(f"config text is not valid YAML: {_yaml_problem(exc)}") from None
     if not isinstance(doc, dict):
         raise ConfigError("config text must hold a mapping of sections")
     return _build(Config, _merge(config_tree(Config()), doc), "")

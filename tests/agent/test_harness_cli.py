@@ -52,6 +52,10 @@ def test_rollout_expert_streams_jsonl(tmp_path, capsys):
     (["--save-tokenizer", "{tmp}/file.txt/tok"], "--save-tokenizer {tmp}/file.txt/tok: not a directory"),
     (["--out", "{tmp}"], "--out {tmp}: cannot write a file there"),
     (["--out", "{tmp}/file.txt/x.jsonl"], "--out {tmp}/file.txt/x.jsonl: cannot write a file there"),
+    (["--out", "/proc/nope/r.jsonl"], "--out /proc/nope/r.jsonl: cannot write a file there"),
+    (["--save-tokenizer", "/proc/nope"], "--save-tokenizer /proc/nope: cannot create the directory"),
+    (["--policy", "local", "--model", "{tmp}", "--device", "bogus"], "--device 'bogus': not a torch device"),
+    (["--policy", "local", "--model", "{tmp}", "--device", "cuda:99"], "--device 'cuda:99': no "),
 ])
 def test_rollout_bad_arguments_exit_2_with_one_line_naming_the_flag(tmp_path, capsys, argv, fragment):
     # issue 11: `rollout --set noise.wrong_query=abc` and `--group-size 0` ended in tracebacks;
@@ -105,3 +109,22 @@ def test_rollout_openai_policy(tmp_path):
     trajs = read_jsonl(out)
     assert len(trajs) == 4 and all(t.end_reason != "policy_error" for t in trajs)
     assert all(t.meta["tokens_sampled"] > 0 for t in trajs)
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--n-tasks", "abc"], "mosaic rollout: argument --n-tasks: invalid int value: 'abc'"),
+    (["--temperature", "warm"], "mosaic rollout: argument --temperature: invalid float value: 'warm'"),
+    (["--policy", "bogus"], "mosaic rollout: argument --policy: invalid choice: 'bogus'"),
+    (["--bogus-flag"], "mosaic rollout: unrecognized arguments: --bogus-flag"),
+])
+def test_rollout_argparse_errors_are_one_line(tmp_path, capsys, argv, fragment):
+    # issue 11: argparse errors printed the whole usage block (5-14 lines) before the message.
+    base = ["rollout", "--preset", "cpu", "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "x.jsonl")]
+    with pytest.raises(SystemExit) as exc:
+        main(base + argv)
+    assert exc.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith(fragment), captured.err
+    assert len(captured.err.strip().splitlines()) == 1 and "Traceback" not in captured.err + captured.out
+    assert "usage:" not in captured.err
+    assert not (tmp_path / "x.jsonl").exists()

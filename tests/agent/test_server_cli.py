@@ -46,6 +46,7 @@ def test_serve_cli_rejects_a_missing_model(tmp_path, capsys):
     (["--max-batch-size", "0"], "--max-batch-size must be >= 1, got 0"),
     (["--default-max-tokens", "-5"], "--default-max-tokens must be >= 1, got -5"),
     (["--device", "bogus"], "--device 'bogus': not a torch device"),
+    (["--device", "cuda:99"], "--device 'cuda:99': no "),  # a device this machine does not have
 ])
 def test_serve_bad_arguments_exit_2_with_one_line_naming_the_flag(tmp_path, capsys, argv, fragment):
     # issue 11: `serve` with a bad port loaded the model, then ended in a traceback.
@@ -65,3 +66,40 @@ def test_serve_bad_arguments_exit_2_with_one_line_naming_the_flag(tmp_path, caps
     want = fragment.replace("{tmp}", str(tmp_path)).replace("{busy}", port)
     assert captured.err.startswith("mosaic serve: ") and want in captured.err, captured.err
     assert len(captured.err.strip().splitlines()) == 1 and "Traceback" not in captured.err + captured.out
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["serve", "--model", "m", "--port", "abc"], "mosaic serve: argument --port: invalid int value: 'abc'"),
+    (["serve"], "mosaic serve: the following arguments are required: --model"),
+    (["bogus-verb"], "mosaic: argument COMMAND: invalid choice: 'bogus-verb'"),
+    (["data", "score", "x"], "mosaic data score: the following arguments are required: ground_truth"),
+    (["data", "generate", "--seed", "x"], "mosaic data generate: argument --seed: invalid int value: 'x'"),
+    (["train", "--preset"], "mosaic train: argument --preset: expected one argument"),
+    (["compare", "a", "b", "--n-boot", "1e3"], "mosaic compare: argument --n-boot: invalid int value: '1e3'"),
+    (["proxy", "scripted-upstream", "--port", "abc"], "mosaic proxy scripted-upstream: argument --port: invalid int"),
+])
+def test_argparse_errors_are_one_line_for_every_verb(capsys, argv, fragment):
+    # issue 11: argparse errors printed the usage block (5-14 lines) before the message.
+    from mosaic.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith(fragment), captured.err
+    assert len(captured.err.strip().splitlines()) == 1 and "usage:" not in captured.err
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["serve", "--model", "m", "--bogus"], "mosaic serve: unrecognized arguments: --bogus"),
+    (["data", "score", "a", "b", "c"], "mosaic data score: unrecognized arguments: c"),
+    (["proxy", "export", "--records", "r", "--out", "o.jsonl", "--nope"], "mosaic proxy export: unrecognized arguments: --nope"),
+])
+def test_unrecognized_arguments_name_the_verb(capsys, argv, fragment):
+    from mosaic.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(fragment) and len(err.strip().splitlines()) == 1, err

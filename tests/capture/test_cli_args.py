@@ -56,6 +56,7 @@ def busy_port():
     (["--retries", "-1"], "--retries must be >= 0, got -1"),
     (["--tokenizer", "{tmp}/missing"], "--tokenizer {tmp}/missing: no such directory"),
     (["--out", "{tmp}/file.txt"], "--out {tmp}/file.txt: not a directory"),
+    (["--out", "/proc/nope"], "--out /proc/nope: cannot create the directory"),
     (["--upstream", "localhost:8000"], "--upstream localhost:8000: expected an http:// or https:// URL"),
     (["--api-key-env", "MOSAIC_TEST_SURELY_UNSET_VAR"], "--api-key-env MOSAIC_TEST_SURELY_UNSET_VAR: environment"),
 ])
@@ -84,6 +85,7 @@ def test_proxy_serve_bad_arguments_exit_2_with_one_line(tmp_path, capsys, busy_p
     (["--out", "{tmp}/s.csv"], "--out {tmp}/s.csv: use a .jsonl or .parquet file"),
     (["--out", "{tmp}/file.txt/s.jsonl"], "--out {tmp}/file.txt/s.jsonl: cannot write a file there"),
     (["--out", "{tmp}/dir.jsonl"], "--out {tmp}/dir.jsonl: cannot write a file there"),
+    (["--out", "/proc/nope/x.jsonl"], "--out /proc/nope/x.jsonl: cannot write a file there"),
     (["--tokenizer", "{tmp}/missing"], "--tokenizer {tmp}/missing: no such directory"),
     (["--rule", "bogus=1"], "--rule 'bogus': unknown rule"),
     (["--rule", "noequals"], "--rule 'noequals': expected KEY=VALUE"),
@@ -116,6 +118,10 @@ def test_proxy_export_bad_arguments_exit_2_with_one_line(tmp_path, capsys, argv,
     (1, "prompt_ids", [1, 2.5], "call record field 'prompt_ids[1]': must be an integer, got 2.5"),
     (1, "completion_ids", [-4], "call record field 'completion_ids[0]': token id -4 is outside [0, 2147483647]"),
     (1, "logprobs", [-0.1, 3.0], "call record field 'logprobs[1]': log-prob 3.0 is not finite and <= 0"),
+    (1, "t_start", "x", "call record field 't_start': must be a number, got 'x'"),
+    (1, "t_end", None, "call record field 't_end': must be a number, got None"),
+    (1, "t_first", "soon", "call record field 't_first': must be a number, got 'soon'"),
+    (1, "status", "200", "call record field 'status': must be an integer, got '200'"),
 ])
 @pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
 def test_export_skips_a_bad_record_with_its_rollout_naming_file_and_line(tmp_path, capsys, line, field, value, says,
@@ -133,3 +139,33 @@ def test_export_skips_a_bad_record_with_its_rollout_naming_file_and_line(tmp_pat
     summary = json.loads(captured.out.strip().splitlines()[-1])
     assert summary["bad_records"] == 1 and summary["rollouts"] == 2
     assert [t.id for t in load_trajectories(out)] == ["r1", "r2"]  # the rest is exported, and reads back
+
+
+def _exit_code(argv):
+    """``main(argv)``'s exit status, whether returned or raised (argparse errors raise SystemExit)."""
+    try:
+        return main(argv)
+    except SystemExit as exc:
+        return exc.code
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["proxy", "serve", "--upstream", "http://127.0.0.1:9", "--out", "{tmp}/rec", "--log-level", "bogus"],
+     "mosaic proxy serve: argument --log-level: invalid choice: 'bogus'"),
+    (["proxy", "scripted-upstream", "--port", "-1"], "mosaic proxy scripted-upstream: --port must be in [0, 65535]"),
+    (["proxy", "scripted-upstream", "--port", "70000"], "mosaic proxy scripted-upstream: --port must be in [0, 65535]"),
+    (["proxy", "scripted-upstream", "--port", "0", "--tokenizer", "{tmp}/missing"],
+     "mosaic proxy scripted-upstream: --tokenizer {tmp}/missing: no such directory"),
+    (["proxy", "scripted-upstream", "--port", "0", "--delay", "nan"], "--delay must be a finite number >= 0, got nan"),
+    (["proxy", "scripted-upstream", "--port", "0", "--slots", "-1"], "--slots must be >= 0"),
+    (["proxy", "export", "--records", "{tmp}/r.jsonl"], "mosaic proxy export: the following arguments are required: --out"),
+])
+def test_proxy_more_bad_arguments_exit_2_with_one_line(tmp_path, capsys, argv, fragment):
+    # issue 11: `--log-level bogus` crashed later in uvicorn (KeyError); `scripted-upstream --port -1`
+    # ended in an OverflowError traceback; argparse errors printed the usage block.
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    assert _exit_code(argv) == 2
+    captured = capsys.readouterr()
+    assert fragment.replace("{tmp}", str(tmp_path)) in captured.err, captured.err
+    assert len(captured.err.strip().splitlines()) == 1 and "Traceback" not in captured.err + captured.out
+    assert not (tmp_path / "rec").exists()

@@ -1,5 +1,7 @@
 import json
 
+import pytest
+
 from mosaic.cli import main
 
 
@@ -50,6 +52,8 @@ def test_eval_and_compare_bad_flags_exit_2_with_one_line(tmp_path, capsys):
         (["eval", "--checkpoint", str(tmp_path / "file.txt")], "not a directory"),
         (["eval", "--checkpoint", str(tmp_path / "empty")], "neither a checkpoint, a model directory nor a run dir"),
         (["eval", "--out", str(tmp_path / "file.txt" / "o.jsonl")], "--out "),
+        (["eval", "--out", "/proc/nope/o.jsonl"], "--out /proc/nope/o.jsonl: cannot write a file there"),
+        (["pretrain", "--out", "/proc/nope"], "--out /proc/nope: cannot create the directory"),
         (["compare", str(tmp_path / "missing.jsonl"), str(tmp_path / "file.txt")], "outcome file a ("),
         (["compare", str(tmp_path / "file.txt"), str(tmp_path / "empty")], "outcome file b (") ,
         (["compare", str(tmp_path / "file.txt"), str(tmp_path / "file.txt"), "--n-boot", "0"], "--n-boot must be >= 1"),
@@ -58,7 +62,7 @@ def test_eval_and_compare_bad_flags_exit_2_with_one_line(tmp_path, capsys):
     for argv, fragment in cases:
         assert main(argv) == 2, argv
         err = capsys.readouterr().err
-        assert fragment in err and len(err.strip().splitlines()) == 1, (argv, err)
+        assert fragment in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err, (argv, err)
 
 
 def test_eval_checkpoint_that_does_not_verify_is_named(tmp_path, capsys):
@@ -73,3 +77,40 @@ def test_eval_checkpoint_that_does_not_verify_is_named(tmp_path, capsys):
     assert "not a usable checkpoint: corrupt safetensors header in model.safetensors" in err
     assert main(["eval", "--checkpoint", str(tmp_path / "run")]) == 2  # its only checkpoint is skipped
     assert "skipping" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content, fragment", [
+    (b"\xff\xfe\x00a: 1\n", "is not UTF-8 text (byte 0: b'\\xff')"),
+    (b"algo:\n  lam: [1, 2\nfoo: bar\n", "is not valid YAML: expected ',' or ']', but got ':' at line 3, column 4"),
+    (b"- just\n- a list\n", "must hold a mapping of sections"),
+])
+@pytest.mark.parametrize("verb", ["train", "sft", "eval"])
+def test_config_file_that_cannot_be_read_is_one_line(tmp_path, capsys, content, fragment, verb):
+    # issue 11: binary bytes in --config ended in a UnicodeDecodeError traceback; invalid YAML printed
+    # PyYAML's 8-line message.
+    y = tmp_path / "c.yaml"
+    y.write_bytes(content)
+    assert main([verb, "--config", str(y)]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith(f"mosaic {verb}: config error: config file {str(y)!r} ")
+    assert fragment in captured.err, captured.err
+    assert len(captured.err.strip().splitlines()) == 1 and "Traceback" not in captured.err + captured.out
+
+
+def test_config_override_with_invalid_yaml_is_one_line(capsys):
+    assert main(["train", "algo.lam=[1,"]) == 2
+    err = capsys.readouterr().err
+    assert "config key 'algo.lam': value '[1,' is not valid YAML: " in err and "line 1, column 4" in err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+def test_compare_mismatch_suggests_the_cli_flag(tmp_path, capsys):
+    # issue 11: the message suggested on_mismatch='intersect' (the library keyword), not --intersect.
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text("".join(json.dumps({"question_id": f"q{i}", "correct": True}) + "\n" for i in range(4)))
+    b.write_text("".join(json.dumps({"question_id": f"q{i}", "correct": False}) + "\n" for i in range(1, 5)))
+    assert main(["compare", str(a), str(b), "--n-boot", "10"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mosaic compare: ") and "pass --intersect to compare the common ones" in err, err
+    assert "on_mismatch" not in err and len(err.strip().splitlines()) == 1
+    assert main(["compare", str(a), str(b), "--n-boot", "10", "--intersect"]) == 0

@@ -1,0 +1,109 @@
+"""Shared argument checks of the ``mosaic`` verbs (issue 11): one line naming the flag, exit 2.
+
+* :class:`OneLineParser`: argparse errors (``--port abc``, a missing required flag) as one line,
+  ``mosaic <verb>: <message>``, and exit status 2, instead of the usage block.
+* :func:`output_error`: can an output file or directory be created at this path? Checked before
+  any work by every verb that writes one (``--out``, ``--cache-dir``, ``--save-tokenizer``).
+* :func:`device_error`: is ``--device`` a torch device that exists here? Checked before a model loads.
+
+Nothing heavy is imported at module level, so ``mosaic --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import NoReturn
+
+EXIT_USAGE = 2
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line, ``<prog>: <message>``, and exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"{self.prog}: {' '.join(message.split())}", file=sys.stderr)
+        sys.exit(EXIT_USAGE)
+
+    def parse_known_args(self, args=None, namespace=None):
+        ns, extras = super().parse_known_args(args, namespace)
+        if extras and not hasattr(ns, "_extras_prog"):  # the innermost (sub)parser left them over
+            ns._extras_prog = self.prog
+        return ns, extras
+
+    def parse_args(self, args=None, namespace=None):
+        """Like argparse's, but unrecognized arguments are named with the verb that got them
+        (``mosaic rollout: unrecognized arguments: ...``), not with the top-level ``mosaic``."""
+        ns, extras = self.parse_known_args(args, namespace)
+        prog = ns.__dict__.pop("_extras_prog", self.prog)
+        if extras:
+            print(f"{prog}: unrecognized arguments: {' '.join(extras)}", file=sys.stderr)
+            sys.exit(EXIT_USAGE)
+        return ns
+
+
+def _probe_dir(d: Path) -> str | None:
+    """Why no entry can be created in the existing directory ``d`` (a trial directory is made and
+    removed at once), or None."""
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".mosaic-probe-", dir=d))
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
+
+
+def output_error(flag: str, path: str | os.PathLike, *, is_dir: bool) -> str | None:
+    """Why the output ``path`` (a directory if ``is_dir``, else a file) cannot be created or written,
+    as one line naming ``flag``, or None. Nothing is left behind.
+
+    Catches: the path exists as the other kind; an existing ancestor is not a directory; the nearest
+    existing directory refuses new entries (read-only, no permission, a pseudo file system such as
+    ``/proc``); an existing file that cannot be opened for writing.
+    """
+    p = Path(path)
+    what = "not a directory" if is_dir else "cannot write a file there"
+    if p.exists():
+        if p.is_dir() != is_dir:
+            return f"{flag} {path}: {what}" + ("" if is_dir else " (it is a directory)")
+        if is_dir:
+            why = _probe_dir(p)
+            return f"{flag} {path}: directory takes no new entries ({why})" if why else None
+        try:
+            with open(p, "ab"):
+                pass
+        except OSError as exc:
+            return f"{flag} {path}: {what} ({exc.strerror or exc})"
+        return None
+    ancestor = next((a for a in p.parents if a.exists()), None)
+    if ancestor is None:
+        return None
+    if not ancestor.is_dir():
+        return f"{flag} {path}: {what} ({ancestor} is not a directory)"
+    why = _probe_dir(ancestor)
+    if why:
+        kind = "cannot create the directory" if is_dir else "cannot write a file there"
+        return f"{flag} {path}: {kind} ({ancestor} takes no new entries: {why})"
+    return None
+
+
+def device_error(flag: str, device: str) -> str | None:
+    """Why ``device`` is not a torch device usable here (unknown, or a CUDA / MPS device this machine
+    does not have; other device types are left to torch), as one line naming ``flag``, or None. Imports torch (seconds)."""
+    import torch
+
+    try:
+        d = torch.device(device)
+    except (RuntimeError, ValueError, TypeError) as exc:
+        return f"{flag} {device!r}: not a torch device ({str(exc).splitlines()[0][:120]})"
+    if d.type == "cuda":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0:
+            return f"{flag} {device!r}: no CUDA device is available"
+        if d.index is not None and d.index >= n:
+            return f"{flag} {device!r}: no such CUDA device (this machine has {n}: cuda:0..cuda:{n - 1})"
+    elif d.type == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+        return f"{flag} {device!r}: MPS is not available"
+    return None
