@@ -9,6 +9,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from mosaic.cliargs import output_error
+
 __all__ = ["register"]
 
 EXIT_USAGE = 2
@@ -27,6 +29,10 @@ def _run(args) -> int:
     if args.jobs < 1:
         print("mosaic experiment: --jobs must be >= 1", file=sys.stderr)
         return EXIT_USAGE
+    for flag, path in (("--work", args.work), ("--report", args.report)):
+        if path and (why := output_error(flag, path, is_dir=True)):
+            print(f"mosaic experiment: {why}", file=sys.stderr)
+            return EXIT_USAGE
     try:
         if args.quick:
             work = _work_dir(args, parse_grid(QUICK_GRID))
@@ -68,7 +74,11 @@ def _dispatch(args) -> int:
         if not (work / "grid.yaml").is_file():
             print(f"mosaic experiment report: {work} is not a grid work dir (no grid.yaml)", file=sys.stderr)
             return EXIT_USAGE
-        return _report_dir(work, Path(args.out) if args.out else Path("reports") / work.name)
+        out = Path(args.out) if args.out else Path("reports") / work.name
+        if why := output_error("--out", out, is_dir=True):
+            print(f"mosaic experiment report: {why}", file=sys.stderr)
+            return EXIT_USAGE
+        return _report_dir(work, out)
     if args.rest or (args.target is None) == (not args.quick):
         print("mosaic experiment: give one grid file, or --quick", file=sys.stderr)
         return EXIT_USAGE

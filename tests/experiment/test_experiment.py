@@ -133,6 +133,8 @@ def test_grid_file_errors_and_cli_usage(tmp_path, capsys):
     assert main(["experiment"]) == 2
     assert main(["experiment", "report", str(tmp_path)]) == 2
     assert "not a grid work dir" in capsys.readouterr().err
+    assert main(["experiment", "--quick", "--work", "/proc/nope"]) == 2
+    assert "--work /proc/nope" in capsys.readouterr().err
 
 
 def test_runs_are_keyed_by_their_resolved_config():
