@@ -61,8 +61,6 @@ class HarnessConfig:
     """Outcome reward: exact match or token F1 (SPEC §3)."""
     success_threshold: float = 1.0
     """``success = reward >= success_threshold``."""
-    subagent_states: Literal["merge"] = "merge"
-    """Subagent gain states: the parent's context before/after the call (SPEC §4.4 "merge")."""
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
     """Main sessions' system prompt; ``{tools}`` is replaced by the tools of the mode."""
     subagent_system_prompt: str = DEFAULT_SUBAGENT_PROMPT
@@ -86,7 +84,6 @@ class HarnessConfig:
         need(self.max_new_tokens < self.context_budget, "max_new_tokens", "must be < context_budget")
         need(self.reward_metric in ("em", "f1"), "reward_metric", "must be 'em' or 'f1'")
         need(0.0 < self.success_threshold <= 1.0, "success_threshold", "must be in (0, 1]")
-        need(self.subagent_states == "merge", "subagent_states", "only 'merge' is implemented")
         need("{tools}" in self.system_prompt, "system_prompt", "must contain the {tools} placeholder")
         need("{tools}" in self.subagent_system_prompt, "subagent_system_prompt", "must contain {tools}")
         need("{question}" in self.resume_template and "{summary}" in self.resume_template,

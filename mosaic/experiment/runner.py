@@ -86,9 +86,10 @@ def _eval_done(d: Path, e: EvalSpec) -> bool:
 
 
 def _drift(saved: str, text: str) -> list[str]:
-    """Keys whose saved value differs from today's, leaving out the run dir and fields the saved config lacks
-    (added since, at a default that keeps the old behaviour)."""
-    return [x for x in config_diff(saved, text) if not x.startswith("train.run_dir:") and ": (absent) -> " not in x]
+    """Keys whose saved value differs from today's, leaving out the run dir, fields the saved config lacks
+    (added since, at a default that keeps the old behaviour) and fields that no longer exist."""
+    return [x for x in config_diff(saved, text)
+            if not x.startswith("train.run_dir:") and ": (absent) -> " not in x and not x.endswith(" -> (absent)")]
 
 
 def adopt(work: Path, r: RunSpec, text: str, *, rename: bool) -> Path:

@@ -448,7 +448,8 @@ def check_resume_config(run_dir: str | Path, config_yaml: str, force: bool, *, s
     unless ``force`` (``train.resume_force=true``)."""
     saved = Path(run_dir) / "config.yaml"
     if saved.is_file():
-        changes = [ln for ln in config_diff(saved.read_text(), config_yaml) if not ln.startswith(_RESUME_FREE)]
+        changes = [ln for ln in config_diff(saved.read_text(), config_yaml)
+                   if not ln.startswith(_RESUME_FREE) and not ln.endswith(" -> (absent)")]  # removed keys do nothing
     else:
         new = (yaml.safe_load(config_yaml) or {}).get("algo", {}).get("estimator")
         old = (state or {}).get("estimator")

@@ -295,3 +295,22 @@ def test_resume_with_a_changed_config_needs_force(tmp_path, capsys):
     (run / "config.yaml").unlink()
     with pytest.raises(ck.CheckpointError, match="algo.estimator"):
         ck.check_resume_config(run, changed, force=False, state={"estimator": cfg.algo.estimator})
+
+
+def test_a_config_key_removed_since_the_run_started_does_not_block_resume(tmp_path):
+    # A field that no longer exists cannot change what the run does (e.g. harness.subagent_states).
+    import yaml
+
+    from mosaic.train.config import dump_config, load_config
+
+    run = tmp_path / "run"
+    run.mkdir()
+    cfg = load_config(overrides=[f"train.run_dir={run}"])
+    saved = yaml.safe_load(dump_config(cfg))
+    saved["harness"]["subagent_states"] = "merge"
+    (run / "config.yaml").write_text(yaml.safe_dump(saved))
+    assert ck.check_resume_config(run, dump_config(cfg), force=False) == []
+    saved["optim"]["lr"] = 0.5  # a real change still needs the flag
+    (run / "config.yaml").write_text(yaml.safe_dump(saved))
+    with pytest.raises(ck.CheckpointError, match="optim.lr"):
+        ck.check_resume_config(run, dump_config(cfg), force=False)
