@@ -18,6 +18,7 @@ from statistics import median
 
 import torch
 
+from mosaic.experiment.runner import DONE
 from mosaic.experiment.spec import EvalSpec
 from mosaic.train import setup
 from mosaic.train.checkpoint import find_latest
@@ -26,7 +27,6 @@ from mosaic.train.entrypoints import ensure_warm_start, run_train
 from mosaic.train.evaluate import evaluate
 from mosaic.train.runlog import read_metrics
 
-DONE = "done.json"
 
 
 def _train(cfg: Config, d: Path) -> None:
