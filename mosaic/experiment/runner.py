@@ -32,8 +32,7 @@ from statistics import median
 import yaml
 
 from mosaic.experiment.spec import EvalSpec, Grid, RunSpec, config_key
-from mosaic.train.checkpoint import config_diff
-from mosaic.train.config import Config, dump_config, load_config
+from mosaic.train.config import Config, config_diff, dump_config, load_config
 
 __all__ = ["Unit", "plan", "run_grid", "print_plan", "DONE", "run_dir", "warm_dir"]
 
@@ -115,22 +114,21 @@ def plan(grid: Grid, work: Path, *, rename: bool = False) -> list[Unit]:
     """Every unit of the grid with what is left to do (warm-start evaluations first); ``rename`` takes
     over run dirs made under an older key (:func:`adopt`), else they are only reported."""
     units, seen = [], set()
+    eval_yaml = {s: dump_config(load_config(grid.preset, overrides=grid.eval_overrides(s))) for s in grid.settings}
     for setting in grid.settings:
         d = warm_dir(work, grid, setting)
         if d in seen:  # settings that differ only in training share the warm start's evaluation
             continue
         seen.add(d)
-        ecfg = dump_config(load_config(grid.preset, overrides=grid.eval_overrides(setting)))
         units.append(Unit(f"warmstart/{d.name}", d, False, [e for e in grid.evals if not _eval_done(d, e)],
-                          ecfg, ecfg))  # fmt: skip
+                          eval_yaml[setting], eval_yaml[setting]))  # fmt: skip
     for r in grid.runs:
         d = adopt(work, r, dump_config(r.config), rename=rename)
         cfg = dataclasses.replace(r.config, train=dataclasses.replace(r.config.train, run_dir=str(d)))
-        ecfg = load_config(grid.preset, overrides=grid.eval_overrides(r.setting))
         done, text = (d / DONE).exists(), dump_config(cfg)
         drift = tuple(_drift((d / "config.yaml").read_text(), text)) if done and (d / "config.yaml").exists() else ()
         units.append(Unit(r.name, d, not done, [e for e in grid.evals if not _eval_done(d, e)],
-                          text, dump_config(ecfg), r, drift))  # fmt: skip
+                          text, eval_yaml[r.setting], r, drift))  # fmt: skip
     return units
 
 
