@@ -10,6 +10,7 @@ arms:                             # arm name -> overrides (the estimator, the ha
   fold: {overrides: [algo.estimator=fold], seeds: [0, 1, 2]}   # an arm with its own seeds
 settings:                         # optional: setting name -> overrides (e.g. a learning-rate sweep)
   base: []
+  lr2e-4: {overrides: [optim.lr=2e-4], seeds: [0, 1, 2]}    # a setting with its own seeds
 seeds: [0, 1, 2, 3, 4]            # train.seed of each run
 evals:                            # every run's final model, and the warm start once, on each
   - {name: test, split: test, data_seed: 0, n_tasks: 128, samples: 4, temperature: 0.5}
@@ -94,6 +95,9 @@ class Grid:
     path: Path | None = None
     arm_seeds: dict[str, tuple[int, ...]] = field(default_factory=dict)
     """Arms with their own seed list (``arms: {name: {overrides: [...], seeds: [...]}}``)."""
+    setting_seeds: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    """Settings with their own seed list (same form). A run's seeds are its arm's own list, its setting's own
+    list, both (intersected) or, when neither has one, the grid's ``seeds``."""
     runs: tuple[RunSpec, ...] = field(default=())
 
     def eval_overrides(self, setting: str) -> list[str]:
@@ -195,14 +199,17 @@ def parse_grid(doc: Any, path: Path | None = None) -> Grid:
     ev = tuple(_eval(e, i) for i, e in enumerate(evals))
     _need(len({e.name for e in ev}) == len(ev), "evals", "names must be unique")
     arms, arm_seeds = _named(doc.get("arms"), "arms", seeds=True)
+    settings, setting_seeds = _named(doc.get("settings") or {"base": []}, "settings", seeds=True)
     g = Grid(name=name, preset=preset, common=_overrides(doc.get("common"), "common"), arms=arms,
-             settings=_named(doc.get("settings") or {"base": []}, "settings")[0], seeds=seeds, evals=ev, path=path,
-             arm_seeds=arm_seeds)  # fmt: skip
+             settings=settings, seeds=seeds, evals=ev, path=path, arm_seeds=arm_seeds,
+             setting_seeds=setting_seeds)  # fmt: skip
     runs = []
-    for seed in sorted(set(seeds).union(*arm_seeds.values())):  # seed-major: a half-done grid has every arm
+    all_seeds = set(seeds).union(*arm_seeds.values(), *setting_seeds.values())
+    for seed in sorted(all_seeds):  # seed-major: a half-done grid has every arm
         for setting, set_ov in g.settings.items():
             for arm, arm_ov in g.arms.items():
-                if seed not in arm_seeds.get(arm, seeds):
+                own = [x for x in (arm_seeds.get(arm), setting_seeds.get(setting)) if x is not None]
+                if not all(seed in x for x in own) or (not own and seed not in seeds):
                     continue
                 ov = [*g.common, *set_ov, *arm_ov, f"train.seed={seed}", "train.heldout_split=none"]
                 try:

@@ -155,6 +155,18 @@ def test_an_arm_can_have_its_own_seeds():
         parse_grid({**QUICK_GRID, "arms": {"fold": {"overrides": [], "seed": [1]}}})
 
 
+def test_a_setting_can_have_its_own_seeds():
+    g = parse_grid({**QUICK_GRID, "arms": {"mosaic": ["algo.estimator=mosaic"],
+                                           "fold": {"overrides": ["algo.estimator=fold"], "seeds": [1, 2]}},
+                    "settings": {"base": [], "lr2": {"overrides": ["optim.lr=2e-4"], "seeds": [1]}}})
+    got = [(r.arm, r.setting, r.seed) for r in g.runs]
+    assert got == [("mosaic", "base", 0), ("mosaic", "base", 1), ("fold", "base", 1), ("mosaic", "lr2", 1),
+                   ("fold", "lr2", 1), ("fold", "base", 2)]
+    assert {r.config.optim.lr for r in g.runs if r.setting == "lr2"} == {2e-4}
+    with pytest.raises(GridError, match="settings.lr2.seeds"):
+        parse_grid({**QUICK_GRID, "settings": {"lr2": {"overrides": [], "seeds": [1, 1]}}})
+
+
 def test_a_run_made_under_an_older_key_is_taken_over(tmp_path):
     from mosaic.experiment.runner import DONE, plan, run_dir
     from mosaic.train.config import dump_config
