@@ -19,7 +19,7 @@ from statistics import median
 
 import numpy as np
 
-from mosaic.experiment.runner import DONE, adopt, warm_dir
+from mosaic.experiment.runner import DONE, REUSED, adopt, warm_dir
 from mosaic.train.config import dump_config
 from mosaic.experiment.spec import Grid, load_grid
 from mosaic.train.runlog import read_metrics
@@ -67,7 +67,9 @@ def collect(grid: Grid, work: Path) -> dict:
         steps = [m["timing_s/step"] for m in read_metrics(d) if "timing_s/step" in m]
         g["seeds"][r.seed] = {"evals": {k: v for k, v in evals.items() if v is not None}, "curve": curve,
                               "step_s": median(steps) if steps else float("nan"),
-                              "done": json.loads((d / DONE).read_text())}  # fmt: skip
+                              "done": json.loads((d / DONE).read_text()),
+                              "reused_from": json.loads((d / REUSED).read_text())["from"]
+                              if (d / REUSED).exists() else None}  # fmt: skip
     warm = {}
     for setting in grid.settings:
         d = warm_dir(work, grid, setting)
@@ -202,6 +204,10 @@ def write_report(work: Path, out: Path) -> list[Path]:
     md = [f"# Grid `{grid.name}`", "", f"{results['runs_done']} of {results['runs']} runs finished. Arms: "
           + ", ".join(f"`{a}` ({' '.join(ov) or 'preset'})" for a, ov in grid.arms.items()) + f"; seeds {list(grid.seeds)}; "
           f"common overrides: `{' '.join(grid.common) or '-'}`.", ""]  # fmt: skip
+    reused = sorted({s["reused_from"] for g in data["groups"].values() for s in g["seeds"].values() if s.get("reused_from")})
+    if reused:
+        md += [f"{len(reused)} run(s) were trained once, by another grid with the same config, and copied here "
+               f"(`reuse:`); only their evaluations ran in this grid: " + ", ".join(f"`{r}`" for r in reused) + ".", ""]
     for t in tables:
         md += _md_table(t)
     if results["paper"]:

@@ -68,6 +68,8 @@ class Unit:
     run: RunSpec | None = None
     drift: tuple[str, ...] = ()
     """For a finished run: keys whose value in the run's saved ``config.yaml`` differs from today's resolution."""
+    reuse_from: Path | None = None
+    """A finished run of the same config in another grid's work dir (``reuse:``), copied instead of trained."""
 
     @property
     def todo(self) -> bool:
@@ -110,6 +112,20 @@ def adopt(work: Path, r: RunSpec, text: str, *, rename: bool) -> Path:
     return d
 
 
+REUSED = "reused.json"
+
+
+def reusable(grid: Grid, r: RunSpec, text: str) -> Path | None:
+    """A finished run of ``r``'s config (same key, no drift, a final checkpoint) in a ``reuse`` work dir."""
+    for w in grid.reuse:
+        for cand in sorted((w / "runs").glob(f"*-{r.key[:8]}")):
+            saved = cand / "config.yaml"
+            if (cand / DONE).exists() and saved.exists() and not _drift(saved.read_text(), text) \
+                    and any((cand / "checkpoints").glob("ckpt-*/model")):  # fmt: skip
+                return cand
+    return None
+
+
 def plan(grid: Grid, work: Path, *, rename: bool = False) -> list[Unit]:
     """Every unit of the grid with what is left to do (warm-start evaluations first); ``rename`` takes
     over run dirs made under an older key (:func:`adopt`), else they are only reported."""
@@ -126,9 +142,16 @@ def plan(grid: Grid, work: Path, *, rename: bool = False) -> list[Unit]:
         d = adopt(work, r, dump_config(r.config), rename=rename)
         cfg = dataclasses.replace(r.config, train=dataclasses.replace(r.config.train, run_dir=str(d)))
         done, text = (d / DONE).exists(), dump_config(cfg)
+        src = None if done or any(d.glob("checkpoints/ckpt-*")) else reusable(grid, r, text)
+        if src is not None and rename:  # copy the other grid's run (checkpoints, metrics, evals) and say so
+            if d.exists():
+                shutil.rmtree(d)
+            shutil.copytree(src, d)
+            (d / REUSED).write_text(json.dumps({"from": str(src)}, indent=1))
+            done = True
         drift = tuple(_drift((d / "config.yaml").read_text(), text)) if done and (d / "config.yaml").exists() else ()
-        units.append(Unit(r.name, d, not done, [e for e in grid.evals if not _eval_done(d, e)],
-                          text, eval_yaml[r.setting], r, drift))  # fmt: skip
+        units.append(Unit(r.name, d, not done and src is None, [e for e in grid.evals if not _eval_done(d, e)],
+                          text, eval_yaml[r.setting], r, drift, src))  # fmt: skip
     return units
 
 
@@ -164,7 +187,8 @@ def unit_cost(u: Unit, costs: dict[str, float]) -> float:
     return s
 
 
-def print_plan(grid: Grid, units: list[Unit], work: Path, jobs: int, out=sys.stdout) -> float:
+def print_plan(grid: Grid, units: list[Unit], work: Path, jobs: int, out=None) -> float:
+    out = out or sys.stdout
     costs = measured_costs(work)
     src = (f"measured here ({costs['measured_runs']} runs, {costs['measured_evals']} evaluations)"
            if costs["measured_runs"] or costs["measured_evals"] else "prior (CPU preset figures, 2 cores)")  # fmt: skip
@@ -176,10 +200,14 @@ def print_plan(grid: Grid, units: list[Unit], work: Path, jobs: int, out=sys.std
     for u in units:
         c = unit_cost(u, costs)
         total += c
-        state = "done" if not u.todo else ("train+" if u.train else "") + f"{len(u.evals)} evals"
+        state = "done" if not u.todo and u.reuse_from is None else ("train+" if u.train else "") + f"{len(u.evals)} evals"
         if u.train and (u.dir / "checkpoints").is_dir():
             state += " (resumes)"
+        if u.reuse_from is not None:
+            state = f"copy+{len(u.evals)} evals"
         print(f"  {u.name:<48} {state:<22} ~{c / 60:5.1f} min", file=out)
+        if u.reuse_from is not None:
+            print(f"    trained already in {u.reuse_from} (same config): copied, not retrained", file=out)
         if u.drift:
             print(f"    warning: finished under another resolved config (a default changed?): {'; '.join(u.drift)}",
                   file=out)  # fmt: skip
@@ -206,8 +234,9 @@ def _launch(u: Unit, threads: int) -> tuple[Unit, int, float]:
     return u, rc, time.perf_counter() - t0
 
 
-def run_grid(grid: Grid, work: Path, *, jobs: int = 1, out=sys.stdout) -> int:
+def run_grid(grid: Grid, work: Path, *, jobs: int = 1, out=None) -> int:
     """Run every unit left to do, ``jobs`` at once; returns the number of failed units."""
+    out = out or sys.stdout
     work.mkdir(parents=True, exist_ok=True)
     if grid.path is not None:
         shutil.copyfile(grid.path, work / "grid.yaml")

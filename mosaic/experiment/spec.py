@@ -12,6 +12,8 @@ settings:                         # optional: setting name -> overrides (e.g. a 
   base: []
   lr2e-4: {overrides: [optim.lr=2e-4], seeds: [0, 1, 2]}    # a setting with its own seeds
 seeds: [0, 1, 2, 3, 4]            # train.seed of each run
+reuse: [reports/explore/work]     # optional: other grids' work dirs whose finished runs of the same
+                                  # config (same key, final checkpoint present) are copied, not retrained
 evals:                            # every run's final model, and the warm start once, on each
   - {name: test, split: test, data_seed: 0, n_tasks: 128, samples: 4, temperature: 0.5}
 ```
@@ -95,6 +97,8 @@ class Grid:
     path: Path | None = None
     arm_seeds: dict[str, tuple[int, ...]] = field(default_factory=dict)
     """Arms with their own seed list (``arms: {name: {overrides: [...], seeds: [...]}}``)."""
+    reuse: tuple[Path, ...] = ()
+    """Other grids' work dirs: a finished run there with the same config key is copied, not retrained."""
     setting_seeds: dict[str, tuple[int, ...]] = field(default_factory=dict)
     """Settings with their own seed list (same form). A run's seeds are its arm's own list, its setting's own
     list, both (intersected) or, when neither has one, the grid's ``seeds``."""
@@ -186,7 +190,7 @@ _SAME = object()
 def parse_grid(doc: Any, path: Path | None = None) -> Grid:
     """A validated :class:`Grid` from a parsed YAML document (every run config resolved)."""
     _need(isinstance(doc, dict), "(top)", "the grid file must hold a mapping")
-    known = {"name", "preset", "common", "arms", "settings", "seeds", "evals"}
+    known = {"name", "preset", "common", "arms", "settings", "seeds", "evals", "reuse"}
     for k in doc:
         _need(k in known, str(k), f"unknown field (known: {', '.join(sorted(known))})")
     name = doc.get("name", path.stem if path else "grid")
@@ -199,10 +203,13 @@ def parse_grid(doc: Any, path: Path | None = None) -> Grid:
     ev = tuple(_eval(e, i) for i, e in enumerate(evals))
     _need(len({e.name for e in ev}) == len(ev), "evals", "names must be unique")
     arms, arm_seeds = _named(doc.get("arms"), "arms", seeds=True)
+    reuse = doc.get("reuse") or []
+    _need(isinstance(reuse, list) and all(isinstance(x, str) and x for x in reuse), "reuse",
+          "must be a list of work-dir paths")  # fmt: skip
     settings, setting_seeds = _named(doc.get("settings") or {"base": []}, "settings", seeds=True)
     g = Grid(name=name, preset=preset, common=_overrides(doc.get("common"), "common"), arms=arms,
              settings=settings, seeds=seeds, evals=ev, path=path, arm_seeds=arm_seeds,
-             setting_seeds=setting_seeds)  # fmt: skip
+             setting_seeds=setting_seeds, reuse=tuple(Path(x) for x in reuse))  # fmt: skip
     runs = []
     all_seeds = set(seeds).union(*arm_seeds.values(), *setting_seeds.values())
     for seed in sorted(all_seeds):  # seed-major: a half-done grid has every arm

@@ -193,3 +193,36 @@ def test_a_run_made_under_an_older_key_is_taken_over(tmp_path):
     (odd / "config.yaml").write_text(yaml.safe_dump(changed))
     plan(g, tmp_path, rename=True)
     assert odd.exists() and not run_dir(tmp_path, other).exists()
+
+
+def test_a_run_finished_in_another_grid_is_copied_not_retrained(tmp_path, capsys):
+    from mosaic.experiment.runner import DONE, REUSED, plan, print_plan, run_dir
+    from mosaic.train.config import dump_config
+
+    first = tmp_path / "first"
+    g = parse_grid(QUICK_GRID)
+    with_ckpt, without = g.runs[0], g.runs[1]
+    for r, ckpt in ((with_ckpt, True), (without, False)):  # finished in the first grid; only one kept its model
+        d = run_dir(first, r)
+        (d / ("checkpoints/ckpt-2/model" if ckpt else "evals")).mkdir(parents=True)
+        (d / "config.yaml").write_text(dump_config(r.config))
+        (d / DONE).write_text('{"step_s": 1.0, "rollouts_per_step": 4}')
+    second = parse_grid({**QUICK_GRID, "reuse": [str(first)], "settings": {"other-name": []},
+                         "evals": [{"name": "test-d7", "split": "test", "data_seed": 7, "n_tasks": 4, "samples": 1}]})
+    work = tmp_path / "second"
+    units = {u.run.seed if u.run else None: u for u in plan(second, work) if u.run and u.run.arm == with_ckpt.arm}
+    assert units[with_ckpt.seed].reuse_from == run_dir(first, with_ckpt) and not units[with_ckpt.seed].train
+    print_plan(second, plan(second, work), work, 1)
+    assert "copied, not retrained" in capsys.readouterr().out
+    assert not work.exists()  # a plan copies nothing
+    by_key = {u.run.key: u for u in plan(second, work, rename=True) if u.run}
+    got = by_key[with_ckpt.key]
+    assert got.dir.name.startswith(f"{with_ckpt.arm}-other-name-") and (got.dir / DONE).exists()
+    assert json.loads((got.dir / REUSED).read_text())["from"] == str(run_dir(first, with_ckpt))
+    assert not got.train and [e.name for e in got.evals] == ["test-d7"]
+    assert by_key[without.key].train and by_key[without.key].reuse_from is None  # no model to evaluate: retrain
+    # a different config is never taken for this one
+    other = parse_grid({**QUICK_GRID, "reuse": [str(first)], "common": [*QUICK_GRID["common"], "optim.lr=3e-4"]})
+    assert all(u.reuse_from is None for u in plan(other, tmp_path / "third"))
+    with pytest.raises(GridError, match="reuse"):
+        parse_grid({**QUICK_GRID, "reuse": "somewhere"})
