@@ -54,6 +54,28 @@ def _eval_record(d: Path, name: str) -> tuple[dict[str, float], dict] | None:
     return _outcomes(j), json.loads(m.read_text())
 
 
+def _answers(d: Path, name: str) -> list[str | None]:
+    path = d / "evals" / f"{name}.jsonl"
+    return [json.loads(x).get("answer") for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+
+
+def _health(answers: list[str | None], names: set[str]) -> dict[str, float]:
+    """How intact the policy is: the share of trajectories that answered at all, and the share of given
+    answers that are an exact entity name of the world (the tiny model's multi-token name copying is the
+    first thing that breaks when RL steps are too large)."""
+    given = [a for a in answers if a]
+    return {"answered": len(given) / max(1, len(answers)),
+            "exact_name": sum(a in names for a in given) / max(1, len(given))}  # fmt: skip
+
+
+def _world_names(grid: Grid, setting: str, e) -> set[str]:
+    from mosaic.train import setup  # torch: only when a report is written
+    from mosaic.train.config import load_config
+
+    cfg = load_config(grid.preset, overrides=[*grid.eval_overrides(setting), *e.overrides()])
+    return setup.load_split(cfg, e.split).world.names()
+
+
 def collect(grid: Grid, work: Path) -> dict:
     """Everything finished in ``work``: per (arm, setting) the per-seed outcomes of each evaluation, metrics."""
     groups: dict[str, dict] = {}
@@ -64,17 +86,73 @@ def collect(grid: Grid, work: Path) -> dict:
             continue
         evals = {e.name: _eval_record(d, e.name) for e in grid.evals}
         curve = [(m["step"], m.get("critic/score/mean")) for m in read_metrics(d) if "step" in m]
+        ent = [m["actor/entropy"] for m in read_metrics(d) if "actor/entropy" in m]
         steps = [m["timing_s/step"] for m in read_metrics(d) if "timing_s/step" in m]
         g["seeds"][r.seed] = {"evals": {k: v for k, v in evals.items() if v is not None}, "curve": curve,
                               "step_s": median(steps) if steps else float("nan"),
+                              "entropy": (float(np.mean(ent[:3])), float(np.mean(ent[-3:]))) if ent else None,
+                              "answers": {e.name: _answers(d, e.name) for e in grid.evals},
                               "done": json.loads((d / DONE).read_text()),
                               "reused_from": json.loads((d / REUSED).read_text())["from"]
                               if (d / REUSED).exists() else None}  # fmt: skip
-    warm = {}
+    warm, warm_answers = {}, {}
     for setting in grid.settings:
         d = warm_dir(work, grid, setting)
         warm[setting] = {e.name: rec for e in grid.evals if (rec := _eval_record(d, e.name)) is not None}
-    return {"groups": groups, "warm": warm}
+        if all(str(d) != w for w, _ in warm_answers.values()):  # settings may share one warm-start evaluation
+            warm_answers[setting] = (str(d), {e.name: _answers(d, e.name) for e in grid.evals})
+    return {"groups": groups, "warm": warm, "warm_answers": warm_answers}
+
+
+def health_table(grid: Grid, data: dict) -> list[dict]:
+    """Per (arm, setting) and the warm start: entropy at the start and end of training (mean of the first
+    and last 3 steps), the answer rate and the exact-name share of answers, pooled over evaluations."""
+    names: dict[tuple[str, str], set[str]] = {}
+
+    def pooled(per_eval: dict[str, list], setting: str) -> dict[str, float]:
+        got = []
+        for e in grid.evals:
+            if per_eval.get(e.name):
+                if (setting, e.name) not in names:
+                    names[(setting, e.name)] = _world_names(grid, setting, e)
+                got.append((len(per_eval[e.name]), _health(per_eval[e.name], names[(setting, e.name)])))
+        n = sum(k for k, _ in got)
+        return {k: sum(c * h[k] for c, h in got) / n for k in ("answered", "exact_name")} if n else {}
+
+    rows = []
+    shared = len(data.get("warm_answers", {})) == 1 and len(grid.settings) > 1
+    for setting, (_, per_eval) in data.get("warm_answers", {}).items():
+        if h := pooled(per_eval, setting):
+            rows.append({"arm": "warm start", "setting": "(every setting)" if shared else setting, "seeds": 1, **h})
+    for g in data["groups"].values():
+        seeds = [s for s in g["seeds"].values() if any(s["answers"].values())]
+        if not seeds:
+            continue
+        hs = [pooled(s["answers"], g["setting"]) for s in seeds]
+        ent = [s["entropy"] for s in seeds if s.get("entropy")]
+        rows.append({"arm": g["arm"], "setting": g["setting"], "seeds": len(seeds),
+                     "answered": float(np.mean([h["answered"] for h in hs])),
+                     "exact_name": float(np.mean([h["exact_name"] for h in hs])),
+                     "exact_name_min": float(min(h["exact_name"] for h in hs)),
+                     "entropy_start": float(np.mean([a for a, _ in ent])) if ent else float("nan"),
+                     "entropy_end": float(np.mean([b for _, b in ent])) if ent else float("nan")})  # fmt: skip
+    return rows
+
+
+def _md_health(rows: list[dict]) -> list[str]:
+    out = ["### Policy health (is anything collapsing?)", "",
+           "Pooled over every evaluation; entropy is the mean token entropy of the rollouts in the first and last "
+           "3 training steps. *Exact names*: the share of given answers that are an exact entity name of the world "
+           "(the copying of multi-token names is what breaks first when steps are too large).", "",
+           "| arm | setting | seeds | answered % | exact names % (worst seed) | entropy start → end |",
+           "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    for r in rows:
+        ent = (f"{r['entropy_start']:.3f} → {r['entropy_end']:.3f}" if "entropy_end" in r and r["entropy_end"] == r["entropy_end"]
+               else "–")  # fmt: skip
+        worst = f" ({_pct(r['exact_name_min'])})" if "exact_name_min" in r else ""
+        out.append(f"| {r['arm']} | {r['setting']} | {r['seeds']} | {_pct(r['answered'])} | "
+                   f"{_pct(r['exact_name'])}{worst} | {ent} |")
+    return out + [""]
 
 
 def _matrix(seeds: dict, evals: list[str]) -> tuple[np.ndarray, list[str]] | None:
@@ -200,6 +278,9 @@ def write_report(work: Path, out: Path) -> list[Path]:
                "paper": PAPER.get(grid.name.split("-")[0]), "runs_done": sum(len(g["seeds"]) for g in data["groups"].values()),
                "runs": len(grid.runs)}  # fmt: skip
     (out / "results.json").write_text(json.dumps(results, indent=1, default=float))
+    health = health_table(grid, data)
+    results["health"] = health
+    (out / "results.json").write_text(json.dumps(results, indent=1, default=float))
     plots = make_plots(grid, data, out / "plots")
     md = [f"# Grid `{grid.name}`", "", f"{results['runs_done']} of {results['runs']} runs finished. Arms: "
           + ", ".join(f"`{a}` ({' '.join(ov) or 'preset'})" for a, ov in grid.arms.items()) + f"; seeds {list(grid.seeds)}; "
@@ -210,6 +291,8 @@ def write_report(work: Path, out: Path) -> list[Path]:
                f"(`reuse:`); only their evaluations ran in this grid: " + ", ".join(f"`{r}`" for r in reused) + ".", ""]
     for t in tables:
         md += _md_table(t)
+    if health:
+        md += _md_health(health)
     if results["paper"]:
         md += ["### The paper (SPEC §8; one run, no intervals)", ""] + [f"- {k}: {v}" for k, v in results["paper"].items()] + [""]
     md += ["### Plots", ""] + [f"![{p.stem}](plots/{p.name})" for p in plots] + [""]

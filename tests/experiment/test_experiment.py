@@ -40,6 +40,11 @@ def test_quick_grid_runs_end_to_end_and_reports(quick):
     assert "| broadcast | base | 2 | 8 |" in md and "| mosaic | base | 2 | 8 |" in md
     assert "broadcast/base − mosaic/base" in md and "sign test p (Holm)" in md
     assert "Smallest difference detectable at 80 % power" in md
+    assert "### Policy health" in md and "| warm start | base | 1 |" in md
+    health = {(r["arm"], r["setting"]): r for r in json.loads((rep / "results.json").read_text())["health"]}
+    assert set(health) == {("warm start", "base"), ("broadcast", "base"), ("mosaic", "base")}
+    assert all(0 <= r["answered"] <= 1 and 0 <= r["exact_name"] <= 1 for r in health.values())
+    assert health[("mosaic", "base")]["entropy_end"] > 0
     res = json.loads((rep / "results.json").read_text())
     head = res["tables"][0]
     assert head["evals"] == ["test", "test-d1"] and set(head["arms"]) == {"broadcast/base", "mosaic/base"}
