@@ -22,7 +22,7 @@ from mosaic.trace.rows import TrainingRow, TurnLayout, flatten, to_rows, turn_la
 from mosaic.train.config import AlgoConfig, Config
 from mosaic.train.scorer import score_gains, score_turns
 
-__all__ = ["Scores", "estimator_params", "advantage_batch", "compute_advantages", "training_rows", "score_for"]
+__all__ = ["Scores", "drop_uniform_groups", "estimator_params", "advantage_batch", "compute_advantages", "training_rows", "score_for"]
 
 
 @dataclass
@@ -36,6 +36,15 @@ class Scores:
     turn_gains: torch.Tensor | None = None
     """(U,) turn gains in :func:`~mosaic.trace.turn_layout` order."""
     metrics: dict[str, float] | None = None
+
+
+def drop_uniform_groups(trajs: Sequence[Trajectory]) -> tuple[list[Trajectory], int]:
+    """The trajectories of groups whose rewards are not all equal, and the number of groups dropped."""
+    rewards: dict[str, set[float]] = {}
+    for t in trajs:
+        rewards.setdefault(t.group_id, set()).add(float(t.reward))
+    mixed = {g for g, r in rewards.items() if len(r) > 1}
+    return [t for t in trajs if t.group_id in mixed], len(rewards) - len(mixed)
 
 
 def estimator_params(algo: AlgoConfig) -> EstimatorParams:

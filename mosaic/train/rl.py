@@ -29,7 +29,7 @@ from mosaic.core.estimators import get_estimator
 from mosaic.core.loss import policy_loss, token_weights
 from mosaic.envs.splits import Split
 from mosaic.trace import Trajectory, turn_layout
-from mosaic.train.batch import compute_advantages, score_for, training_rows
+from mosaic.train.batch import Scores, compute_advantages, drop_uniform_groups, score_for, training_rows
 from mosaic.train.batching import collate, completion_logprobs, micro_batches, pack_rows
 from mosaic.train.config import Config
 from mosaic.train.metrics import rollout_metrics
@@ -171,22 +171,29 @@ def rl_step(st: RLState, step: int) -> dict[str, float]:
     st.last_trajs = trajs
     t_gen = time.perf_counter() - t0
 
+    train, skipped = drop_uniform_groups(trajs) if cfg.algo.skip_uniform_groups else (list(trajs), 0)
     t1 = time.perf_counter()
-    scores = score_for(est, trajs, st.model, st.chat, cfg.algo)
+    scores = score_for(est, train, st.model, st.chat, cfg.algo) if train else Scores(metrics={})
     t_score = time.perf_counter() - t1
 
-    layout = turn_layout(trajs) if est.needs_turns else None
-    adv, adv_metrics = compute_advantages(trajs, cfg, scores, layout=layout)
-    rows = training_rows(trajs, adv, est, layout)
-
+    rows, adv_metrics, upd = [], {}, {}
+    if train:  # every group uniform and skipped: nothing to learn from this step
+        layout = turn_layout(train) if est.needs_turns else None
+        adv, adv_metrics = compute_advantages(train, cfg, scores, layout=layout)
+        rows = training_rows(train, adv, est, layout)
     t2 = time.perf_counter()
-    upd = update(st, rows, temperature=cfg.rollout.temperature)
+    if rows:
+        upd = update(st, rows, temperature=cfg.rollout.temperature)
     t_update = time.perf_counter() - t2
 
     total = time.perf_counter() - t0
     tokens = sum(len(r.prompt_ids) + len(r.completion_ids) for r in rows)
-    m = rollout_metrics(trajs, None if scores.gains is None else scores.gains.numpy(),
-                        None if scores.is_final is None else scores.is_final.numpy())  # fmt: skip
+    m = rollout_metrics(train, None if scores.gains is None else scores.gains.numpy(),
+                        None if scores.is_final is None else scores.is_final.numpy()) if train \
+        else rollout_metrics(trajs, None, None)  # fmt: skip
+    if cfg.algo.skip_uniform_groups:  # rewards of the whole batch, not only of the groups trained on
+        m.update({k: v for k, v in rollout_metrics(trajs, None, None).items() if k.startswith("critic/")})
+        m["train/groups_skipped"] = float(skipped)
     m.update(adv_metrics)
     m.update(scores.metrics or {})
     m.update(upd)

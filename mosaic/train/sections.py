@@ -178,6 +178,10 @@ class AlgoConfig(_Section):
     """β of the k3 KL to a frozen reference; 0 = no reference model."""
     loss_agg: Literal["trajectory-token-mean", "token-mean", "session-token-mean"] = "trajectory-token-mean"
     """Length normalisation of the loss (SPEC §5)."""
+    skip_uniform_groups: bool = False
+    """Drop groups whose rewards are all equal before scoring and the update (DAPO-style filtering, no
+    resampling). Group-relative estimators give such groups zero advantage anyway (they only dilute the
+    loss); Mosaic's fallback term (δ) and its gains give them a signal on purpose, which this removes."""
 
     def _validate(self) -> None:
         self._need(self.estimator in ESTIMATORS, "estimator", f"must be one of {', '.join(sorted(ESTIMATORS))}")

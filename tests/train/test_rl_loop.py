@@ -107,6 +107,29 @@ def test_each_estimator_runs_a_step(base_dir, tmp_path, estimator, mode):
     assert all(v == v for v in m.values() if isinstance(v, float))  # no NaN
 
 
+def test_skip_uniform_groups_trains_only_on_mixed_groups(base_dir, tmp_path):
+    from types import SimpleNamespace as T
+
+    from mosaic.train.batch import drop_uniform_groups
+
+    trajs = [T(group_id="a", reward=1.0), T(group_id="a", reward=0.0), T(group_id="b", reward=0.0),
+             T(group_id="b", reward=0.0), T(group_id="c", reward=1.0)]
+    kept, dropped = drop_uniform_groups(trajs)
+    assert [(t.group_id, t.reward) for t in kept] == [("a", 1.0), ("a", 0.0)] and dropped == 2
+    # an untrained model fails every task: both groups are uniform, so the step learns nothing and says so
+    cfg = _cfg(base_dir, tmp_path, "algo.estimator=mosaic", "algo.skip_uniform_groups=true")
+    st = _state(cfg)
+    before = {n: p.detach().clone() for n, p in st.model.named_parameters()}
+    m = rl.rl_step(st, 0)
+    mixed = len({t.group_id for t in st.last_trajs}) - int(m["train/groups_skipped"])
+    assert m["critic/score/mean"] == sum(t.reward for t in st.last_trajs) / len(st.last_trajs)
+    if mixed == 0:
+        assert m["train/sessions"] == 0 and "actor/pg_loss" not in m
+        assert all(torch.equal(p, before[n]) for n, p in st.model.named_parameters())
+    else:
+        assert m["train/sessions"] > 0 and "actor/pg_loss" in m
+
+
 def _train_killed_at(cfg, at_step, monkeypatch):
     """``run_train`` killed (KeyboardInterrupt) when it reaches step ``at_step``."""
     real_step = rl.rl_step
