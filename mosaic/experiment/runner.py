@@ -158,16 +158,17 @@ def plan(grid: Grid, work: Path, *, rename: bool = False) -> list[Unit]:
 # ----------------------------------------------------------------------------- cost
 
 
-def measured_costs(work: Path) -> dict[str, float]:
-    """Seconds per rollout of a training step and per evaluation trajectory, from what ran in ``work``."""
+def measured_costs(work: Path, *more: Path) -> dict[str, float]:
+    """Seconds per rollout of a training step and per evaluation trajectory, from what ran in ``work``
+    (and in ``more`` work dirs, e.g. the grids a grid reuses runs from)."""
     step, per_traj = [], []
-    for done in (work / "runs").glob(f"*/{DONE}"):
+    for done in (d for w in (work, *more) for d in (w / "runs").glob(f"*/{DONE}")):
         try:
             d = json.loads(done.read_text())
             step.append(d["step_s"] / max(1, d["rollouts_per_step"]))
         except (OSError, ValueError, KeyError):
             continue
-    for meta in work.glob("**/evals/*.json"):
+    for meta in (m for w in (work, *more) for m in w.glob("**/evals/*.json")):
         try:
             d = json.loads(meta.read_text())
             per_traj.append(d["seconds"] / max(1, d["trajectories"]))
@@ -189,8 +190,8 @@ def unit_cost(u: Unit, costs: dict[str, float]) -> float:
 
 def print_plan(grid: Grid, units: list[Unit], work: Path, jobs: int, out=None) -> float:
     out = out or sys.stdout
-    costs = measured_costs(work)
-    src = (f"measured here ({costs['measured_runs']} runs, {costs['measured_evals']} evaluations)"
+    costs = measured_costs(work, *grid.reuse)
+    src = (f"measured {'here and in the reused grids' if grid.reuse else 'here'} ({costs['measured_runs']} runs, {costs['measured_evals']} evaluations)"
            if costs["measured_runs"] or costs["measured_evals"] else "prior (CPU preset figures, 2 cores)")  # fmt: skip
     print(f"grid {grid.name}: {len(grid.arms)} arms x {len(grid.settings)} settings x {len(grid.seeds)} seeds = "
           f"{len(grid.runs)} runs; {len(grid.evals)} evaluations each ({', '.join(e.name for e in grid.evals)})",
