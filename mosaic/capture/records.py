@@ -93,7 +93,7 @@ def _check_call(d: dict[str, Any]) -> None:
             raise TraceError(f"field {name!r}: must be a finite number, got {d[name]!r}")
     if "status" in d:
         _int(d["status"], "status")
-    for name in ("retokenized", "stream"):
+    for name in ("retokenized", "stream", "context_overflow"):
         if name in d and not isinstance(d[name], bool):
             raise TraceError(f"field {name!r}: must be true or false, got {d[name]!r}")
 
@@ -117,6 +117,9 @@ class CallRecord:
         text: the first choice's text content; tool_calls: its tool calls (OpenAI format).
         finish_reason: ``stop``, ``length``, ``tool_calls``, ... as the upstream reported.
         retokenized: True when the ids came from the proxy's tokenizer, not the upstream.
+        context_overflow: the upstream refused the prompt as longer than the model's context; the
+            record keeps the prompt's ids (asked of the upstream's ``/tokenize``, else the proxy's
+            tokenizer, then ``retokenized``) so reconstruction can put that prompt in its session.
         stream: whether the client asked for a streamed response.
         status: HTTP status returned to the client; error: why the call failed (None if it did not).
         t_start / t_first / t_end: wall-clock times (s since epoch) of arrival, first upstream
@@ -140,6 +143,7 @@ class CallRecord:
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
     finish_reason: str | None = None
     retokenized: bool = False
+    context_overflow: bool = False
     stream: bool = False
     status: int = 200
     error: str | None = None
