@@ -243,7 +243,28 @@ class RecordWriter(LineAppender):
         obj = record.to_dict()
         obj["schema"] = RECORD_SCHEMA
         obj["schema_version"] = RECORD_SCHEMA_VERSION
-        self.append(json.dumps(obj, separators=(",", ":"), ensure_ascii=False))
+        line = json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+        try:
+            line.encode("utf-8")
+        except UnicodeEncodeError:
+            # A lone surrogate (JSON's "\udfff" decodes to one) has no UTF-8 form: escape every
+            # non-ASCII character instead, which reads back to the same strings.
+            line = json.dumps(obj, separators=(",", ":"), ensure_ascii=True)
+        self.append(line)
+
+
+def _is_records_file(file: Path) -> bool:
+    """Whether a file's first line is a capture record (an empty file counts: a proxy that recorded
+    nothing yet); other JSONL files in a records directory (an export written there) are not."""
+    with open(file, "rb") as fh:
+        first = fh.readline(1 << 20)
+    if not first.strip():
+        return True
+    try:
+        obj = json.loads(first)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+        return True  # let the reader name the broken line
+    return not (isinstance(obj, dict) and isinstance(obj.get("schema"), str) and obj["schema"] != RECORD_SCHEMA)
 
 
 def _record_files(path: Path) -> list[Path]:
@@ -251,7 +272,13 @@ def _record_files(path: Path) -> list[Path]:
         files = sorted(p for p in path.glob("*.jsonl"))
         if not files:
             raise RecordError(f"{path}: no *.jsonl record files in this directory")
-        return files
+        kept = [f for f in files if _is_records_file(f)]
+        for f in files:
+            if f not in kept:
+                warnings.warn(f"{f}: not a capture records file (skipped)", BadRecordWarning, stacklevel=3)
+        if not kept:
+            raise RecordError(f"{path}: none of its *.jsonl files holds capture records")
+        return kept
     if not path.exists():
         raise RecordError(f"{path}: no such file or directory")
     return [path]

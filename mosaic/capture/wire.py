@@ -62,11 +62,17 @@ def logprob_list(endpoint: str, lp: Any) -> list[float]:
 
 
 class StreamAccumulator:
-    """Collects one streamed response (SSE) into the fields of a call record."""
+    """Collects one streamed response (server-sent events) into the fields of a call record.
+
+    Lines end in ``\n``, ``\r\n`` or ``\r`` (all valid SSE); an event is its ``data:`` lines joined
+    by newlines, dispatched at a blank line (or at the end of the stream). A payload that is not
+    JSON, or not a chunk, is counted in ``bad`` and skipped: parsing never breaks the relay.
+    """
 
     def __init__(self, endpoint: str):
         self.endpoint = endpoint
         self.buf = b""
+        self.data: list[bytes] = []
         self.text: list[str] = []
         self.tool_calls: dict[int, dict[str, Any]] = {}
         self.ids: list[int] = []
@@ -77,16 +83,42 @@ class StreamAccumulator:
         self.bad = 0
 
     def feed(self, data: bytes) -> None:
-        self.buf += data
+        buf = self.buf + data
+        start = 0
+        n = len(buf)
         while True:
-            cut = self.buf.find(b"\n\n")
-            if cut < 0:
+            cr, lf = buf.find(b"\r", start), buf.find(b"\n", start)
+            if cr < 0 and lf < 0:
                 break
-            event, self.buf = self.buf[:cut], self.buf[cut + 2:]
-            for line in event.split(b"\n"):
-                line = line.strip()
-                if line.startswith(b"data:"):
-                    self._event(line[5:].strip())
+            if lf >= 0 and (cr < 0 or lf < cr):
+                end, nxt = lf, lf + 1
+            elif cr == n - 1:
+                break  # a \r at the end: wait, a \n may follow in the next chunk
+            else:
+                end, nxt = cr, cr + 2 if buf[cr + 1: cr + 2] == b"\n" else cr + 1
+            self._line(buf[start:end])
+            start = nxt
+        self.buf = buf[start:]
+
+    def close(self) -> None:
+        """The stream ended: a last line or event without its terminator still counts."""
+        if self.buf:
+            self._line(self.buf.rstrip(b"\r"))
+            self.buf = b""
+        self._line(b"")
+
+    def _line(self, line: bytes) -> None:
+        if not line:
+            if self.data:
+                payload, self.data = b"\n".join(self.data), []
+                try:
+                    self._event(payload.strip())
+                except Exception:  # noqa: BLE001 - a malformed chunk is counted, never fatal
+                    self.bad += 1
+            return
+        if line.startswith(b"data:"):
+            value = line[5:]
+            self.data.append(value[1:] if value.startswith(b" ") else value)
 
     def _event(self, payload: bytes) -> None:
         if payload == b"[DONE]":
@@ -94,7 +126,10 @@ class StreamAccumulator:
             return
         try:
             obj = json.loads(payload)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+            self.bad += 1
+            return
+        if not isinstance(obj, dict):
             self.bad += 1
             return
         if self.prompt_ids is None and isinstance(obj.get("prompt_token_ids"), list):
