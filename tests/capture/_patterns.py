@@ -211,3 +211,24 @@ async def overflow_then_compact(llm: ScriptLLM) -> str:
     msgs = head + [{"role": "user", "content": f"Notes so far: {summary}"}]
     answer, _ = await llm(msgs, TOOLS_LEAD, f"ANSWER: fact {h('river 2')}", max_tokens=150)
     return answer
+
+
+async def random_team(llm: ScriptLLM, plan: list[dict], lead_searches: int, lead_ws: bool) -> str:
+    """A lead that runs one researcher per ``plan`` entry in parallel (``searches``, ``compact_before``,
+    ``ws``: whitespace before tool calls, dropped when re-sent), then searches, then answers."""
+    drop = lambda text: None if not text.strip() else text  # noqa: E731
+    msgs = [{"role": "system", "content": LEAD_SYS}, {"role": "user", "content": TASK}]
+    qs = [f"Question {k}: where is landmark {k}?" for k in range(len(plan))]
+    calls = [tool_call("researcher", {"question": q}, q) for q in qs]
+    text, _ = await llm(msgs, TOOLS_LEAD, "\n" if lead_ws else "", calls)
+    results = await asyncio.gather(*(researcher(llm, q, p["searches"], compact_before=p["compact_before"],
+                                                lead_in="\n" if p["ws"] else "", resend=drop)
+                                     for q, p in zip(qs, plan)))
+    msgs += [assistant(drop(text), calls)] + [{"role": "tool", "tool_call_id": c["id"], "content": r}
+                                              for c, r in zip(calls, results)]
+    for k in range(lead_searches):
+        t = tool_call("search", {"query": f"lead {k}"}, "lead")
+        text, _ = await llm(msgs, TOOLS_LEAD, "\n" if lead_ws else "", [t])
+        msgs += [assistant(drop(text), [t]), {"role": "tool", "tool_call_id": t["id"], "content": document(f"lead {k}")}]
+    answer, _ = await llm(msgs, TOOLS_LEAD, f"ANSWER: {len(plan)} researchers")
+    return answer

@@ -4,7 +4,11 @@ re-sent differently from how they were sampled, and a context overflow before a 
 
 from __future__ import annotations
 
+import functools
+
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from mosaic.capture.reconstruct import ReconstructionRules, reconstruct_rollout
 from mosaic.capture.records import RewardRecord
@@ -14,9 +18,14 @@ from mosaic.trace import StateRef
 from . import _patterns as P
 
 
+@functools.lru_cache(maxsize=1)
+def _tok():
+    return build_tokenizer()
+
+
 @pytest.fixture(scope="module")
 def rnd():
-    return Renderer(build_tokenizer())
+    return Renderer(_tok())
 
 
 def _shape(t):
@@ -143,3 +152,41 @@ def test_a_compaction_without_evidence_falls_back_to_recency_and_says_so(rnd):
     t = reconstruct_rollout(recs)
     comp = t.sessions[1]
     assert comp.kind == "compaction" and comp.parent == 0 and comp.meta["parent_by"] == "recency"
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(plan=st.lists(st.fixed_dictionaries({"searches": st.integers(0, 3), "compact_before": st.none() | st.integers(1, 2),
+                                            "ws": st.booleans()}), min_size=1, max_size=3),
+       lead_searches=st.integers(0, 2), lead_ws=st.booleans())
+def test_random_teams_rebuild_to_their_graph(plan, lead_searches, lead_ws):
+    """Researchers in parallel, some compacting their own history, some writing whitespace the
+    harness drops: every session is where it belongs, whatever the mix."""
+    rnd = Renderer(_tok())
+    recs, answer = P.run(lambda llm: P.random_team(llm, plan, lead_searches, lead_ws), rnd, "team")
+    t = reconstruct_rollout(recs, RewardRecord("team", 1.0))
+    by_id = {r.call_id: r for r in recs}
+
+    def role(s):
+        first = by_id[s.meta["call_ids"][0]]
+        sys_, users = first.messages[0]["content"], [m["content"] for m in first.messages if m["role"] == "user"]
+        if sys_ == P.LEAD_SYS:
+            return ("lead", None)
+        q = next(k for k in range(len(plan)) if f"landmark {k}?" in users[0])
+        if sys_ == P.SUMMARISER_SYS:
+            return ("compaction", q)
+        return ("continuation" if len(users) > 1 else "head", q)
+
+    roles = [role(s) for s in t.sessions]
+    compacts = [p["compact_before"] is not None and p["searches"] > p["compact_before"] for p in plan]
+    assert sorted(roles, key=str) == sorted(
+        [("lead", None)] + [("head", k) for k in range(len(plan))]
+        + [(r, k) for k, c in enumerate(compacts) if c for r in ("compaction", "continuation")], key=str)
+    idx = {r: i for i, r in enumerate(roles)}
+    assert roles[0] == ("lead", None) and t.sessions[0].is_final and t.answer == answer
+    for (r, k), s in zip(roles, t.sessions):
+        want = {"lead": (None, None, "main"), "head": (idx[("lead", None)], "forks", "subagent"),
+                "compaction": (idx.get(("head", k)), "continues", "compaction"),
+                "continuation": (idx.get(("compaction", k)), "continues", "subagent")}[r]
+        assert (s.parent, s.edge, s.kind) == want, (r, k, s.meta)
+    assert not t.meta["unlinked_sessions"] and not any("diverged_from" in s.meta for s in t.sessions)
+    _exact(t, recs)
