@@ -142,7 +142,9 @@ class Linker:
                 continue
             p = calls[s.calls[-1]]
             n = len(p.messages)
-            if p.endpoint != "chat" or not n or len(keys) <= n or not p.completion_ids:
+            # the reply must have ended with its end-of-turn token: that is where the splice looks
+            if (p.endpoint != "chat" or not n or len(keys) <= n or not p.completion_ids
+                    or p.finish_reason not in ("stop", "tool_calls")):
                 continue
             if keys[:n] != [message_key(m) for m in p.messages]:
                 continue

@@ -257,3 +257,22 @@ def test_reward_record_roundtrip_keeps_surrogates(tmp_path):
     w.close()
     _, rewards = load_records(tmp_path / "r.jsonl")
     assert rewards["x\udfff"].answer == "\ud800é"
+
+
+def test_context_overflow_without_tokenize_route_uses_the_proxys_tokenizer(scripted_app_factory, make_proxy, tok):
+    app = scripted_app_factory(max_context=40)
+    app.router.routes = [r for r in app.router.routes if getattr(r, "path", "") != "/tokenize"]
+    long = [{"role": "user", "content": "Where is the river? " * 10}]
+    with ServerThread(app) as up:
+        px = make_proxy(up.url, tokenizer_obj=tok)
+        r = _post(f"{px.url}/rollouts/o/v1/chat/completions", {"model": "m", "messages": long, "max_tokens": 8})
+        assert r.status_code == 400
+        px2 = make_proxy(up.url)  # no tokenizer either: the overflow is recorded without ids, said so
+        _post(f"{px2.url}/rollouts/o/v1/chat/completions", {"model": "m", "messages": long, "max_tokens": 8})
+        px.stop()
+        px2.stop()
+    (rec,), _ = load_records(px.out_dir)
+    assert rec.context_overflow and rec.retokenized and rec.prompt_ids == Renderer(tok).chat_prompt(long, None)
+    assert "maximum context length" in rec.error
+    (rec2,), _ = load_records(px2.out_dir)
+    assert rec2.context_overflow and rec2.prompt_ids == [] and "maximum context length" in rec2.error
