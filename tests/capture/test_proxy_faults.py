@@ -276,3 +276,27 @@ def test_context_overflow_without_tokenize_route_uses_the_proxys_tokenizer(scrip
     assert "maximum context length" in rec.error
     (rec2,), _ = load_records(px2.out_dir)
     assert rec2.context_overflow and rec2.prompt_ids == [] and "maximum context length" in rec2.error
+
+
+def test_an_upstream_that_sends_garbage_ids_is_recorded_as_failed():
+    """What the upstream says is checked as strictly as the reader will: bad ids leave a record that
+    says so (and reads back), never a record the exporter rejects or a lost one."""
+    from fastapi import FastAPI
+
+    from mosaic.capture.proxy import ProxyConfig, create_proxy_app
+
+    bad = FastAPI()
+
+    @bad.post("/v1/chat/completions")
+    async def chat():
+        return {"choices": [{"index": 0, "message": {"role": "assistant", "content": 7, "tool_calls": "x"},
+                             "finish_reason": 3, "token_ids": [1, "two", -3],
+                             "logprobs": {"content": [{"logprob": 5.0}]}}], "prompt_token_ids": [1, 2]}
+
+    import tempfile
+    with ServerThread(bad) as up, tempfile.TemporaryDirectory() as d:
+        with ServerThread(create_proxy_app(ProxyConfig(upstream=up.url, out_dir=d))) as px:
+            assert _post(f"{px.url}/rollouts/g/v1/chat/completions", {"model": "m", "messages": MSGS}).status_code == 200
+        (rec,), _ = load_records(d)
+    assert not rec.ok and rec.error == "upstream returned malformed token ids"
+    assert rec.prompt_ids == [] and rec.logprobs == [] and rec.text == "" and rec.tool_calls == []

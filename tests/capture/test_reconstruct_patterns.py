@@ -157,13 +157,15 @@ def test_a_compaction_without_evidence_falls_back_to_recency_and_says_so(rnd):
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(plan=st.lists(st.fixed_dictionaries({"searches": st.integers(0, 3), "compact_before": st.none() | st.integers(1, 2),
                                             "ws": st.booleans()}), min_size=1, max_size=3),
-       lead_searches=st.integers(0, 2), lead_ws=st.booleans())
-def test_random_teams_rebuild_to_their_graph(plan, lead_searches, lead_ws):
+       lead_searches=st.integers(0, 2), lead_ws=st.booleans(), patterns=st.booleans())
+def test_random_teams_rebuild_to_their_graph(plan, lead_searches, lead_ws, patterns):
     """Researchers in parallel, some compacting their own history, some writing whitespace the
-    harness drops: every session is where it belongs, whatever the mix."""
+    harness drops: every session is where it belongs, whatever the mix, with or without the
+    instruction patterns (then compactions are found by output)."""
     rnd = Renderer(_tok())
     recs, answer = P.run(lambda llm: P.random_team(llm, plan, lead_searches, lead_ws), rnd, "team")
-    t = reconstruct_rollout(recs, RewardRecord("team", 1.0))
+    rules = ReconstructionRules() if patterns else ReconstructionRules(compaction_patterns=())
+    t = reconstruct_rollout(recs, RewardRecord("team", 1.0), rules)
     by_id = {r.call_id: r for r in recs}
 
     def role(s):
