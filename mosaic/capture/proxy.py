@@ -38,7 +38,6 @@ import itertools
 import json
 import math
 import os
-import re
 import sys
 import time
 import uuid
@@ -55,10 +54,14 @@ from starlette.requests import ClientDisconnect
 from mosaic.agent.tokenizer import load_tokenizer
 from mosaic.capture.records import RECORDS_FILE, CallRecord, RecordWriter, RewardRecord
 from mosaic.capture.wire import (
+    MAX_JSON_DEPTH,
+    OVERFLOW,
     ApiError,
     StreamAccumulator,
+    check_upstream_fields,
     choice_token_ids,
     error_body,
+    json_depth_exceeds,
     logprob_list,
     retokenize,
     validate_request,
@@ -66,44 +69,6 @@ from mosaic.capture.wire import (
 from mosaic.serving import run_server
 
 _FORWARD_PARAMS_SKIP = {"messages", "tools", "prompt"}
-MAX_JSON_DEPTH = 64
-# What vLLM, SGLang, llama.cpp and OpenAI say when a prompt does not fit the model's context.
-_OVERFLOW = re.compile(r"(?i)maximum context length|context length|context window|max_model_len|"
-                       r"prompt is too long|too many tokens|exceeds? the (model'?s? )?(maximum|context)")
-
-
-def _check_ids(rec: CallRecord) -> None:
-    """Token ids and log-probs as the records reader will demand them; an upstream that sent other
-    things leaves the record without them and with an error saying so."""
-    ids_ok = all(isinstance(x, list) and all(type(t) is int and 0 <= t < 2**31 for t in x)
-                 for x in (rec.prompt_ids, rec.completion_ids))
-    lps_ok = isinstance(rec.logprobs, list) and all(
-        type(v) in (int, float) and math.isfinite(v) and v <= 1e-3 for v in rec.logprobs)
-    if not ids_ok:
-        rec.prompt_ids, rec.completion_ids = [], []
-        rec.error = rec.error or "upstream returned malformed token ids"
-    if not lps_ok:
-        rec.logprobs = []
-    if not isinstance(rec.text, str):
-        rec.text = ""
-    if not (isinstance(rec.tool_calls, list) and all(isinstance(t, dict) for t in rec.tool_calls)):
-        rec.tool_calls = []
-    if rec.finish_reason is not None and not isinstance(rec.finish_reason, str):
-        rec.finish_reason = str(rec.finish_reason)
-
-
-def json_depth_exceeds(obj: Any, limit: int) -> bool:
-    """Whether ``obj`` nests lists / objects deeper than ``limit`` (iterative: no recursion)."""
-    stack = [(obj, 1)]
-    while stack:
-        o, d = stack.pop()
-        if isinstance(o, (list, dict)):
-            if d > limit:
-                return True
-            stack.extend((v, d + 1) for v in (o.values() if isinstance(o, dict) else o))
-    return False
-
-
 @dataclass(frozen=True)
 class ProxyConfig:
     """Settings of the recording proxy.
@@ -307,7 +272,7 @@ class RecordingProxy:
     def _finish(self, rec: CallRecord) -> None:
         """Complete and write a call's record; never raises (a call that was answered is recorded)."""
         try:
-            _check_ids(rec)
+            check_upstream_fields(rec)
             if rec.error is None and (not rec.prompt_ids or (not rec.completion_ids and rec.text)):
                 rec.prompt_ids, rec.completion_ids = list(rec.prompt_ids or []), list(rec.completion_ids or [])
                 self._retokenize(rec)
@@ -416,7 +381,7 @@ class RecordingProxy:
                 if resp.status_code >= 400:
                     said = data[:2000].decode("utf-8", "replace")
                     rec.error = f"upstream returned {resp.status_code}: {said[:500]}"
-                    if resp.status_code in (400, 413, 422) and _OVERFLOW.search(said):
+                    if resp.status_code in (400, 413, 422) and OVERFLOW.search(said):
                         await self._overflow_prompt(rec, body, headers, deadline)
                 else:
                     self._parse_full(rec, data)
@@ -556,7 +521,8 @@ def create_proxy_app(config: ProxyConfig, *, tokenizer: Any = None):
 
     @app.get("/healthz")
     async def health():
-        return {"ok": True, "records": proxy.writer.count if proxy.writer else 0, "in_flight": proxy.in_flight}
+        return {"ok": True, "records": proxy.writer.count if proxy.writer else 0, "in_flight": proxy.in_flight,
+                "write_errors": proxy.write_errors}
 
     return app
 

@@ -1,12 +1,52 @@
-"""The OpenAI wire format as the recording proxy needs it: request checks, errors, streamed
+"""The OpenAI wire format as the recording proxy needs it: request checks (schema, JSON depth),
+errors, upstream fields checked as the records reader will, context-overflow messages, streamed
 responses folded into one record, and re-tokenisation for upstreams that return no ids."""
 
 from __future__ import annotations
 
 import json
+import math
+import re
 from typing import Any
 
 from mosaic.capture.records import CallRecord
+
+MAX_JSON_DEPTH = 64
+# What vLLM, SGLang, llama.cpp and OpenAI say when a prompt does not fit the model's context.
+OVERFLOW = re.compile(r"(?i)maximum context length|context length|context window|max_model_len|"
+                       r"prompt is too long|too many tokens|exceeds? the (model'?s? )?(maximum|context)")
+
+
+def check_upstream_fields(rec: CallRecord) -> None:
+    """Token ids and log-probs as the records reader will demand them; an upstream that sent other
+    things leaves the record without them and with an error saying so."""
+    ids_ok = all(isinstance(x, list) and all(type(t) is int and 0 <= t < 2**31 for t in x)
+                 for x in (rec.prompt_ids, rec.completion_ids))
+    lps_ok = isinstance(rec.logprobs, list) and all(
+        type(v) in (int, float) and math.isfinite(v) and v <= 1e-3 for v in rec.logprobs)
+    if not ids_ok:
+        rec.prompt_ids, rec.completion_ids = [], []
+        rec.error = rec.error or "upstream returned malformed token ids"
+    if not lps_ok:
+        rec.logprobs = []
+    if not isinstance(rec.text, str):
+        rec.text = ""
+    if not (isinstance(rec.tool_calls, list) and all(isinstance(t, dict) for t in rec.tool_calls)):
+        rec.tool_calls = []
+    if rec.finish_reason is not None and not isinstance(rec.finish_reason, str):
+        rec.finish_reason = str(rec.finish_reason)
+
+
+def json_depth_exceeds(obj: Any, limit: int) -> bool:
+    """Whether ``obj`` nests lists / objects deeper than ``limit`` (iterative: no recursion)."""
+    stack = [(obj, 1)]
+    while stack:
+        o, d = stack.pop()
+        if isinstance(o, (list, dict)):
+            if d > limit:
+                return True
+            stack.extend((v, d + 1) for v in (o.values() if isinstance(o, dict) else o))
+    return False
 
 
 class ApiError(Exception):

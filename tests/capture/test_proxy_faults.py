@@ -48,7 +48,7 @@ def test_lone_surrogates_are_recorded_and_nothing_leaks(upstream, make_proxy, st
     r = _post(f"{px.url}/rollouts/sur/reward", {"reward": 1.0, "answer": "\udfff", "meta": {"k\ud800": "v"}})
     assert r.status_code == 200
     health = _drain(px)
-    assert health["in_flight"] == 0 and health["records"] == 2
+    assert health["in_flight"] == 0 and health["records"] == 2 and health["write_errors"] == 0
     px.stop()
     (rec,), rewards = load_records(px.out_dir)
     assert rec.ok and rec.messages[0]["content"] == "river \udfff \ud800 é" and rec.model == "m\udfff"
