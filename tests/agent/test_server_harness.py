@@ -239,3 +239,30 @@ def test_stop_strings_cut_the_reply(served, client, model_tok, stream):
     assert ids == script.ids[: len(ids)] and len(ids) < len(script.ids)
     assert "END" in tok.decode(ids) and "END" not in tok.decode(ids[:-1])
     assert usage["completion_tokens"] == len(ids)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_strings_end_the_real_models_decoding_early(served, client, model_tok, stream):
+    _, app = served
+    _, tok = model_tok
+    req = {"prompt": "The capital of Velmora is", "max_tokens": 24, "temperature": 0, "return_token_ids": True}
+    full = client.post("/v1/completions", json=req).json()["choices"][0]["token_ids"]
+    pieces = [tok.decode(full[: k + 1]) for k in range(len(full))]
+    k = next(k for k in range(3, len(full)) if pieces[k].strip() and pieces[k] != pieces[k - 1])
+    stop = pieces[k][len(pieces[k - 1]):].strip() or pieces[k][-1]
+    want = next(n for n in range(1, len(full) + 1) if stop in tok.decode(full[:n]))
+    assert want < len(full)
+    stats = app.state.server.worker.stats
+    before = stats["stop_string_ends"]
+    r = client.post("/v1/completions", json={**req, "stop": [stop], "stream": stream})
+    if stream:
+        events = _sse(r)
+        ids = [t for ev in events for ch in ev["choices"] for t in ch.get("token_ids") or []]
+        text = "".join(ch["text"] for ev in events for ch in ev["choices"])
+        finish = [ch["finish_reason"] for ev in events for ch in ev["choices"] if ch["finish_reason"]][0]
+    else:
+        ch = r.json()["choices"][0]
+        ids, text, finish = ch["token_ids"], ch["text"], ch["finish_reason"]
+    assert ids == full[:want] and finish == "stop" and stop not in text
+    assert text == tok.decode(full[:want])[: tok.decode(full[:want]).find(stop)]
+    assert stats["stop_string_ends"] == before + 1  # the model stopped there, not at max_tokens

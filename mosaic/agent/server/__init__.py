@@ -11,7 +11,7 @@ What agent harnesses send is accepted: ``content`` null or a list of text parts,
 Hermes / Qwen format unless the chat template takes them itself) with replies parsed into
 OpenAI ``tool_calls`` (``finish_reason: "tool_calls"``, streamed too), and ``stop`` strings
 (the text ends before the stop string, the ids end with the tokens that completed it; the
-model still decodes to ``max_tokens`` before the cut). Types are strict (``"stream": "yes"``
+worker ends that sequence's decoding there). Types are strict (``"stream": "yes"``
 is a 400). Bodies over ``max_body_bytes`` get 413; ``api_key`` requires a bearer token on
 every route but ``/health``; parsing, templating and tokenising run off the event loop
 (:mod:`.textops` holds the text work).

@@ -47,7 +47,7 @@ class ModelServer:
         self.vocab = model.get_input_embeddings().num_embeddings
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
         self.worker = ModelWorker(self.policy, max_batch_size=max_batch_size,
-                                  batch_window_s=batch_window_s)
+                                  batch_window_s=batch_window_s, decode=self.decode)
 
     # ---- request checks
     def check_model(self, name: str | None) -> None:
@@ -101,7 +101,8 @@ class ModelServer:
         reqs = [GenRequest(f"http-{uuid.uuid4().hex[:8]}", p, self.max_new(max_tokens, len(p)))
                 for p in prompts for _ in range(body.n)]
         job = Job(reqs, body.temperature, body.top_p, self.stop_ids(body), body.seed,
-                  asyncio.get_running_loop(), asyncio.Queue(), body.stream)
+                  asyncio.get_running_loop(), asyncio.Queue(), body.stream,
+                  tuple(body.stop or ()), body.skip_special_tokens)
         self.worker.submit(job)
         return job
 
