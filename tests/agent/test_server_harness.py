@@ -266,3 +266,31 @@ def test_stop_strings_end_the_real_models_decoding_early(served, client, model_t
     assert ids == full[:want] and finish == "stop" and stop not in text
     assert text == tok.decode(full[:want])[: tok.decode(full[:want]).find(stop)]
     assert stats["stop_string_ends"] == before + 1  # the model stopped there, not at max_tokens
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_recording_proxy_in_front_of_serve_records_the_tool_calls(served, model_tok, tmp_path, stream):
+    """The whole chain a harness uses: openai client → recording proxy → mosaic serve with tools."""
+    openai = pytest.importorskip("openai")
+    from mosaic.capture.proxy import ProxyConfig, create_proxy_app
+    from mosaic.capture.records import load_records
+
+    url, app = served
+    _, tok = model_tok
+    cfg = ProxyConfig(upstream=url, out_dir=str(tmp_path), upstream_api_key="s3cret")
+    with Script(app, tok, REPLY) as script, ServerThread(create_proxy_app(cfg)) as px:
+        client = openai.OpenAI(base_url=f"{px.url}/rollouts/r1/v1", api_key="x", max_retries=0)
+        if stream:
+            calls = {}
+            for ch in client.chat.completions.create(model=NAME, messages=MSGS, tools=TOOLS, stream=True):
+                for tc in (ch.choices[0].delta.tool_calls or []) if ch.choices else []:
+                    calls[tc.index] = tc.function
+            (fn,) = calls.values()
+        else:
+            fn = client.chat.completions.create(model=NAME, messages=MSGS, tools=TOOLS).choices[0].message.tool_calls[0].function
+        assert fn.name == "search" and json.loads(fn.arguments) == {"query": "Velmora capital"}
+        prompt = script.prompts[-1]
+    (rec,), _ = load_records(tmp_path)
+    assert rec.ok and rec.stream == stream and rec.finish_reason == "tool_calls"
+    assert rec.prompt_ids == prompt and rec.completion_ids == script.ids and len(rec.logprobs) == len(script.ids)
+    assert [tc["function"]["name"] for tc in rec.tool_calls] == ["search"]
