@@ -69,6 +69,8 @@ from mosaic.capture.wire import (
 from mosaic.serving import run_server
 
 _FORWARD_PARAMS_SKIP = {"messages", "tools", "prompt"}
+
+
 @dataclass(frozen=True)
 class ProxyConfig:
     """Settings of the recording proxy.
@@ -427,11 +429,13 @@ class RecordingProxy:
 
     def _parse_full(self, rec: CallRecord, data: bytes) -> None:
         try:
-            obj = json.loads(data)
-            ch = (obj.get("choices") or [{}])[0]
-        except (json.JSONDecodeError, AttributeError, IndexError, TypeError) as exc:
-            rec.error = f"upstream response is not a completion object: {exc}"
-            return
+            self._read_completion(rec, data)
+        except Exception as exc:  # noqa: BLE001 - whatever the upstream sent, the record says so
+            rec.error = f"upstream response is not a completion object: {type(exc).__name__}: {exc}"
+
+    def _read_completion(self, rec: CallRecord, data: bytes) -> None:
+        obj = json.loads(data)
+        ch = (obj.get("choices") or [{}])[0]
         rec.finish_reason = ch.get("finish_reason")
         if rec.endpoint == "chat":
             msg = ch.get("message") or {}

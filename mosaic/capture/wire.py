@@ -102,7 +102,7 @@ def logprob_list(endpoint: str, lp: Any) -> list[float]:
 
 
 class StreamAccumulator:
-    """Collects one streamed response (server-sent events) into the fields of a call record.
+    r"""Collects one streamed response (server-sent events) into the fields of a call record.
 
     Lines end in ``\n``, ``\r\n`` or ``\r`` (all valid SSE); an event is its ``data:`` lines joined
     by newlines, dispatched at a blank line (or at the end of the stream). A payload that is not

@@ -286,17 +286,26 @@ def test_an_upstream_that_sends_garbage_ids_is_recorded_as_failed():
     from mosaic.capture.proxy import ProxyConfig, create_proxy_app
 
     bad = FastAPI()
+    replies = [{"choices": [{"index": 0, "message": {"role": "assistant", "content": 7, "tool_calls": "x"},
+                             "finish_reason": 3, "token_ids": [1, "two", -3],
+                             "logprobs": {"content": [{"logprob": 5.0}]}}], "prompt_token_ids": [1, 2]},
+               {"choices": [{"index": 0, "message": {"content": "hi"}, "token_ids": [3],
+                             "logprobs": {"content": [1, "x"]}}], "prompt_token_ids": [1, 2]},
+               {"choices": "nope"}, [1, 2]]
 
     @bad.post("/v1/chat/completions")
     async def chat():
-        return {"choices": [{"index": 0, "message": {"role": "assistant", "content": 7, "tool_calls": "x"},
-                             "finish_reason": 3, "token_ids": [1, "two", -3],
-                             "logprobs": {"content": [{"logprob": 5.0}]}}], "prompt_token_ids": [1, 2]}
+        return replies.pop(0)
 
     import tempfile
     with ServerThread(bad) as up, tempfile.TemporaryDirectory() as d:
         with ServerThread(create_proxy_app(ProxyConfig(upstream=up.url, out_dir=d))) as px:
-            assert _post(f"{px.url}/rollouts/g/v1/chat/completions", {"model": "m", "messages": MSGS}).status_code == 200
-        (rec,), _ = load_records(d)
-    assert not rec.ok and rec.error == "upstream returned malformed token ids"
+            for k in range(4):
+                r = _post(f"{px.url}/rollouts/g{k}/v1/chat/completions", {"model": "m", "messages": MSGS})
+                assert r.status_code == 200
+        recs, _ = load_records(d)
+    assert [r.rollout_id for r in recs] == ["g0", "g1", "g2", "g3"] and not any(r.ok for r in recs)
+    rec = recs[0]
+    assert rec.error == "upstream returned malformed token ids"
     assert rec.prompt_ids == [] and rec.logprobs == [] and rec.text == "" and rec.tool_calls == []
+    assert all(r.error.startswith("upstream response is not a completion object") for r in recs[1:])
