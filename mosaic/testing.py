@@ -205,6 +205,9 @@ class ScriptedConfig:
             0 = unlimited. With slots the server has a fixed capacity, ``slots / delay_s`` req/s.
         chunk_delay_s: pause between streamed chunks (to test clients that leave mid-stream).
         model: the model name it reports.
+        max_context: refuse a chat request whose prompt + ``max_tokens`` exceed it with vLLM's 400
+            ("maximum context length"); 0 = no limit. ``POST /tokenize`` gives a prompt's ids, as vLLM's does.
+        sse_newline: the line ending of streamed events (``"\\r\\n"``: CRLF framing, valid SSE).
     """
 
     token_ids: bool = True
@@ -213,6 +216,27 @@ class ScriptedConfig:
     slots: int = 0
     chunk_delay_s: float = 0.0
     model: str = "scripted"
+    max_context: int = 0
+    sse_newline: str = "\n"
+
+
+def _clean(obj: Any) -> Any:
+    """Lone surrogates (JSON lets a client send ``"\\udfff"``) become U+FFFD, as a server that
+    decodes text leniently would see them."""
+    if isinstance(obj, str):
+        return obj.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+    if isinstance(obj, list):
+        return [_clean(x) for x in obj]
+    if isinstance(obj, dict):
+        return {_clean(k): _clean(v) for k, v in obj.items()}
+    return obj
+
+
+def _refused(exc: Exception) -> JSONResponse:
+    """A request the script cannot read (a wrong schema): 400, as a real server answers it."""
+    return JSONResponse({"object": "error", "type": "BadRequestError", "code": 400,
+                         "message": f"scripted upstream cannot read this request: {type(exc).__name__}: {exc}"},
+                        status_code=400)
 
 
 def _fake_logprob(i: int, tok: int) -> float:
@@ -248,6 +272,7 @@ class ScriptedUpstream:
         self.cfg = config or ScriptedConfig()
         self.rnd = Renderer(tokenizer)
         self.calls: list[dict[str, Any]] = []
+        self.headers: list[dict[str, str]] = []  # each generation request's headers
         self.log: list[tuple[list[int], list[int]]] = []
         self.sem = asyncio.Semaphore(self.cfg.slots) if self.cfg.slots > 0 else None
 
@@ -261,15 +286,30 @@ class ScriptedUpstream:
 
     # -- /v1/chat/completions ------------------------------------------------------------------
     async def chat(self, request: Request):
-        body = await request.json()
+        body = _clean(await request.json())
         self.calls.append(body)
         m = re.fullmatch(r"fail-(\d{3})", str(body.get("model", "")))
         if m:  # an upstream error on request, for fault tests
             code = int(m.group(1))
             return JSONResponse({"error": {"message": f"scripted failure {code}", "type": "scripted"}},
                                 status_code=code)
+        self.headers.append(dict(request.headers))
+        if self.cfg.max_context:
+            try:
+                n = len(self.rnd.chat_prompt(body.get("messages") or [], body.get("tools") or None))
+                want = n + int(body.get("max_completion_tokens") or body.get("max_tokens") or 16)
+            except Exception as exc:  # noqa: BLE001 - any unreadable request is the client's fault
+                return _refused(exc)
+            if want > self.cfg.max_context:
+                return JSONResponse({"object": "error", "type": "BadRequestError", "code": 400, "message": (
+                    f"This model's maximum context length is {self.cfg.max_context} tokens. However, you "
+                    f"requested {want} tokens ({n} in the messages). Please reduce the length of the messages.")},
+                    status_code=400)
         await self._delay(request)
-        turn = self._chat_turn(body)
+        try:
+            turn = self._chat_turn(body)
+        except Exception as exc:  # noqa: BLE001 - any unreadable request is the client's fault
+            return _refused(exc)
         if not body.get("stream"):
             return JSONResponse(self._chat_json(turn))
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
@@ -321,7 +361,8 @@ class ScriptedUpstream:
             ch["token_ids"] = ids
         obj = {"id": turn.rid, "object": "chat.completion.chunk", "created": turn.created, "model": self.cfg.model,
                "choices": [ch], **(extra or {})}
-        return f"data: {json.dumps(obj)}\n\n".encode()
+        nl = self.cfg.sse_newline
+        return f"data: {json.dumps(obj)}{nl}{nl}".encode()
 
     async def _chat_stream(self, turn: _ChatTurn, include_usage: bool) -> AsyncIterator[bytes]:
         """Content tokens in pieces of 4, then the tool calls, then the end token with finish_reason."""
@@ -350,13 +391,28 @@ class ScriptedUpstream:
             pos += len(rest)
         usage = {"usage": _usage(turn.prompt_ids, comp)} if include_usage else None
         yield self._chunk(turn, {}, comp[pos:], pos, finish_reason=turn.finish, extra=usage)
-        yield b"data: [DONE]\n\n"
+        yield f"data: [DONE]{self.cfg.sse_newline * 2}".encode()
+
+    async def tokenize(self, request: Request):
+        """vLLM's ``POST /tokenize``: a chat's (or a prompt's) token ids."""
+        body = await request.json()
+        if "messages" in body:
+            ids = self.rnd.chat_prompt(body.get("messages") or [], body.get("tools") or None)
+        else:
+            ids = self.rnd.encode(str(body.get("prompt", "")))
+        return {"count": len(ids), "max_model_len": self.cfg.max_context or None, "tokens": ids}
 
     # -- /v1/completions -----------------------------------------------------------------------
     async def completions(self, request: Request):
-        body = await request.json()
+        body = _clean(await request.json())
         self.calls.append(body)
         await self._delay(request)
+        try:
+            return self._completion(body)
+        except Exception as exc:  # noqa: BLE001 - any unreadable request is the client's fault
+            return _refused(exc)
+
+    def _completion(self, body: dict[str, Any]):
         rnd = self.rnd
         prompt = body.get("prompt", "")
         if isinstance(prompt, list):
@@ -413,5 +469,9 @@ def create_scripted_app(tokenizer, config: ScriptedConfig | None = None) -> Fast
     @app.post("/v1/completions")
     async def completions(request: Request):
         return await up.completions(request)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return await up.tokenize(request)
 
     return app

@@ -1,13 +1,16 @@
 """``mosaic serve``: an OpenAI-compatible server over a local model (see :mod:`mosaic.agent.server`).
 
 Bad flags (a missing model directory, a port outside [0, 65535] or one that cannot be bound,
-``--max-batch-size 0``, a device torch does not know or this machine does not have) exit with status 2 and one line naming
-the flag, before the model loads; never a traceback.
+``--max-batch-size 0``, a non-positive ``--max-body-mb``, an unset ``--api-key-env`` variable, a device
+torch does not know or this machine does not have) exit with status 2 and one line naming the flag,
+before the model loads; never a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import sys
 
 from mosaic.agent.models import load_any
@@ -28,6 +31,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="most sequences decoded together")
     p.add_argument("--default-max-tokens", type=int, default=256,
                    help="max_tokens when a request gives none")
+    p.add_argument("--max-body-mb", type=float, default=32.0, help="largest request body accepted (413 above)")
+    p.add_argument("--api-key-env", default=None, metavar="VAR",
+                   help="environment variable holding the bearer token clients must send (default: open)")
     p.set_defaults(func=_run)
 
 
@@ -39,6 +45,10 @@ def _args_error(args: argparse.Namespace) -> str | None:
     for flag, value in (("--max-batch-size", args.max_batch_size), ("--default-max-tokens", args.default_max_tokens)):
         if value < 1:
             return f"{flag} must be >= 1, got {value}"
+    if not (math.isfinite(args.max_body_mb) and args.max_body_mb > 0):
+        return f"--max-body-mb must be a finite number > 0, got {args.max_body_mb}"
+    if args.api_key_env is not None and not os.environ.get(args.api_key_env):
+        return f"--api-key-env {args.api_key_env}: environment variable {args.api_key_env} is not set"
     from mosaic.cliargs import device_error  # (imports torch: seconds)
 
     return device_error("--device", args.device) or address_error(args.host, args.port)
@@ -58,7 +68,9 @@ def _run(args: argparse.Namespace) -> int:
         print(f"mosaic serve: {exc}", file=sys.stderr)
         return 2
     app = create_app(model, tokenizer, model_name=args.name or args.model, device=args.device,
-                     max_batch_size=args.max_batch_size, default_max_tokens=args.default_max_tokens)
+                     max_batch_size=args.max_batch_size, default_max_tokens=args.default_max_tokens,
+                     api_key=os.environ[args.api_key_env] if args.api_key_env else None,
+                     max_body_bytes=max(1, int(args.max_body_mb * 1024 * 1024)))
     run_server(app, host=args.host, port=args.port, log_level="info",
                announce=f"mosaic serve: {args.name or args.model} listening on {{url}}")
     return 0

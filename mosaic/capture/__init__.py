@@ -3,7 +3,8 @@
 - :mod:`mosaic.capture.proxy`: the proxy (``ProxyConfig``, ``create_proxy_app``, ``serve``);
 - :mod:`mosaic.capture.records`: interface call records and their JSONL file;
 - :mod:`mosaic.capture.reconstruct`: records → ``mosaic.trace.Trajectory`` session graphs;
-- :mod:`mosaic.capture.sessions`: the reconstruction rules (``ReconstructionRules``) as code;
+- :mod:`mosaic.capture.sessions`: reconstruction settings (``ReconstructionRules``), drafts, rule 2;
+- :mod:`mosaic.capture.linking`: reconstruction rules 3–6, one method per rule;
 - :mod:`mosaic.capture.wire`: request checks, stream parsing and re-tokenization;
 - ``mosaic proxy ...`` on the command line (:mod:`mosaic.capture.cli`).
 

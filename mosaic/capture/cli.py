@@ -2,7 +2,7 @@
 
     mosaic proxy serve --upstream http://127.0.0.1:8000 --out runs/capture
     mosaic proxy --upstream URL --out DIR            # same as ``serve``
-    mosaic proxy export --records runs/capture --out sessions.parquet [--tokenizer DIR] [--rule k=v ...]
+    mosaic proxy export --records runs/capture --out sessions.parquet [--force] [--tokenizer DIR] [--rule k=v ...]
     mosaic proxy scripted-upstream --port 8001       # the deterministic test upstream (mosaic.testing)
 
 The servers import FastAPI inside their commands, so ``mosaic --help`` stays fast.
@@ -10,7 +10,8 @@ The servers import FastAPI inside their commands, so ``mosaic --help`` stays fas
 Bad arguments (a port outside [0, 65535] or one that cannot be bound, a
 non-positive or non-finite ``--timeout`` / ``--max-body-mb``, ``--retries -1``, an
 upstream that is not an http(s) URL, a missing ``--records`` or ``--tokenizer``,
-an ``--out`` that cannot be created, a bad ``--rule``, an unset ``--api-key-env``, a
+an ``--out`` that cannot be created, an export ``--out`` that exists without
+``--force``, a bad ``--rule``, an unset ``--api-key-env``, a
 ``--log-level`` uvicorn does not know; for ``scripted-upstream`` the port, ``--tokenizer``,
 ``--delay`` and ``--slots``) exit with status 2 and one line naming the flag, before any work. ``export``
 skips a record with a bad field (and the rest of its rollout) with a warning
@@ -55,8 +56,10 @@ def _add_serve_args(p: argparse.ArgumentParser, *, required: bool) -> None:
     p.add_argument("--upstream-api-key-env", default=None, metavar="VAR",
                    help="environment variable holding the bearer token sent to the upstream")
     p.add_argument("--max-body-mb", type=float, default=32.0, help="largest request body accepted")
-    p.add_argument("--timeout", type=float, default=600.0, help="upstream read timeout per attempt, seconds")
-    p.add_argument("--retries", type=int, default=2, help="bounded retries on upstream connect errors/timeouts")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="overall deadline per call, seconds (connects, retries, generation, stream)")
+    p.add_argument("--retries", type=int, default=2,
+                   help="bounded retries when the upstream cannot be connected to (a sent request is never re-sent)")
     p.add_argument("--tokenizer", default=None, metavar="DIR",
                    help="model tokenizer, used when the upstream returns no token ids (records get retokenized)")
     p.add_argument("--no-token-ids-flag", action="store_true",
@@ -114,6 +117,8 @@ def _check_export_args(args) -> None:
     bad = output_error("--out", args.out, is_dir=False)
     if bad:
         raise UsageError(bad)
+    if out.exists() and not args.force:
+        raise UsageError(f"--out {args.out}: the file exists; pass --force to replace it")
     if args.tokenizer is not None and not Path(args.tokenizer).is_dir():
         raise UsageError(f"--tokenizer {args.tokenizer}: no such directory")
 
@@ -131,7 +136,8 @@ def register(subparsers) -> None:
 
     e = sub.add_parser("export", help="rebuild session graphs from records and write trajectories")
     e.add_argument("--records", required=True, help="records directory (or a records .jsonl file)")
-    e.add_argument("--out", required=True, help="output file: .jsonl or .parquet")
+    e.add_argument("--out", required=True, help="output file: .jsonl or .parquet (written whole, then renamed)")
+    e.add_argument("--force", action="store_true", help="replace --out if it exists (else: exit 2)")
     e.add_argument("--tokenizer", default=None, metavar="DIR",
                    help="re-tokenize calls recorded without token ids (marked retokenized)")
     e.add_argument("--rule", action="append", default=[], metavar="KEY=VALUE",
@@ -201,8 +207,12 @@ def parse_rules(pairs: list[str]) -> ReconstructionRules:
         raise UsageError(f"--rule {' '.join(pairs)}: {exc}") from None
 
 
-def export(records: str, out: str, *, tokenizer: str | None = None, rules=None) -> dict:
+def export(records: str, out: str, *, tokenizer: str | None = None, rules=None, force: bool = False) -> dict:
     """Records → trajectories file; returns a summary dict (rollouts, sessions by kind, skipped).
+
+    The file is written whole under a temporary name and renamed over ``out``, so readers never see
+    a partial file and an export never appends to an earlier one; an existing ``out`` raises
+    :class:`FileExistsError` unless ``force``.
 
     A record with a bad field is skipped with its rollout and a warning naming ``file:line`` and the
     field (``bad_records`` counts them); a rebuilt rollout that is not a valid trajectory is skipped
@@ -210,6 +220,8 @@ def export(records: str, out: str, *, tokenizer: str | None = None, rules=None) 
     """
     if not (out.endswith(".parquet") or out.endswith(".jsonl")):
         raise UsageError(f"--out {out!r}: use a .jsonl or .parquet file")
+    if os.path.exists(out) and not force:
+        raise FileExistsError(f"{out}: exists (pass force=True, or --force, to replace it)")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         calls, rewards = load_records(records, lenient=True)
@@ -229,10 +241,14 @@ def export(records: str, out: str, *, tokenizer: str | None = None, rules=None) 
             except TraceError as exc:
                 invalid += 1
                 warnings.warn(f"rollout {t.id!r}: not a valid trajectory, skipped ({exc})", stacklevel=2)
-    if out.endswith(".parquet"):
-        write_parquet(out, trajs)
-    elif out.endswith(".jsonl"):
-        write_jsonl(out, trajs)
+    dest = Path(out)
+    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp{dest.suffix}")
+    try:
+        tmp.unlink(missing_ok=True)
+        (write_parquet if out.endswith(".parquet") else write_jsonl)(tmp, trajs)
+        os.replace(tmp, dest)
+    finally:
+        tmp.unlink(missing_ok=True)
     kinds: dict[str, int] = {}
     for t in trajs:
         for k, n in t.count_kinds().items():
@@ -246,7 +262,7 @@ def _cmd_export(args) -> int:
     _check_export_args(args)
     rules = parse_rules(args.rule)
     try:
-        summary = export(args.records, args.out, tokenizer=args.tokenizer, rules=rules)
+        summary = export(args.records, args.out, tokenizer=args.tokenizer, rules=rules, force=args.force)
     except RecordError as exc:  # a file that cannot be read at all: a broken line, a foreign schema
         raise UsageError(f"--records {args.records}: {exc}") from None
     for w in summary.pop("warnings"):

@@ -13,13 +13,22 @@ The rollout a call belongs to comes from the base URL
 (``/rollouts/{id}/v1/...``) or the ``X-Mosaic-Rollout`` header.
 ``POST /rollouts/{id}/reward`` attaches the outcome.
 
-Faults: bodies over ``max_body_bytes`` get 413, malformed JSON 400, a wrong
-schema 422 (OpenAI error objects with a message); an upstream that refuses
-connections or times out is retried ``retries`` times with backoff, then
-answered 502 / 504. Upstream errors are passed through and recorded with their
-status. Streams are relayed as they arrive (retries happen only before the
-first byte). The response body is the upstream's, unchanged: it carries the
-extra fields the proxy asked for, which OpenAI clients ignore.
+Faults: bodies over ``max_body_bytes`` get 413, malformed JSON (or JSON nested
+deeper than ``MAX_JSON_DEPTH``) 400, a wrong schema 422 (OpenAI error objects
+with a message). Only a failure to *connect* is retried (``retries`` times, with
+backoff): once a request may have reached the upstream it is never sent again,
+so a read timeout cannot start a second generation. Each call has one overall
+deadline, ``timeout_s`` from its arrival, covering connects, backoff, the
+generation and a relayed stream: past it the client gets 504 (or a cut stream).
+Upstream errors are passed through and recorded with their status; when the
+upstream refuses a prompt as too long for the model's context, the record is
+marked ``context_overflow`` and keeps the prompt's ids (from the upstream's
+``/tokenize``, as vLLM serves it, else the proxy's tokenizer). The proxy asks
+the upstream for ``accept-encoding: identity``: it relays bytes as they come.
+Any JSON a client sends (lone surrogates included) is recorded: a call that
+was answered has exactly one record. The response body is the upstream's,
+unchanged: it carries the extra fields the proxy asked for, which OpenAI
+clients ignore.
 """
 
 from __future__ import annotations
@@ -45,10 +54,14 @@ from starlette.requests import ClientDisconnect
 from mosaic.agent.tokenizer import load_tokenizer
 from mosaic.capture.records import RECORDS_FILE, CallRecord, RecordWriter, RewardRecord
 from mosaic.capture.wire import (
+    MAX_JSON_DEPTH,
+    OVERFLOW,
     ApiError,
     StreamAccumulator,
+    check_upstream_fields,
     choice_token_ids,
     error_body,
+    json_depth_exceeds,
     logprob_list,
     retokenize,
     validate_request,
@@ -71,9 +84,11 @@ class ProxyConfig:
         upstream_api_key: bearer token sent to the upstream; None forwards the client's
             ``Authorization`` header when ``api_key`` is None, and sends none otherwise.
         max_body_bytes: largest request body accepted (413 above).
-        timeout_s: upstream read timeout per attempt (504 after the retries).
+        timeout_s: one overall deadline per call, from its arrival: connects, retries, the
+            generation and a relayed stream (504, or a cut stream, past it).
         connect_timeout_s: upstream connect timeout per attempt.
-        retries: extra attempts after a connection failure or timeout before 502 / 504.
+        retries: extra attempts after a failure to connect (a request that may have reached the
+            upstream is never re-sent) before 502 / 504.
         retry_backoff_s: wait before the first retry, doubled each time.
         request_token_ids: add ``return_token_ids: true`` to forwarded requests (vLLM);
             turn off for an upstream that rejects unknown fields (then use ``tokenizer``).
@@ -123,6 +138,11 @@ class ProxyConfig:
         base = self.upstream.rstrip("/")
         return base if base.endswith("/v1") else base + "/v1"
 
+    @property
+    def upstream_root(self) -> str:
+        """The upstream's base URL without ``/v1`` (where vLLM serves ``/tokenize``)."""
+        return self.upstream_v1[: -len("/v1")]
+
 
 class RecordingProxy:
     """State of one proxy: config, upstream client, records writer, optional tokenizer."""
@@ -137,6 +157,7 @@ class RecordingProxy:
         self._seq = itertools.count()
         self._run = f"{int(time.time())}-{uuid.uuid4().hex[:6]}"
         self.in_flight = 0
+        self.write_errors = 0
         self.announce = False
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -173,7 +194,8 @@ class RecordingProxy:
 
     # -- helpers -------------------------------------------------------------------------------
     def _upstream_headers(self, request) -> dict[str, str]:
-        h = {"content-type": "application/json"}
+        # identity: the proxy relays the upstream's bytes as they come and parses them on the way
+        h = {"content-type": "application/json", "accept-encoding": "identity"}
         if self.cfg.upstream_api_key:
             h["authorization"] = f"Bearer {self.cfg.upstream_api_key}"
         elif self.cfg.api_key is None and request.headers.get("authorization"):
@@ -200,42 +222,105 @@ class RecordingProxy:
                 chunks.append(chunk)
         except ClientDisconnect:
             raise ApiError(400, "client disconnected while sending the request") from None
+        too_deep = ApiError(400, f"request body nests JSON deeper than {MAX_JSON_DEPTH} levels")
         try:
-            return json.loads(b"".join(chunks))
+            body = json.loads(b"".join(chunks))
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ApiError(400, f"request body is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise too_deep from None
+        if json_depth_exceeds(body, MAX_JSON_DEPTH):
+            raise too_deep
+        return body
 
-    async def _send(self, method: str, path: str, content: bytes | None, headers: dict[str, str], stream: bool):
-        """Send with bounded retries on connection failures and timeouts; raise ApiError 502/504."""
+    async def _send(self, method: str, path: str, content: bytes | None, headers: dict[str, str], stream: bool,
+                    deadline: float):
+        """Send once, retrying only failures to connect (the request never left), with backoff, all
+        within ``deadline`` (event-loop time); raise ApiError 502 / 504."""
+        loop = asyncio.get_running_loop()
         delay = self.cfg.retry_backoff_s
+        attempts = 0
         last: Exception | None = None
-        for attempt in range(self.cfg.retries + 1):
+        while attempts <= self.cfg.retries:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                break
+            attempts += 1
             try:
                 client = next(self._rr)
                 req = client.build_request(method, path, content=content, headers=headers)
-                return await client.send(req, stream=stream)
-            except httpx.TimeoutException as exc:
-                last = exc
-            except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
-                last = exc
-            if attempt < self.cfg.retries:
-                await asyncio.sleep(delay)
+                return await asyncio.wait_for(client.send(req, stream=stream), remaining)
+            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
+                last = exc  # nothing reached the upstream: safe to try again
+            except (asyncio.TimeoutError, httpx.TimeoutException) as exc:
+                raise ApiError(504, f"upstream timed out ({type(exc).__name__}) after {attempts} attempt(s); "
+                                    "a request that may have reached the upstream is not re-sent",
+                               "upstream_timeout") from None
+            except httpx.HTTPError as exc:
+                raise ApiError(502, f"upstream failed after the request was sent: {type(exc).__name__}: {exc}",
+                               "upstream_error") from None
+            if attempts <= self.cfg.retries:
+                await asyncio.sleep(max(0.0, min(delay, deadline - loop.time())))
                 delay *= 2
-        if isinstance(last, httpx.TimeoutException):
-            raise ApiError(504, f"upstream timed out after {self.cfg.retries + 1} attempt(s): "
-                                f"{type(last).__name__}", "upstream_timeout")
-        raise ApiError(502, f"upstream unreachable after {self.cfg.retries + 1} attempt(s): "
+        if last is None or isinstance(last, httpx.TimeoutException):
+            raise ApiError(504, f"upstream timed out after {attempts} attempt(s) "
+                                f"({type(last).__name__ if last else 'deadline'})", "upstream_timeout")
+        raise ApiError(502, f"upstream unreachable after {attempts} attempt(s): "
                             f"{type(last).__name__}: {last}", "upstream_error")
 
     def _retokenize(self, rec: CallRecord) -> None:
         retokenize(rec, self.tokenizer)
 
     def _finish(self, rec: CallRecord) -> None:
-        if rec.error is None and (not rec.prompt_ids or (not rec.completion_ids and rec.text)):
-            rec.prompt_ids, rec.completion_ids = list(rec.prompt_ids or []), list(rec.completion_ids or [])
-            self._retokenize(rec)
+        """Complete and write a call's record; never raises (a call that was answered is recorded)."""
+        try:
+            check_upstream_fields(rec)
+            if rec.error is None and (not rec.prompt_ids or (not rec.completion_ids and rec.text)):
+                rec.prompt_ids, rec.completion_ids = list(rec.prompt_ids or []), list(rec.completion_ids or [])
+                self._retokenize(rec)
+        except Exception as exc:  # noqa: BLE001 - whatever went wrong, the record says so
+            rec.error = f"recording failed: {type(exc).__name__}: {exc}"
         rec.t_end = time.time()
-        self.writer.write(rec)
+        try:
+            self.writer.write(rec)
+        except Exception as exc:  # noqa: BLE001 - keep the call, with what can surely be written
+            self.write_errors += 1
+            bare = CallRecord(call_id=rec.call_id, rollout_id=rec.rollout_id, seq=rec.seq, endpoint=rec.endpoint,
+                              status=rec.status, stream=rec.stream, t_start=rec.t_start, t_end=rec.t_end,
+                              error=f"record could not be written whole: {type(exc).__name__}: {exc}"[:500])
+            self.writer.write(bare)
+
+    async def _overflow_prompt(self, rec: CallRecord, body: dict, headers: dict[str, str], deadline: float) -> None:
+        """A prompt the upstream refused as too long: its ids from the upstream's ``/tokenize`` (vLLM's
+        route, with the server's own chat template), else from the proxy's tokenizer."""
+        rec.context_overflow = True
+        loop = asyncio.get_running_loop()
+        payload: dict[str, Any] = {"model": body.get("model")}
+        if rec.endpoint == "chat":
+            payload.update(messages=body.get("messages"), add_generation_prompt=True)
+            if body.get("tools"):
+                payload["tools"] = body["tools"]
+        else:
+            payload["prompt"] = rec.prompt
+        try:
+            remaining = min(10.0, deadline - loop.time())
+            if remaining > 0:
+                r = await asyncio.wait_for(
+                    self.clients[0].post(self.cfg.upstream_root + "/tokenize", content=json.dumps(payload).encode(),
+                                         headers=headers), remaining)
+                ids = r.json().get("tokens") if r.status_code == 200 else None
+                if isinstance(ids, list) and ids and all(type(t) is int and 0 <= t < 2**31 for t in ids):
+                    rec.prompt_ids = ids
+                    return
+        except (httpx.HTTPError, asyncio.TimeoutError, ValueError, AttributeError):
+            pass
+        if self.tokenizer is not None:
+            keep = (rec.text, rec.completion_ids, rec.error)
+            try:
+                retokenize(rec, self.tokenizer)
+            except Exception:  # noqa: BLE001 - a template that cannot render it: no ids, said so
+                rec.prompt_ids = []
+            rec.text, rec.completion_ids, rec.error = keep
 
     # -- the call path -------------------------------------------------------------------------
     async def handle_call(self, request, endpoint: str, rollout_id: str | None):
@@ -267,25 +352,39 @@ class RecordingProxy:
         content = json.dumps(fwd).encode()
         headers = self._upstream_headers(request)
         path = "/chat/completions" if endpoint == "chat" else "/completions"
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.cfg.timeout_s
         self.in_flight += 1
         relaying = False
         try:
             try:
-                resp = await self._send("POST", path, content, headers, stream=rec.stream)
+                resp = await self._send("POST", path, content, headers, stream=rec.stream, deadline=deadline)
+                rec.t_first = time.time()
+                if resp.status_code >= 400 or not rec.stream:
+                    if rec.stream:
+                        try:
+                            data = await asyncio.wait_for(resp.aread(), max(0.001, deadline - loop.time()))
+                        except (asyncio.TimeoutError, httpx.HTTPError) as exc:
+                            raise ApiError(504 if isinstance(exc, asyncio.TimeoutError) else 502,
+                                           f"upstream error body could not be read: {type(exc).__name__}",
+                                           "upstream_error") from None
+                        finally:
+                            await resp.aclose()
+                    else:
+                        data = resp.content
             except ApiError as exc:
                 rec.status, rec.error = exc.status, exc.message
                 rec.upstream_s = time.time() - t_start
                 self._finish(rec)
                 raise
-            rec.t_first = time.time()
             if resp.status_code >= 400 or not rec.stream:
-                data = await resp.aread() if rec.stream else resp.content
-                if rec.stream:
-                    await resp.aclose()
                 rec.upstream_s = time.time() - t_start
                 rec.status = resp.status_code
                 if resp.status_code >= 400:
-                    rec.error = f"upstream returned {resp.status_code}: {data[:500].decode('utf-8', 'replace')}"
+                    said = data[:2000].decode("utf-8", "replace")
+                    rec.error = f"upstream returned {resp.status_code}: {said[:500]}"
+                    if resp.status_code in (400, 413, 422) and OVERFLOW.search(said):
+                        await self._overflow_prompt(rec, body, headers, deadline)
                 else:
                     self._parse_full(rec, data)
                 self._finish(rec)
@@ -300,35 +399,43 @@ class RecordingProxy:
 
         async def relay():
             try:
-                async for chunk in resp.aiter_raw():
-                    acc.feed(chunk)
-                    yield chunk
+                async with asyncio.timeout_at(deadline):
+                    async for chunk in resp.aiter_raw():
+                        acc.feed(chunk)
+                        yield chunk
+            except TimeoutError:
+                rec.error = f"stream cut at the call's deadline ({self.cfg.timeout_s:g} s)"
             except Exception as exc:  # upstream broke mid-stream: the client sees a cut stream
                 rec.error = f"upstream stream failed: {type(exc).__name__}: {exc}"
             finally:
-                await resp.aclose()
-                rec.upstream_s = time.time() - t_start
-                if rec.error is None and not acc.done and acc.finish is None:
-                    rec.error = "stream ended before the last chunk (client disconnected or upstream cut it)"
-                rec.text = "".join(acc.text)
-                rec.tool_calls = [acc.tool_calls[k] for k in sorted(acc.tool_calls)]
-                rec.finish_reason = acc.finish
-                rec.prompt_ids = acc.prompt_ids or []
-                rec.completion_ids = acc.ids
-                rec.logprobs = acc.logprobs
-                self._finish(rec)
-                self.in_flight -= 1
+                try:
+                    await resp.aclose()
+                    acc.close()
+                    rec.upstream_s = time.time() - t_start
+                    if rec.error is None and not acc.done and acc.finish is None:
+                        rec.error = "stream ended before the last chunk (client disconnected or upstream cut it)"
+                    rec.text = "".join(acc.text)
+                    rec.tool_calls = [acc.tool_calls[k] for k in sorted(acc.tool_calls)]
+                    rec.finish_reason = acc.finish
+                    rec.prompt_ids = acc.prompt_ids or []
+                    rec.completion_ids = acc.ids
+                    rec.logprobs = acc.logprobs
+                finally:
+                    self._finish(rec)
+                    self.in_flight -= 1
 
         return StreamingResponse(relay(), status_code=resp.status_code,
                                  media_type=resp.headers.get("content-type", "text/event-stream"))
 
     def _parse_full(self, rec: CallRecord, data: bytes) -> None:
         try:
-            obj = json.loads(data)
-            ch = (obj.get("choices") or [{}])[0]
-        except (json.JSONDecodeError, AttributeError, IndexError, TypeError) as exc:
-            rec.error = f"upstream response is not a completion object: {exc}"
-            return
+            self._read_completion(rec, data)
+        except Exception as exc:  # noqa: BLE001 - whatever the upstream sent, the record says so
+            rec.error = f"upstream response is not a completion object: {type(exc).__name__}: {exc}"
+
+    def _read_completion(self, rec: CallRecord, data: bytes) -> None:
+        obj = json.loads(data)
+        ch = (obj.get("choices") or [{}])[0]
         rec.finish_reason = ch.get("finish_reason")
         if rec.endpoint == "chat":
             msg = ch.get("message") or {}
@@ -363,7 +470,8 @@ class RecordingProxy:
 
     async def handle_get(self, request, path: str):
         self.check_auth(request)
-        resp = await self._send("GET", path, None, self._upstream_headers(request), stream=False)
+        deadline = asyncio.get_running_loop().time() + self.cfg.timeout_s
+        resp = await self._send("GET", path, None, self._upstream_headers(request), stream=False, deadline=deadline)
         return Response(content=resp.content, status_code=resp.status_code,
                         media_type=resp.headers.get("content-type", "application/json"))
 
@@ -417,7 +525,8 @@ def create_proxy_app(config: ProxyConfig, *, tokenizer: Any = None):
 
     @app.get("/healthz")
     async def health():
-        return {"ok": True, "records": proxy.writer.count if proxy.writer else 0, "in_flight": proxy.in_flight}
+        return {"ok": True, "records": proxy.writer.count if proxy.writer else 0, "in_flight": proxy.in_flight,
+                "write_errors": proxy.write_errors}
 
     return app
 

@@ -7,7 +7,11 @@ Rules (per rollout; settings in :class:`ReconstructionRules`):
 
 1. **Order and filter.** Calls are ordered by arrival (``t_start``, then
    ``seq``). Calls that failed (an ``error``, an HTTP error, no token ids) are
-   left out and counted in ``Trajectory.meta["errored_calls"]``.
+   left out and counted in ``Trajectory.meta["errored_calls"]``, except a
+   ``context_overflow`` call whose prompt ids were recorded: its prompt joins
+   its session (no completion; listed in ``meta["overflow_calls"]``), so the
+   tool result that overflowed the context is in the history that gets
+   compacted.
 2. **Retries.** Calls with identical prompt ids form a group. A call is *used*
    when a later call extends its tip (its prompt + completion ids are a prefix
    of the later prompt) or its returned text appears in a later call's
@@ -19,43 +23,77 @@ Rules (per rollout; settings in :class:`ReconstructionRules`):
    responses, template tokens) join the session with ``loss_mask`` False, the
    call's completion with ``loss_mask`` True. Equal longest tips are a tie:
    ``tie_break="oldest"`` takes the session opened first, ``"newest"`` the
-   last; the other candidates are listed in ``meta["ambiguous_with"]``. A call
-   no tip prefixes opens a new session; if some session's *prompt* is a prefix
-   of it but not its tip (the harness re-serialised the last reply: drift),
-   that session is named in ``meta["diverged_from"]``.
+   last; the other candidates are listed in ``meta["ambiguous_with"]``.
+
+   b. **Re-sent turns** (``message_match``). When no tip prefixes the prompt,
+   the call continues the session whose last request it repeats message by
+   message, followed by that request's reply, compared loosely (words only:
+   a harness that drops whitespace-only text next to tool calls, or strips
+   markup that leaked into content, re-sends the same turn). The session's
+   row keeps the tokens the policy sampled; the new prompt's tokens after the
+   re-rendered reply (after the first occurrence of the reply's last token,
+   its end-of-turn) join as inserted tokens. The call is listed in
+   ``meta["resent"]`` with the sampled and re-rendered lengths: the later
+   turns of that session were sampled after the re-rendered reply, which
+   differs from the row in that span. Otherwise the call opens a new session;
+   if some session's *prompt* is a prefix of it but not its tip, that session
+   is named in ``meta["diverged_from"]``.
 4. **Compaction by instruction.** A call whose last message matches one of
    ``compaction_patterns`` always opens a new ``compaction`` session, even if
    it extends a session's tip (the Mosaic harness appends the instruction to
    the history); the session it extends, if any, is its parent.
-5. **Linking by returned text.** The first session is always the root
-   ``main``. For every other session X, the text of its last call is searched
-   in the non-assistant messages of later calls of other sessions (whole
-   message equality, or containment when at least ``min_match_chars`` long);
-   the earliest such call is X's *hit*.
+5. **Linking.** The first session is always the root ``main``. For every
+   other session X, the text of its last call is searched in the
+   non-assistant messages of later calls of other sessions, X's own
+   compactions left out (whole message equality, or containment when at least
+   ``min_match_chars`` long); the earliest such call is X's *hit*.
+
    a. A rule-4 compaction whose hit opens a new session Y: Y ``continues`` it.
    b. Compaction by output: a new session Y that restarts the agent (its first
       message equals the first message of an earlier session, e.g. the same
       system prompt) and whose first call is the hit of earlier sessions: the
       latest-started of them wrote the summary; it becomes a ``compaction`` and
       Y ``continues`` it (the others were results kept verbatim, see c).
-   c. Subagent: X's hit is a later turn of a running session P (a tool
-      result) → ``subagent`` forked by P (edge ``forks``). If the hit is the
-      first prompt of a compaction or of a compaction's successor (the result
-      was in the history that got summarised or kept), X is a subagent of the
-      compacted session (``meta["result_seen_in"] = "compaction"``).
-   d. A compaction that extends no session's tip gets as parent the agent
-      session (the root or a compaction's successor) active most recently
-      before it started; a compaction's successor takes its parent's kind.
-   Anything else stays ``main`` with no parent and ``meta["unlinked"]`` True
-   (a compaction without successor gets ``meta["no_successor"]``).
-6. **Final session.** From the root, follow ``continues`` edges through
-   compactions to their successors (the latest when several); the last
-   ``main`` reached is the final session. Unlinked mains are never final.
+   d. A compaction that extends no session's tip (whatever its system prompt)
+      belongs to the session whose request history its prompt reproduces:
+      among the sessions open when it started (not compactions, not compacted
+      already, not finished with a reply), the one with the largest share of
+      its last request's history texts (contents and tool call arguments,
+      loosely, by characters) found in the compaction's request, if at least
+      ``min_parent_score`` (``meta["parent_by"] = "history"``, the score in
+      ``parent_score``, equal scores in ``parent_ambiguous``). Without such
+      evidence, the agent session (the root or a compaction's successor) active
+      most recently (``parent_by = "recency"``). Subagents compact too.
+   c. Subagent: the hit of X's chain (X, or the last successor of X's
+      compactions) is a later turn of a running session P (a tool result) →
+      ``subagent`` forked by P (edge ``forks``). If the hit is the first prompt
+      of a compaction or of a compaction's successor (the result was in the
+      history that got summarised or kept), X is a subagent of the compacted
+      session (``meta["result_seen_in"] = "compaction"``).
+   e. Forward link: a session still without a parent whose first user message
+      equals (loosely) a string argument of an earlier tool call of another
+      session is a subagent forked by that call (the latest such call; others
+      in ``meta["ambiguous_with"]``), whether or not its result was shown to a
+      later model call (``meta["result_unseen"]`` when not).
+
+   A compaction's successor takes its parent's kind. Anything else stays
+   ``main`` with no parent and ``meta["unlinked"]`` True (a compaction without
+   successor gets ``meta["no_successor"]``).
+6. **Final session.** From the root, follow ``continues`` edges through the
+   root's compactions to their successors: the last ``main`` of the root
+   agent's lineage is the final session (subagents' compactions are not in
+   it). Where the lineage branches, the branch whose last reply states the
+   reward's answer wins, else the one that replied last (``meta["final_by"]``).
+   Unlinked mains are never final. The trajectory's answer is the reward's
+   when posted; else the final session's last reply; if that ended in tool
+   calls whose subagents' results no later call saw (the harness returned a
+   result directly), the last of those results (``meta["answer_from"]``).
 7. **States (SPEC §4.4).** main: its prompt → its full context. compaction:
    its parent's context when the compaction started → the successor's
    prompt. subagent: the parent's context before the turn that called it →
    the parent's context once the result was inserted (when the result was
-   only seen in a compaction: → the parent's context when it was compacted).
+   only seen in a compaction: → the parent's context when it was compacted;
+   when never seen: → the parent's context after the calling turn).
 """
 
 from __future__ import annotations
@@ -64,8 +102,9 @@ import warnings
 from typing import Iterable
 
 from mosaic.capture.records import CallRecord, RewardRecord
+from mosaic.capture.linking import chain_end, link_sessions
 from mosaic.capture.sessions import (  # noqa: F401  (ReconstructionRules: re-exported, the public path)
-    DEFAULT_COMPACTION_PATTERNS, ReconstructionRules, SessionDraft, dedup_retries, link_sessions,
+    DEFAULT_COMPACTION_PATTERNS, ReconstructionRules, SessionDraft, dedup_retries,
 )
 from mosaic.trace.graph import Session, StateRef, Trajectory, validate
 
@@ -80,52 +119,84 @@ def reconstruct_rollout(
     """One rollout's calls (any order) → a validated :class:`Trajectory`; None if no usable call."""
     rules = rules or ReconstructionRules()
     all_calls = sorted(calls, key=lambda c: (c.t_start, c.seq))
-    good = [c for c in all_calls if c.ok and c.error is None]
-    errored = [c.call_id for c in all_calls if not (c.ok and c.error is None)]
+    good = [c for c in all_calls if _usable(c)]
+    errored = [c.call_id for c in all_calls if not _usable(c)]
     rid = rollout_id if rollout_id is not None else (all_calls[0].rollout_id if all_calls else "")
-    if not good:
+    if not any(c.ok for c in good):
         return None
     dropped: list[str] = []
     if rules.dedup_retries:
         good, dropped = dedup_retries(good, rules)
     calls = good
-    sessions, final = link_sessions(calls, rules)
+    answer = reward.answer if reward and reward.answer is not None else None
+    sessions, final = link_sessions(calls, rules, answer)
     out = [_trace_session(s, calls, sessions, s.idx == final) for s in sessions]
     hdr = calls[0].headers
     task_id = (reward.task_id if reward and reward.task_id else None) or hdr.get("x-mosaic-task") or rid
     group_id = (reward.group_id if reward and reward.group_id else None) or hdr.get("x-mosaic-group") or task_id
     r = float(reward.reward) if reward else 0.0
     final_call = calls[sessions[final].calls[-1]]
+    meta = {
+        "captured": True, "calls": len(all_calls), "errored_calls": errored, "retries_dropped": dropped,
+        "overflow_calls": [c.call_id for c in calls if not c.ok],
+        "retokenized": any(c.retokenized for c in calls), "reward_missing": reward is None,
+        "unlinked_sessions": [s.idx for s in sessions if s.meta.get("unlinked")],
+    }
+    if answer is None:
+        answer, end_reason = _answer(sessions, final, calls, meta)
+    else:
+        meta["answer_from"] = "reward"
+        end_reason = _end_reason(final_call)
     traj = Trajectory(
         id=rid, task_id=task_id, group_id=group_id, sessions=out, reward=r,
         success=bool(reward) and r >= rules.success_threshold,
-        answer=(reward.answer if reward and reward.answer is not None else final_call.text or None),
-        ground_truth=reward.ground_truth if reward else None,
-        end_reason="answer" if final_call.finish_reason == "stop" else (final_call.finish_reason or ""),
-        meta={
-            "captured": True, "calls": len(all_calls), "errored_calls": errored, "retries_dropped": dropped,
-            "retokenized": any(c.retokenized for c in calls), "reward_missing": reward is None,
-            "unlinked_sessions": [s.idx for s in sessions if s.meta.get("unlinked")],
-        },
+        answer=answer, ground_truth=reward.ground_truth if reward else None, end_reason=end_reason, meta=meta,
     )
     return validate(traj)
+
+
+def _usable(c: CallRecord) -> bool:
+    """A call that takes part in reconstruction: a successful one, or an overflow with its prompt."""
+    return (c.ok and c.error is None) or (c.context_overflow and bool(c.prompt_ids))
+
+
+def _end_reason(c: CallRecord) -> str:
+    if c.context_overflow and not c.ok:
+        return "context_overflow"
+    return "answer" if c.finish_reason == "stop" else (c.finish_reason or "")
+
+
+def _answer(sessions: list[SessionDraft], final: int, calls: list[CallRecord], meta: dict) -> tuple:
+    """Without a posted answer: the final session's last reply; if that call handed its work to
+    subagents whose results no later call saw, the result of the last of them to finish (rule 6)."""
+    f = sessions[final]
+    last = calls[f.calls[-1]]
+    if last.tool_calls and last.ok:
+        calling = f.offsets[-1]
+        subs = [s for s in sessions if s.parent == final and s.edge == "forks" and s.fork_before == calling
+                and s.meta.get("result_unseen")]
+        ends = [chain_end(sessions, s) for s in subs]
+        ends = [e for e in ends if calls[e.calls[-1]].finish_reason == "stop" and calls[e.calls[-1]].text]
+        if ends:
+            e = max(ends, key=lambda e: calls[e.calls[-1]].t_end)
+            meta["answer_from"] = f"subagent {e.idx}"
+            return calls[e.calls[-1]].text, "subagent_result"
+    meta["answer_from"] = "final_session"
+    return last.text or None, _end_reason(last)
 
 
 def _session_tokens(s: SessionDraft, calls: list[CallRecord]) -> tuple[list[int], list[bool], list[float], dict]:
     """A session's completion ids, loss mask and log-probs from its calls, and flags for its meta:
     what the model sampled is trainable, what the harness inserted between calls is not."""
-    first = calls[s.calls[0]]
     comp, mask, lps = [], [], []
-    prev_tip = len(first.prompt_ids)
     logprobs_missing = False
     retok = False
     for k, ci in enumerate(s.calls):
         c = calls[ci]
-        if k > 0:
-            inserted = c.prompt_ids[prev_tip:]
-            comp += inserted
-            mask += [False] * len(inserted)
-            lps += [0.0] * len(inserted)
+        inserted = s.inserted[k] if k > 0 else []
+        comp += inserted
+        mask += [False] * len(inserted)
+        lps += [0.0] * len(inserted)
         comp += c.completion_ids
         mask += [True] * len(c.completion_ids)
         if len(c.logprobs) == len(c.completion_ids):
@@ -134,7 +205,6 @@ def _session_tokens(s: SessionDraft, calls: list[CallRecord]) -> tuple[list[int]
             logprobs_missing = True
             lps += [0.0] * len(c.completion_ids)
         retok = retok or c.retokenized
-        prev_tip = len(c.prompt_ids) + len(c.completion_ids)
     flags = {"logprobs_missing": True} if logprobs_missing else {}
     return comp, mask, lps, {**flags, **({"retokenized": True} if retok else {})}
 
@@ -162,11 +232,14 @@ def _trace_session(s: SessionDraft, calls: list[CallRecord], sessions: list[Sess
     meta["t_start"], meta["t_end"] = first.t_start, last.t_end
     meta.update(flags)
     before, after = _states(s, calls, sessions)
-    end_reason = "compaction" if s.kind == "compaction" else (last.finish_reason or "")
+    if s.kind == "compaction":
+        end_reason = "compaction"
+    else:
+        end_reason = "context_overflow" if not last.ok else (last.finish_reason or "")
     return Session(
         id=s.idx, kind=s.kind, prompt_ids=list(first.prompt_ids), completion_ids=comp, loss_mask=mask,
         logprobs=lps, parent=s.parent, edge=s.edge, end_reason=end_reason, is_final=is_final,
-        state_before=before, state_after=after, num_turns=len(s.calls), meta=meta,
+        state_before=before, state_after=after, num_turns=sum(1 for ci in s.calls if calls[ci].ok), meta=meta,
     )
 
 

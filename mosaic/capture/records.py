@@ -93,7 +93,7 @@ def _check_call(d: dict[str, Any]) -> None:
             raise TraceError(f"field {name!r}: must be a finite number, got {d[name]!r}")
     if "status" in d:
         _int(d["status"], "status")
-    for name in ("retokenized", "stream"):
+    for name in ("retokenized", "stream", "context_overflow"):
         if name in d and not isinstance(d[name], bool):
             raise TraceError(f"field {name!r}: must be true or false, got {d[name]!r}")
 
@@ -117,6 +117,9 @@ class CallRecord:
         text: the first choice's text content; tool_calls: its tool calls (OpenAI format).
         finish_reason: ``stop``, ``length``, ``tool_calls``, ... as the upstream reported.
         retokenized: True when the ids came from the proxy's tokenizer, not the upstream.
+        context_overflow: the upstream refused the prompt as longer than the model's context; the
+            record keeps the prompt's ids (asked of the upstream's ``/tokenize``, else the proxy's
+            tokenizer, then ``retokenized``) so reconstruction can put that prompt in its session.
         stream: whether the client asked for a streamed response.
         status: HTTP status returned to the client; error: why the call failed (None if it did not).
         t_start / t_first / t_end: wall-clock times (s since epoch) of arrival, first upstream
@@ -140,6 +143,7 @@ class CallRecord:
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
     finish_reason: str | None = None
     retokenized: bool = False
+    context_overflow: bool = False
     stream: bool = False
     status: int = 200
     error: str | None = None
@@ -239,7 +243,28 @@ class RecordWriter(LineAppender):
         obj = record.to_dict()
         obj["schema"] = RECORD_SCHEMA
         obj["schema_version"] = RECORD_SCHEMA_VERSION
-        self.append(json.dumps(obj, separators=(",", ":"), ensure_ascii=False))
+        line = json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+        try:
+            line.encode("utf-8")
+        except UnicodeEncodeError:
+            # A lone surrogate (JSON's "\udfff" decodes to one) has no UTF-8 form: escape every
+            # non-ASCII character instead, which reads back to the same strings.
+            line = json.dumps(obj, separators=(",", ":"), ensure_ascii=True)
+        self.append(line)
+
+
+def _is_records_file(file: Path) -> bool:
+    """Whether a file's first line is a capture record (an empty file counts: a proxy that recorded
+    nothing yet); other JSONL files in a records directory (an export written there) are not."""
+    with open(file, "rb") as fh:
+        first = fh.readline(1 << 20)
+    if not first.strip():
+        return True
+    try:
+        obj = json.loads(first)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+        return True  # let the reader name the broken line
+    return not (isinstance(obj, dict) and isinstance(obj.get("schema"), str) and obj["schema"] != RECORD_SCHEMA)
 
 
 def _record_files(path: Path) -> list[Path]:
@@ -247,7 +272,13 @@ def _record_files(path: Path) -> list[Path]:
         files = sorted(p for p in path.glob("*.jsonl"))
         if not files:
             raise RecordError(f"{path}: no *.jsonl record files in this directory")
-        return files
+        kept = [f for f in files if _is_records_file(f)]
+        for f in files:
+            if f not in kept:
+                warnings.warn(f"{f}: not a capture records file (skipped)", BadRecordWarning, stacklevel=3)
+        if not kept:
+            raise RecordError(f"{path}: none of its *.jsonl files holds capture records")
+        return kept
     if not path.exists():
         raise RecordError(f"{path}: no such file or directory")
     return [path]

@@ -1,10 +1,12 @@
-"""One rollout's session graph from its calls: the settings (:class:`ReconstructionRules`) and the
-rules themselves (:func:`dedup_retries`, :func:`link_sessions`), as stated in the docstring of
-:mod:`mosaic.capture.reconstruct`, which turns the result into a :class:`~mosaic.trace.Trajectory`.
+"""What session reconstruction works with: its settings (:class:`ReconstructionRules`), the drafts
+of sessions being rebuilt (:class:`SessionDraft`), how calls are compared by text and by messages,
+and rule 2 (:func:`dedup_retries`). The linking rules are in :mod:`mosaic.capture.linking`; the
+rules are stated in the docstring of :mod:`mosaic.capture.reconstruct`.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
 from typing import Any, Literal, Sequence
@@ -33,6 +35,12 @@ class ReconstructionRules:
         success_threshold: ``success = reward >= success_threshold`` (SPEC §3).
         include_unrewarded: export rollouts no reward was posted for (reward 0,
             ``meta["reward_missing"]``); by default they are skipped.
+        message_match: when no session's tip prefixes a call's prompt ids, continue the session
+            whose last request + reply the call's messages repeat (rule 3b: the harness re-sent a
+            turn differently from how it was sampled); False opens a new session there instead.
+        min_parent_score: the least share of a candidate's history (by characters) a compaction
+            must reproduce to be attached to it by evidence (rule 5d); below it, recency decides
+            and the compaction is flagged ``meta["parent_by"] = "recency"``.
     """
 
     compaction_patterns: tuple[str, ...] = DEFAULT_COMPACTION_PATTERNS
@@ -42,6 +50,8 @@ class ReconstructionRules:
     tie_break: Literal["oldest", "newest"] = "oldest"
     success_threshold: float = 1.0
     include_unrewarded: bool = False
+    message_match: bool = True
+    min_parent_score: float = 0.5
 
     def __post_init__(self) -> None:
         for p in self.compaction_patterns:
@@ -53,6 +63,8 @@ class ReconstructionRules:
             raise ValueError(f"min_match_chars: {self.min_match_chars} must be at least 1")
         if self.tie_break not in ("oldest", "newest"):
             raise ValueError(f"tie_break: {self.tie_break!r} must be 'oldest' or 'newest'")
+        if not 0.0 < self.min_parent_score <= 1.0:
+            raise ValueError(f"min_parent_score: {self.min_parent_score} must be in (0, 1]")
         if not 0.0 <= self.success_threshold <= 1.0:
             raise ValueError(f"success_threshold: {self.success_threshold} must be in [0, 1]")
 
@@ -65,14 +77,85 @@ def _is_prefix(prefix: Sequence[int], seq: Sequence[int]) -> bool:
     return len(prefix) <= len(seq) and list(seq[: len(prefix)]) == list(prefix)
 
 
+def loose(text: str) -> str:
+    """Text reduced to its lower-case words: what survives a harness re-sending a turn (dropped
+    whitespace, markup that leaked into content and was stripped or escaped)."""
+    return " ".join(re.findall(r"\w+", text.lower()))
+
+
+def _args_text(args: Any) -> str:
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except (json.JSONDecodeError, RecursionError):
+            return loose(args)
+    try:
+        return loose(json.dumps(args, sort_keys=True, ensure_ascii=False))
+    except (TypeError, ValueError, RecursionError):
+        return loose(str(args))
+
+
+def tool_call_keys(tool_calls: Any) -> tuple[tuple[str, str], ...]:
+    """``(name, arguments)`` of each tool call, arguments compared as parsed JSON, loosely."""
+    out = []
+    for tc in tool_calls if isinstance(tool_calls, list) else []:
+        fn = tc.get("function") if isinstance(tc, dict) else None
+        if isinstance(fn, dict):
+            out.append((str(fn.get("name") or ""), _args_text(fn.get("arguments"))))
+    return tuple(out)
+
+
+def tool_call_strings(tool_calls: Any) -> list[str]:
+    """Every string argument value of a call's tool calls, loosely (a question handed to a subagent)."""
+    out = []
+    for tc in tool_calls if isinstance(tool_calls, list) else []:
+        fn = tc.get("function") if isinstance(tc, dict) else None
+        args = fn.get("arguments") if isinstance(fn, dict) else None
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except (json.JSONDecodeError, RecursionError):
+                continue
+        if isinstance(args, dict):
+            out += [loose(v) for v in args.values() if isinstance(v, str) and loose(v)]
+    return out
+
+
+def message_key(m: Any) -> tuple:
+    """A chat message as a harness may re-send it: role, loose content, tool calls."""
+    if not isinstance(m, dict):
+        return ("?", loose(str(m)), ())
+    return (str(m.get("role")), loose(content_text(m.get("content"))), tool_call_keys(m.get("tool_calls")))
+
+
+def history_texts(c: CallRecord) -> list[str]:
+    """The loose texts of a chat request's history (system messages left out): contents and tool
+    call arguments, each once, non-empty."""
+    out: list[str] = []
+    for m in c.messages:
+        if not isinstance(m, dict) or m.get("role") == "system":
+            continue
+        for t in [loose(content_text(m.get("content")))] + [a for _, a in tool_call_keys(m.get("tool_calls"))]:
+            if t and t not in out:
+                out.append(t)
+    return out
+
+
 @dataclass
 class SessionDraft:
-    """A session being rebuilt: its calls, tip, kind and links (indices into the session list)."""
+    """A session being rebuilt: its calls, tip, kind and links (indices into the session list).
+
+    The session's row (prompt + completion tokens) is the first call's prompt, then per later call
+    the tokens the harness inserted (``inserted``), then each call's completion. Normally a call's
+    prompt extends the previous tip, so its offset is its prompt length; after a re-sent turn (rule
+    3b) the inserted tokens are what follows the re-rendered turn in the new prompt.
+    """
 
     idx: int
     calls: list[int]  # indices into the ordered call list
-    tip: list[int]
-    offsets: list[int]  # prompt length of each call == its position in the session's tokens
+    tip: list[int]  # the last call's prompt + completion: what the next call's prompt must extend
+    offsets: list[int]  # where each call's completion starts in the session's row
+    inserted: list[list[int]] = field(default_factory=list)  # per call: tokens inserted before it
     kind: str = "main"
     parent: int | None = None
     edge: str | None = None
@@ -82,6 +165,21 @@ class SessionDraft:
     successor: int | None = None
     meta: dict[str, Any] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        if not self.inserted:
+            self.inserted = [[] for _ in self.calls]
+
+    def end_of(self, k: int, calls: list[CallRecord]) -> int:
+        """The row length after call ``k`` (a position in :attr:`calls`) and its completion."""
+        return self.offsets[k] + len(calls[self.calls[k]].completion_ids)
+
+    def add(self, i: int, c: CallRecord, inserted: list[int], calls: list[CallRecord]) -> None:
+        start = self.end_of(len(self.calls) - 1, calls)
+        self.calls.append(i)
+        self.inserted.append(list(inserted))
+        self.offsets.append(start + len(inserted))
+        self.tip = c.tip()
+
 
 class _Rollout:
     def __init__(self, calls: list[CallRecord], rules: ReconstructionRules):
@@ -89,12 +187,31 @@ class _Rollout:
         self.calls = calls
         self._patterns = [re.compile(p) for p in rules.compaction_patterns]
         self._texts = [self._message_texts(c) for c in calls]
+        self._loose: dict[int, str] = {}
 
     @staticmethod
     def _message_texts(c: CallRecord) -> list[str]:
         if c.endpoint != "chat":
             return [_norm(c.prompt or "")]
-        return [_norm(content_text(m.get("content"))) for m in c.messages if m.get("role") != "assistant"]
+        return [_norm(content_text(m.get("content"))) for m in c.messages
+                if isinstance(m, dict) and m.get("role") != "assistant"]
+
+    def loose_request(self, j: int) -> str:
+        """Call j's whole request as loose text (every message's content and tool call arguments)."""
+        got = self._loose.get(j)
+        if got is None:
+            c = self.calls[j]
+            if c.endpoint != "chat":
+                got = loose(c.prompt or "")
+            else:
+                parts = []
+                for m in c.messages:
+                    if isinstance(m, dict):
+                        parts.append(loose(content_text(m.get("content"))))
+                        parts += [a for _, a in tool_call_keys(m.get("tool_calls"))]
+                got = " ".join(p for p in parts if p)
+            self._loose[j] = got
+        return got
 
     def appears_in(self, text: str, j: int) -> bool:
         t = _norm(text)
@@ -109,7 +226,7 @@ class _Rollout:
         if not self._patterns:
             return False
         if c.endpoint == "chat":
-            last = content_text(c.messages[-1].get("content")) if c.messages else ""
+            last = content_text(c.messages[-1].get("content")) if c.messages and isinstance(c.messages[-1], dict) else ""
         else:
             last = (c.prompt or "")[-2000:]
         return any(p.search(last) for p in self._patterns)
@@ -148,210 +265,3 @@ def dedup_retries(calls: list[CallRecord], rules: ReconstructionRules) -> tuple[
     return _dedup(calls, _Rollout(calls, rules))
 
 
-def link_sessions(calls: list[CallRecord], rules: ReconstructionRules) -> tuple[list[SessionDraft], int]:
-    """Rules 1 and 3–6 over a rollout's ordered, successful calls: the sessions and the final one's index."""
-    linker = _Linker(calls, rules)
-    final = linker.run()
-    return linker.sessions, final
-
-
-class _Linker:
-    """The session graph of one rollout, built rule by rule (see the reconstruct module docstring)."""
-
-    def __init__(self, calls: list[CallRecord], rules: ReconstructionRules):
-        self.calls, self.rules = calls, rules
-        self.ro = _Rollout(calls, rules)
-        self.sessions: list[SessionDraft] = []
-        self.call_sess: list[int] = []  # the session of each call
-
-    def run(self) -> int:
-        self._assign()
-        sessions = self.sessions
-        # The first session is the root: the agent working on the task (rule 5's last line).
-        sessions[0].kind, sessions[0].parent, sessions[0].edge = "main", None, None
-        sessions[0].meta.pop("by", None)
-        hit = self._output_hits()
-        self._link_summaries(hit)
-        self._find_output_compactions(hit)
-        successor_of = {x.successor: x.idx for x in sessions if x.successor is not None}
-        via = self._link_subagents(hit, successor_of)
-        self._parent_compactions(hit, successor_of)
-        self._resolve_via(via)
-        for x in sessions:
-            if x.successor is not None:
-                p = x.parent
-                sessions[x.successor].kind = sessions[p].kind if p is not None else "main"
-        return self._final()
-
-    def _opens(self, j: int) -> bool:
-        return self.sessions[self.call_sess[j]].calls[0] == j
-
-    def _first_message(self, sess: SessionDraft) -> Any:
-        c = self.calls[sess.calls[0]]
-        return c.messages[0] if c.endpoint == "chat" and c.messages else None
-
-    def _assign(self) -> None:
-        """Rules 3 and 4: each call continues the session whose tip is its longest prefix, or opens one."""
-        rules, calls, ro, sessions, call_sess = self.rules, self.calls, self.ro, self.sessions, self.call_sess
-        for i, c in enumerate(calls):
-            best: list[int] = []
-            best_len = -1
-            for s in sessions:
-                if len(s.tip) >= best_len and _is_prefix(s.tip, c.prompt_ids):
-                    if len(s.tip) > best_len:
-                        best, best_len = [s.idx], len(s.tip)
-                    else:
-                        best.append(s.idx)
-            compaction = ro.is_compaction_call(c)
-            if best and not compaction:
-                pick = best[0] if rules.tie_break == "oldest" else best[-1]
-                s = sessions[pick]
-                if len(best) > 1:
-                    s.meta.setdefault("ambiguous_with", []).append(
-                        {"call_id": c.call_id, "sessions": [b for b in best if b != pick]})
-                s.calls.append(i)
-                s.offsets.append(len(c.prompt_ids))
-                s.tip = c.tip()
-                call_sess.append(pick)
-                continue
-            new = SessionDraft(idx=len(sessions), calls=[i], tip=c.tip(), offsets=[len(c.prompt_ids)])
-            if compaction:
-                new.kind = "compaction"
-                new.meta["by"] = "instruction"
-                if best:
-                    new.parent = best[0] if rules.tie_break == "oldest" else best[-1]
-                    new.edge = "continues"
-                    new.parent_upto = best_len
-            else:
-                for s in sessions:
-                    first = calls[s.calls[0]]
-                    if _is_prefix(first.prompt_ids, c.prompt_ids) and len(first.prompt_ids) < len(c.prompt_ids):
-                        new.meta["diverged_from"] = s.idx
-            sessions.append(new)
-            call_sess.append(new.idx)
-
-    def _output_hits(self) -> dict[int, int]:
-        """Rule 5: ``hit[x]``, the earliest later call of another session whose non-assistant messages
-        hold session x's returned text."""
-        rules, calls, ro, sessions, call_sess = self.rules, self.calls, self.ro, self.sessions, self.call_sess
-        hit: dict[int, int] = {}
-        if rules.link_by_output:
-            for x in sessions[1:]:
-                last_i = x.calls[-1]
-                text = calls[last_i].text
-                for j in range(last_i + 1, len(calls)):
-                    if call_sess[j] != x.idx and ro.appears_in(text, j):
-                        hit[x.idx] = j
-                        break
-        return hit
-
-    def _link_summaries(self, hit: dict[int, int]) -> None:
-        """5a: an instruction compaction's successor is the new session its summary opens."""
-        sessions, call_sess, opens = self.sessions, self.call_sess, self._opens
-        for x in sessions:
-            if x.kind == "compaction" and x.idx in hit and opens(hit[x.idx]):
-                y = sessions[call_sess[hit[x.idx]]]
-                if y.idx > x.idx and y.parent is None and y.kind != "compaction":
-                    x.successor, y.parent, y.edge = y.idx, x.idx, "continues"
-
-    def _find_output_compactions(self, hit: dict[int, int]) -> None:
-        """5b: compactions found by output (the restarted agent holds their summary)."""
-        sessions, first_message = self.sessions, self._first_message
-        # 5b. Compactions found by output: a new session that restarts the agent (its first message is
-        #     the first message of an earlier session, e.g. the same system prompt) and holds the text of
-        #     earlier sessions in its first prompt; the latest-started of them wrote the summary.
-        for y in sessions[1:]:
-            if y.parent is not None or y.kind == "compaction":
-                continue
-            fm = first_message(y)
-            if fm is None or not any(first_message(s) == fm for s in sessions[: y.idx]):
-                continue
-            cands = [x for x in sessions[1: y.idx] if x.kind != "compaction" and x.parent is None
-                     and x.successor is None and hit.get(x.idx) == y.calls[0]]
-            if cands:
-                x = max(cands, key=lambda s: s.calls[0])
-                x.kind, x.successor = "compaction", y.idx
-                x.meta.setdefault("by", "output")
-                y.parent, y.edge = x.idx, "continues"
-
-    def _link_subagents(self, hit: dict[int, int], successor_of: dict[int, int]) -> dict[int, int]:
-        """5c: subagents, by where their result reappears; returns those first seen in a compaction's
-        history (session -> compaction), whose parent is resolved after 5d."""
-        sessions, call_sess, opens = self.sessions, self.call_sess, self._opens
-        # 5c. Subagents: the text reappears in a later turn of a running session (a tool result), or in
-        #     the first prompt of a compaction or of its successor (the result was in the history that got
-        #     summarised or kept), then the parent is the compacted session (resolved after 5d).
-        via: dict[int, int] = {}
-        for x in sessions[1:]:
-            if x.kind == "compaction" or x.parent is not None:
-                continue
-            j = hit.get(x.idx)
-            if j is None:
-                x.meta["unlinked"] = True
-                continue
-            y = sessions[call_sess[j]]
-            if not opens(j):
-                x.kind, x.parent, x.edge = "subagent", y.idx, "forks"
-                pos = y.calls.index(j)
-                x.fork_before, x.fork_after = y.offsets[pos - 1], y.offsets[pos]
-            elif y.kind == "compaction":
-                x.kind, via[x.idx] = "subagent", y.idx
-            elif y.idx in successor_of:
-                x.kind, via[x.idx] = "subagent", successor_of[y.idx]
-            else:
-                x.meta["unlinked"] = True
-        return via
-
-    def _parent_compactions(self, hit: dict[int, int], successor_of: dict[int, int]) -> None:
-        """5d: compactions without a parent get the agent session active most recently before them."""
-        sessions, calls = self.sessions, self.calls
-        # 5d. Compactions with no parent yet: the agent session (the root or a compaction's successor)
-        #     active most recently before the compaction started.
-        agents = {0} | set(successor_of)
-        for x in sessions:
-            if x.kind == "compaction":
-                if x.idx not in hit and x.successor is None:
-                    x.meta["no_successor"] = True
-                if x.parent is not None:
-                    continue
-                first = x.calls[0]
-                cands = [(max(k for k in s.calls if k < first), s.idx) for s in sessions
-                         if s.idx in agents and s.idx != x.idx and any(k < first for k in s.calls)]
-                if cands:
-                    last_before, p = max(cands)
-                    x.parent, x.edge = p, "continues"
-                    x.parent_upto = len(calls[last_before].tip())
-
-    def _resolve_via(self, via: dict[int, int]) -> None:
-        """5c, continued: a subagent seen only in a compaction's history forks from the compacted session."""
-        sessions, calls = self.sessions, self.calls
-        for xi, ci in via.items():
-            x, c = sessions[xi], sessions[ci]
-            if c.parent is None:
-                x.kind = "main"
-                x.meta["unlinked"] = True
-                continue
-            x.parent, x.edge = c.parent, "forks"
-            p = sessions[c.parent]
-            # The parent's last turn before the fork; its result was never seen in a parent prompt.
-            before = [k for k in p.calls if k < x.calls[0]]
-            x.fork_before = len(calls[before[-1]].prompt_ids) if before else len(calls[p.calls[0]].prompt_ids)
-            x.fork_after = c.parent_upto
-            x.meta["result_seen_in"] = "compaction"
-
-    def _final(self) -> int:
-        """Rule 6: the final session, the last main reached from the root through compactions."""
-        sessions = self.sessions
-        cur = 0
-        seen = {0}
-        while True:
-            nxt = [s for s in sessions if s.parent == cur and s.edge == "continues" and s.kind == "compaction"
-                   and s.successor is not None]
-            if not nxt:
-                break
-            succ = max(nxt, key=lambda s: s.calls[0]).successor
-            if succ in seen:
-                break
-            seen.add(succ)
-            cur = succ
-        return cur if sessions[cur].kind == "main" else 0

@@ -1,12 +1,52 @@
-"""The OpenAI wire format as the recording proxy needs it: request checks, errors, streamed
+"""The OpenAI wire format as the recording proxy needs it: request checks (schema, JSON depth),
+errors, upstream fields checked as the records reader will, context-overflow messages, streamed
 responses folded into one record, and re-tokenisation for upstreams that return no ids."""
 
 from __future__ import annotations
 
 import json
+import math
+import re
 from typing import Any
 
 from mosaic.capture.records import CallRecord
+
+MAX_JSON_DEPTH = 64
+# What vLLM, SGLang, llama.cpp and OpenAI say when a prompt does not fit the model's context.
+OVERFLOW = re.compile(r"(?i)maximum context length|context length|context window|max_model_len|"
+                       r"prompt is too long|too many tokens|exceeds? the (model'?s? )?(maximum|context)")
+
+
+def check_upstream_fields(rec: CallRecord) -> None:
+    """Token ids and log-probs as the records reader will demand them; an upstream that sent other
+    things leaves the record without them and with an error saying so."""
+    ids_ok = all(isinstance(x, list) and all(type(t) is int and 0 <= t < 2**31 for t in x)
+                 for x in (rec.prompt_ids, rec.completion_ids))
+    lps_ok = isinstance(rec.logprobs, list) and all(
+        type(v) in (int, float) and math.isfinite(v) and v <= 1e-3 for v in rec.logprobs)
+    if not ids_ok:
+        rec.prompt_ids, rec.completion_ids = [], []
+        rec.error = rec.error or "upstream returned malformed token ids"
+    if not lps_ok:
+        rec.logprobs = []
+    if not isinstance(rec.text, str):
+        rec.text = ""
+    if not (isinstance(rec.tool_calls, list) and all(isinstance(t, dict) for t in rec.tool_calls)):
+        rec.tool_calls = []
+    if rec.finish_reason is not None and not isinstance(rec.finish_reason, str):
+        rec.finish_reason = str(rec.finish_reason)
+
+
+def json_depth_exceeds(obj: Any, limit: int) -> bool:
+    """Whether ``obj`` nests lists / objects deeper than ``limit`` (iterative: no recursion)."""
+    stack = [(obj, 1)]
+    while stack:
+        o, d = stack.pop()
+        if isinstance(o, (list, dict)):
+            if d > limit:
+                return True
+            stack.extend((v, d + 1) for v in (o.values() if isinstance(o, dict) else o))
+    return False
 
 
 class ApiError(Exception):
@@ -62,11 +102,17 @@ def logprob_list(endpoint: str, lp: Any) -> list[float]:
 
 
 class StreamAccumulator:
-    """Collects one streamed response (SSE) into the fields of a call record."""
+    r"""Collects one streamed response (server-sent events) into the fields of a call record.
+
+    Lines end in ``\n``, ``\r\n`` or ``\r`` (all valid SSE); an event is its ``data:`` lines joined
+    by newlines, dispatched at a blank line (or at the end of the stream). A payload that is not
+    JSON, or not a chunk, is counted in ``bad`` and skipped: parsing never breaks the relay.
+    """
 
     def __init__(self, endpoint: str):
         self.endpoint = endpoint
         self.buf = b""
+        self.data: list[bytes] = []
         self.text: list[str] = []
         self.tool_calls: dict[int, dict[str, Any]] = {}
         self.ids: list[int] = []
@@ -77,16 +123,42 @@ class StreamAccumulator:
         self.bad = 0
 
     def feed(self, data: bytes) -> None:
-        self.buf += data
+        buf = self.buf + data
+        start = 0
+        n = len(buf)
         while True:
-            cut = self.buf.find(b"\n\n")
-            if cut < 0:
+            cr, lf = buf.find(b"\r", start), buf.find(b"\n", start)
+            if cr < 0 and lf < 0:
                 break
-            event, self.buf = self.buf[:cut], self.buf[cut + 2:]
-            for line in event.split(b"\n"):
-                line = line.strip()
-                if line.startswith(b"data:"):
-                    self._event(line[5:].strip())
+            if lf >= 0 and (cr < 0 or lf < cr):
+                end, nxt = lf, lf + 1
+            elif cr == n - 1:
+                break  # a \r at the end: wait, a \n may follow in the next chunk
+            else:
+                end, nxt = cr, cr + 2 if buf[cr + 1: cr + 2] == b"\n" else cr + 1
+            self._line(buf[start:end])
+            start = nxt
+        self.buf = buf[start:]
+
+    def close(self) -> None:
+        """The stream ended: a last line or event without its terminator still counts."""
+        if self.buf:
+            self._line(self.buf.rstrip(b"\r"))
+            self.buf = b""
+        self._line(b"")
+
+    def _line(self, line: bytes) -> None:
+        if not line:
+            if self.data:
+                payload, self.data = b"\n".join(self.data), []
+                try:
+                    self._event(payload.strip())
+                except Exception:  # noqa: BLE001 - a malformed chunk is counted, never fatal
+                    self.bad += 1
+            return
+        if line.startswith(b"data:"):
+            value = line[5:]
+            self.data.append(value[1:] if value.startswith(b" ") else value)
 
     def _event(self, payload: bytes) -> None:
         if payload == b"[DONE]":
@@ -94,7 +166,10 @@ class StreamAccumulator:
             return
         try:
             obj = json.loads(payload)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+            self.bad += 1
+            return
+        if not isinstance(obj, dict):
             self.bad += 1
             return
         if self.prompt_ids is None and isinstance(obj.get("prompt_token_ids"), list):

@@ -45,6 +45,8 @@ def test_serve_cli_rejects_a_missing_model(tmp_path, capsys):
     (["--port", "{busy}"], "--host 127.0.0.1 --port {busy}: cannot bind"),
     (["--max-batch-size", "0"], "--max-batch-size must be >= 1, got 0"),
     (["--default-max-tokens", "-5"], "--default-max-tokens must be >= 1, got -5"),
+    (["--max-body-mb", "0"], "--max-body-mb must be a finite number > 0, got 0.0"),
+    (["--api-key-env", "MOSAIC_TEST_UNSET_KEY_VAR"], "environment variable MOSAIC_TEST_UNSET_KEY_VAR is not set"),
     (["--device", "bogus"], "--device 'bogus': not a torch device"),
     (["--device", "cuda:99"], "--device 'cuda:99': no "),  # a device this machine does not have
 ])

@@ -139,7 +139,7 @@ def test_chat_streaming(client):
     ("/v1/completions", {"prompt": [], "max_tokens": 4}, "prompt"),
     ("/v1/completions", {"prompt": [1, 2], "max_tokens": -1}, "max_tokens"),
     ("/v1/completions", {"prompt": [1, 2], "top_p": 0}, "top_p"),
-    ("/v1/completions", {"prompt": [1, 2], "stop": ["x"]}, "stop_token_ids"),
+    ("/v1/completions", {"prompt": [1, 2], "stop": [""]}, "stop"),
     ("/v1/completions", {"prompt": [1, 2], "model": "other"}, "does not exist"),
     ("/v1/chat/completions", {"messages": []}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "role"),

@@ -38,10 +38,11 @@ from 94k to 16k and took the harness from 0.98x to 2.1x raw ``model.generate`` t
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from collections import OrderedDict
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
@@ -50,7 +51,17 @@ from mosaic.agent.policy import GenRequest, GenResult
 
 log = logging.getLogger(__name__)
 
-StepCallback = Callable[[list[int], list[int], list[float]], None]
+
+def _step_in_chunk(on_step, idx: list[int], rows: list[int], toks: list[int], lps: list[float]):
+    """A chunk's step callback: chunk rows → request indices, and the indices to end back to rows."""
+    ended = on_step([idx[r] for r in rows], toks, lps)
+    if not ended:
+        return None
+    where = {i: r for r, i in enumerate(idx)}
+    return [where[i] for i in ended if i in where]
+
+# on_step(indices, tokens, logprobs) -> indices to end now (they finish as "stop"), or None
+StepCallback = Callable[[list[int], list[int], list[float]], Iterable[int] | None]
 
 
 @dataclass(frozen=True)
@@ -193,7 +204,9 @@ class LocalPolicy:
         """:meth:`generate` with per-call sampling overrides (what the server uses).
 
         ``on_step(indices, tokens, logprobs)`` is called after every decode step with the
-        request indices that got a token, the tokens and their sampling log-probs (streaming).
+        request indices that got a token, the tokens and their sampling log-probs (streaming);
+        it may return request indices to end after that token (finish ``stop``: the server's
+        stop strings), or None.
         """
         sampling = _Sampling(
             self.config.temperature if temperature is None else temperature,
@@ -220,8 +233,7 @@ class LocalPolicy:
         for start in range(0, len(runnable), step):
             idx = runnable[start:start + step]
             try:
-                cb = None if on_step is None else (
-                    lambda rows, toks, lps, idx=idx: on_step([idx[r] for r in rows], toks, lps))
+                cb = None if on_step is None else functools.partial(_step_in_chunk, on_step, idx)
                 chunk = self._generate_batch([requests[i] for i in idx], sampling, cb,
                                              [prefixes[i] for i in idx])
             except Exception as exc:  # e.g. out of memory: fail these rows, keep the rollout alive
@@ -376,14 +388,15 @@ class LocalPolicy:
         while True:
             tok, lp, raw = sample_next(logits, temperature=sampling.temperature,
                                        top_p=sampling.top_p, generator=sampling.generator)
-            if on_step is not None:
-                on_step(rows.tolist(), tok.tolist(), lp.tolist())
+            ended = on_step(rows.tolist(), tok.tolist(), lp.tolist()) if on_step is not None else None
             tokens_out.append(tok)
             rows_out.append(rows)
             lp_out.append(lp)
             raw_out.append(raw)
             step += 1
             stopped = torch.isin(tok, sampling.stop)
+            if ended:
+                stopped = stopped | torch.isin(rows, torch.tensor(sorted(ended), device=rows.device))
             done = stopped | (max_new[rows] <= step)
             if bool(stopped.any()):
                 for r in rows[stopped].tolist():

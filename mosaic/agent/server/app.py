@@ -1,16 +1,24 @@
-"""The FastAPI app of ``mosaic serve``: request checks, the two completion endpoints, routing."""
+"""The FastAPI app of ``mosaic serve``: request checks, the two completion endpoints, routing.
+
+Guards: a body over ``max_body_bytes`` is refused with 413 before it is read whole; with
+``api_key`` every route but ``/health`` needs ``Authorization: Bearer <key>`` (401). Parsing a
+body, rendering the chat template and tokenising run in worker threads, so a large request never
+stalls the event loop (``/health`` and other requests keep being answered).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
+import json
 import time
 import uuid
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ValidationError
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from mosaic.agent.policies.local import LocalPolicy, LocalPolicyConfig
@@ -19,7 +27,8 @@ from mosaic.agent.server.schema import (
     ApiError, BaseCompletionRequest, ChatCompletionRequest, CompletionRequest, chat_logprob, completion_logprobs,
     error_response, usage,
 )
-from mosaic.agent.server.stream import stream_chat, stream_completion
+from mosaic.agent.server.stream import ChoiceText, stream_chat, stream_completion
+from mosaic.agent.server.textops import template_messages
 from mosaic.agent.server.worker import Job, ModelWorker
 
 
@@ -38,7 +47,7 @@ class ModelServer:
         self.vocab = model.get_input_embeddings().num_embeddings
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
         self.worker = ModelWorker(self.policy, max_batch_size=max_batch_size,
-                                  batch_window_s=batch_window_s)
+                                  batch_window_s=batch_window_s, decode=self.decode)
 
     # ---- request checks
     def check_model(self, name: str | None) -> None:
@@ -75,8 +84,6 @@ class ModelServer:
         return ids
 
     def stop_ids(self, body: BaseCompletionRequest) -> tuple[int, ...]:
-        if body.stop:
-            raise ApiError(400, "stop strings are not supported; use stop_token_ids", "stop")
         extra = tuple(body.stop_token_ids or ())
         bad = [t for t in extra if not 0 <= t < self.vocab]
         if bad:
@@ -94,7 +101,8 @@ class ModelServer:
         reqs = [GenRequest(f"http-{uuid.uuid4().hex[:8]}", p, self.max_new(max_tokens, len(p)))
                 for p in prompts for _ in range(body.n)]
         job = Job(reqs, body.temperature, body.top_p, self.stop_ids(body), body.seed,
-                  asyncio.get_running_loop(), asyncio.Queue(), body.stream)
+                  asyncio.get_running_loop(), asyncio.Queue(), body.stream,
+                  tuple(body.stop or ()), body.skip_special_tokens)
         self.worker.submit(job)
         return job
 
@@ -109,7 +117,7 @@ class ModelServer:
         self.check_model(body.model)
         if body.echo:
             raise ApiError(400, "echo is not supported", "echo")
-        prompts = self.prompt_ids(body.prompt)
+        prompts = await asyncio.to_thread(self.prompt_ids, body.prompt)
         job = self.submit(prompts, body, body.max_tokens)
         cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         prompt_of = [p for p in prompts for _ in range(body.n)]
@@ -117,23 +125,29 @@ class ModelServer:
             return StreamingResponse(stream_completion(self, job, body, cid, created, prompt_of),
                                      media_type="text/event-stream")
         results = await _results(job)
-        choices = []
+        return await asyncio.to_thread(self._completion_json, body, results, cid, created, prompt_of)
+
+    def _completion_json(self, body: CompletionRequest, results: list, cid: str, created: int,
+                         prompt_of: list[list[int]]) -> dict:
+        text = ChoiceText(self, body.skip_special_tokens, body.stop)
+        choices, counts = [], []
         for c, res in enumerate(results):
-            choice: dict[str, Any] = {"index": c, "text": self.decode(res.token_ids, body.skip_special_tokens),
-                                      "logprobs": None, "finish_reason": res.finish_reason}
+            rest, _, finish, n = text.finish(c, res)
+            ids, lps = res.token_ids[:n], res.logprobs[:n]
+            counts.append(n)
+            choice: dict[str, Any] = {"index": c, "text": rest, "logprobs": None, "finish_reason": finish}
             if body.logprobs is not None:
-                choice["logprobs"] = completion_logprobs(self.token_str, res.token_ids, res.logprobs,
-                                                         body.logprobs)
+                choice["logprobs"] = completion_logprobs(self.token_str, ids, lps, body.logprobs)
             if body.return_token_ids:
                 choice["prompt_token_ids"] = prompt_of[c]
-                choice["token_ids"] = res.token_ids
+                choice["token_ids"] = ids
             choices.append(choice)
         return {"id": cid, "object": "text_completion", "created": created, "model": self.model_name,
-                "choices": choices, "usage": usage([len(p) for p in prompt_of], results)}
+                "choices": choices, "usage": usage([len(p) for p in prompt_of], counts)}
 
     async def chat(self, body: ChatCompletionRequest):
         self.check_model(body.model)
-        ids = self.check_ids(self.tokenizer(self._render_chat(body), add_special_tokens=False)["input_ids"])
+        ids = await asyncio.to_thread(self._chat_ids, body)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         job = self.submit([ids], body, max_tokens)
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
@@ -141,33 +155,109 @@ class ModelServer:
             return StreamingResponse(stream_chat(self, job, body, cid, created, ids),
                                      media_type="text/event-stream")
         results = await _results(job)
-        choices = []
+        return await asyncio.to_thread(self._chat_json, body, results, cid, created, ids)
+
+    def _chat_json(self, body: ChatCompletionRequest, results: list, cid: str, created: int,
+                   ids: list[int]) -> dict:
+        text = ChoiceText(self, body.skip_special_tokens, body.stop, body.uses_tools)
+        choices, counts = [], []
         for c, res in enumerate(results):
-            choice: dict[str, Any] = {
-                "index": c, "finish_reason": res.finish_reason, "logprobs": None,
-                "message": {"role": "assistant",
-                            "content": self.decode(res.token_ids, body.skip_special_tokens)}}
+            content, calls, finish, n = text.finish(c, res)
+            toks, lps = res.token_ids[:n], res.logprobs[:n]
+            counts.append(n)
+            message: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None}
+            if calls:
+                message["tool_calls"] = calls
+            choice: dict[str, Any] = {"index": c, "finish_reason": finish, "logprobs": None, "message": message}
             if body.logprobs:
-                choice["logprobs"] = {"content": [chat_logprob(self.token_str, t, lp) for t, lp in
-                                                  zip(res.token_ids, res.logprobs)]}
+                choice["logprobs"] = {"content": [chat_logprob(self.token_str, t, lp) for t, lp in zip(toks, lps)]}
             if body.return_token_ids:
-                choice["token_ids"] = res.token_ids
+                choice["token_ids"] = toks
             choices.append(choice)
         out = {"id": cid, "object": "chat.completion", "created": created, "model": self.model_name,
-               "choices": choices, "usage": usage([len(ids)] * len(results), results)}
+               "choices": choices, "usage": usage([len(ids)] * len(results), counts)}
         if body.return_token_ids:
             out["prompt_token_ids"] = ids
         return out
 
+    def _chat_ids(self, body: ChatCompletionRequest) -> list[int]:
+        """The prompt's ids (runs in a worker thread: the template and the tokenizer)."""
+        return self.check_ids(self.tokenizer(self._render_chat(body), add_special_tokens=False)["input_ids"])
+
     def _render_chat(self, body: ChatCompletionRequest) -> str:
-        if not getattr(self.tokenizer, "chat_template", None):
+        template = getattr(self.tokenizer, "chat_template", None)
+        if not template:
             raise ApiError(400, "this model's tokenizer has no chat template; use /v1/completions")
-        messages = [m.model_dump() for m in body.messages]
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools and body.tool_choice != "none" else None
+        messages, native = template_messages([m.model_dump(exclude_none=True) for m in body.messages], tools,
+                                             str(template))
         try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
+            return self.tokenizer.apply_chat_template(messages, tools=tools if native else None,
+                                                      add_generation_prompt=body.add_generation_prompt,
                                                       tokenize=False)
         except Exception as exc:
             raise ApiError(400, f"chat template failed: {exc}", "messages") from exc
+
+
+def _parse(model: type[BaseModel], raw: bytes) -> Any:
+    """A request body → its model (runs in a worker thread); 400 naming the fields otherwise."""
+    try:
+        obj = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise ApiError(400, f"request body is not valid JSON: {exc}") from None
+    try:
+        return model.model_validate(obj)
+    except ValidationError as exc:
+        parts = []
+        for e in exc.errors():
+            loc = ".".join(str(x) for x in e.get("loc", ()))
+            parts.append(f"{loc}: {e.get('msg')}" if loc else str(e.get("msg")))
+        raise ApiError(400, "; ".join(parts[:8]) or "invalid request") from None
+
+
+class Guard:
+    """ASGI middleware: the body limit (413, counted as it arrives) and the bearer token (401)."""
+
+    def __init__(self, app, *, max_body_bytes: int, api_key: str | None) -> None:
+        self.app, self.limit, self.key = app, max_body_bytes, api_key
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if self.key is not None and scope["path"] != "/health":
+            got = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(got, b"Bearer " + self.key.encode()):
+                return await error_response(401, "missing or wrong bearer token")(scope, receive, send)
+        headers = dict(scope["headers"])
+        cl = headers.get(b"content-length", b"")
+        if cl.isdigit() and int(cl) > self.limit:
+            return await error_response(413, f"request body of {int(cl)} bytes exceeds the limit of "
+                                             f"{self.limit}")(scope, receive, send)
+        if scope["method"] not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        chunks, n = [], 0
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return
+            chunk = msg.get("body", b"")
+            n += len(chunk)
+            if n > self.limit:
+                return await error_response(413, f"request body exceeds the limit of {self.limit} bytes")(
+                    scope, receive, send)
+            chunks.append(chunk)
+            if not msg.get("more_body"):
+                break
+        body, done = b"".join(chunks), False
+
+        async def replay():
+            nonlocal done
+            if not done:
+                done = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        return await self.app(scope, replay, send)
 
 
 async def _results(job: Job) -> list:
@@ -186,13 +276,18 @@ async def _results(job: Job) -> list:
 
 def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *,
                model_name: str = "mosaic-local", device: str | None = None, max_batch_size: int = 64,
-               batch_window_s: float = 0.002, default_max_tokens: int = 16) -> FastAPI:
+               batch_window_s: float = 0.002, default_max_tokens: int = 16, api_key: str | None = None,
+               max_body_bytes: int = 32 * 1024 * 1024) -> FastAPI:
     """The FastAPI app serving ``model``; run it with :func:`mosaic.serving.run_server` (foreground) or
     :class:`mosaic.serving.ServerThread` (in-process).
 
     ``batch_window_s``: how long the worker waits for more requests to join a batch.
     ``default_max_tokens``: used when a request gives no ``max_tokens`` (OpenAI's default is 16).
+    ``api_key``: bearer token every route but ``/health`` requires (None: open).
+    ``max_body_bytes``: largest request body accepted (413 above).
     """
+    if max_body_bytes < 1:
+        raise ValueError(f"max_body_bytes: {max_body_bytes} must be positive")
     srv = ModelServer(model, tokenizer, model_name=model_name, device=device,
                       max_batch_size=max_batch_size, batch_window_s=batch_window_s,
                       default_max_tokens=default_max_tokens)
@@ -204,18 +299,11 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *,
 
     app = FastAPI(title="mosaic serve", version="0.1", lifespan=lifespan)
     app.state.server = srv
+    app.add_middleware(Guard, max_body_bytes=max_body_bytes, api_key=api_key)
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
         return error_response(exc.status, exc.message, exc.param)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        parts = []
-        for e in exc.errors():
-            loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
-            parts.append(f"{loc}: {e.get('msg')}" if loc else str(e.get("msg")))
-        return error_response(400, "; ".join(parts) or "invalid request")
 
     @app.get("/health")
     async def health() -> dict:
@@ -227,11 +315,13 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *,
                                             "created": 0, "owned_by": "mosaic"}]}
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest):
+    async def completions(request: Request):
+        body = await asyncio.to_thread(_parse, CompletionRequest, await request.body())
         return await srv.completions(body)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest):
+    async def chat_completions(request: Request):
+        body = await asyncio.to_thread(_parse, ChatCompletionRequest, await request.body())
         return await srv.chat(body)
 
     return app

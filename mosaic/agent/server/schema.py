@@ -6,13 +6,14 @@ import json
 from typing import Any, Callable, Literal, Union
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class BaseCompletionRequest(BaseModel):
-    """The fields both endpoints share."""
+    """The fields both endpoints share. Types are strict: ``"stream": "yes"`` or ``"max_tokens": "5"``
+    is a 400 naming the field, never read as something else."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=0)
@@ -26,6 +27,14 @@ class BaseCompletionRequest(BaseModel):
     return_token_ids: bool = False
     skip_special_tokens: bool = True
 
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v: str | list[str] | None) -> list[str] | None:
+        stops = [v] if isinstance(v, str) else v
+        if stops is not None and (len(stops) > 16 or not all(stops)):
+            raise ValueError("at most 16 non-empty stop strings")
+        return stops or None
+
 
 class CompletionRequest(BaseCompletionRequest):
     prompt: Union[str, list[int], list[str], list[list[int]]]
@@ -33,11 +42,53 @@ class CompletionRequest(BaseCompletionRequest):
     echo: bool = False
 
 
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    type: str
+    text: str | None = None
+
+
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    """One message: ``content`` a string, null (an assistant turn with only tool calls) or text parts."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str
+    content: str | list[ContentPart] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ToolDef(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    type: Literal["function"] = "function"
+    function: FunctionDef
 
 
 class ChatCompletionRequest(BaseCompletionRequest):
@@ -46,6 +97,13 @@ class ChatCompletionRequest(BaseCompletionRequest):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     max_completion_tokens: int | None = Field(default=None, ge=0)
     add_generation_prompt: bool = True
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+
+    @property
+    def uses_tools(self) -> bool:
+        """Whether replies are parsed for tool calls (tools given and ``tool_choice`` not "none")."""
+        return bool(self.tools) and self.tool_choice != "none"
 
 
 class ApiError(Exception):
@@ -64,8 +122,8 @@ def sse(obj: Any) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
-def usage(prompt_lens: list[int], results: list) -> dict[str, int]:
-    p, c = sum(prompt_lens), sum(len(r.token_ids) for r in results)
+def usage(prompt_lens: list[int], completion_lens: list[int]) -> dict[str, int]:
+    p, c = sum(prompt_lens), sum(completion_lens)
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 

@@ -7,6 +7,7 @@ from typing import Any, AsyncIterator, Protocol
 from mosaic.agent.server.schema import (
     ChatCompletionRequest, CompletionRequest, chat_logprob, completion_logprobs, sse, usage,
 )
+from mosaic.agent.server.textops import OPEN_TAG, cut_at_stop, held_back, parse_tool_calls
 from mosaic.agent.server.worker import Job
 
 
@@ -20,30 +21,69 @@ class TextSource(Protocol):
     def token_str(self, t: int) -> str: ...
 
 
-class Detok:
-    """Incremental detokenisation per choice: a delta is held back while it ends in an
-    incomplete UTF-8 sequence, so multi-byte characters split over tokens stream whole."""
+class ChoiceText:
+    """Incremental text of each streamed choice.
 
-    def __init__(self, srv: TextSource, skip_special: bool) -> None:
+    A delta is held back while it ends in an incomplete UTF-8 sequence (multi-byte characters
+    split over tokens stream whole), or while its end could be the start of a ``stop`` string or,
+    when tool calls are parsed, of ``<tool_call>``. Once a stop string appears the choice is over:
+    its text ends before it and later tokens are dropped. Once ``<tool_call>`` appears no more
+    content streams: the calls are parsed from the whole reply at the end.
+    """
+
+    def __init__(self, srv: TextSource, skip_special: bool, stops: list[str] | None = None,
+                 tools: bool = False) -> None:
         self.srv, self.skip = srv, skip_special
+        self.stops = list(stops or [])
+        self.tools = tools
+        self.markers = self.stops + ([OPEN_TAG] if tools else [])
         self.ids: dict[int, list[int]] = {}
         self.sent: dict[int, str] = {}
+        self.stopped: set[int] = set()
+        self.in_call: set[int] = set()
 
-    def push(self, c: int, t: int) -> str:
+    def push(self, c: int, t: int) -> str | None:
+        """The text delta token ``t`` releases for choice ``c``; None once the choice has stopped."""
+        if c in self.stopped:
+            return None
         ids = self.ids.setdefault(c, [])
         ids.append(t)
         text = self.srv.decode(ids, self.skip)
         if text.endswith("\ufffd"):
             return ""
-        return self._delta(c, text)
+        hits = [text.find(s) for s in self.stops if s in text]
+        if hits:
+            self.stopped.add(c)
+            return self._delta(c, text[: min(hits)])
+        if c in self.in_call:
+            return ""
+        if self.tools and OPEN_TAG in text:
+            self.in_call.add(c)
+            return self._delta(c, text[: text.find(OPEN_TAG)])
+        return self._delta(c, text[: len(text) - held_back(text, self.markers)])
 
-    def flush(self, c: int) -> str:
-        return self._delta(c, self.srv.decode(self.ids.get(c, []), self.skip))
-
-    def _delta(self, c: int, text: str) -> str:
+    def _delta(self, c: int, upto: str) -> str:
         prev = self.sent.get(c, "")
-        self.sent[c] = text
-        return text[len(prev):] if text.startswith(prev) else text
+        if len(upto) <= len(prev) or not upto.startswith(prev):
+            return ""
+        self.sent[c] = upto
+        return upto[len(prev):]
+
+    def finish(self, c: int, res) -> tuple[str, list[dict], str, int]:
+        """At the end of choice c: the content not streamed yet, its tool calls, the finish reason
+        and the completion's token count (cut at a stop string)."""
+        ids, text, stopped = cut_at_stop(res.token_ids, lambda x: self.srv.decode(x, self.skip), self.stops)
+        finish = "stop" if stopped else res.finish_reason
+        calls: list[dict] = []
+        content = text
+        if self.tools:
+            parsed, calls = parse_tool_calls(text)
+            content = parsed or ""
+            if calls and finish == "stop":
+                finish = "tool_calls"
+        sent = self.sent.get(c, "")
+        rest = content[len(sent):] if content.startswith(sent) else ""
+        return rest, calls, finish, len(ids)
 
 
 async def _events(job: Job) -> AsyncIterator[tuple]:
@@ -66,12 +106,14 @@ async def stream_completion(srv: TextSource, job: Job, body: CompletionRequest, 
                             prompt_of: list[list[int]]) -> AsyncIterator[str]:
     head = {"id": cid, "object": "text_completion", "created": created, "model": srv.model_name}
     sent_prompt = set()
-    detok = Detok(srv, body.skip_special_tokens)
+    text = ChoiceText(srv, body.skip_special_tokens, body.stop)
     async for ev in _events(job):
         if ev[0] == "token":
             _, c, t, lp = ev
-            choice: dict[str, Any] = {"index": c, "text": detok.push(c, t),
-                                      "logprobs": None, "finish_reason": None}
+            delta = text.push(c, t)
+            if delta is None:
+                continue
+            choice: dict[str, Any] = {"index": c, "text": delta, "logprobs": None, "finish_reason": None}
             if body.logprobs is not None:
                 choice["logprobs"] = completion_logprobs(srv.token_str, [t], [lp], body.logprobs)
             if body.return_token_ids:
@@ -82,9 +124,11 @@ async def stream_completion(srv: TextSource, job: Job, body: CompletionRequest, 
             yield sse({**head, "choices": [choice]})
         elif ev[0] == "done":
             results = ev[1]
+            counts = []
             for c, res in enumerate(results):
-                choice = {"index": c, "text": detok.flush(c), "logprobs": None,
-                          "finish_reason": res.finish_reason}
+                rest, _, finish, n = text.finish(c, res)
+                counts.append(n)
+                choice = {"index": c, "text": rest, "logprobs": None, "finish_reason": finish}
                 if body.return_token_ids:
                     choice["token_ids"] = []
                     if c not in sent_prompt:
@@ -92,7 +136,7 @@ async def stream_completion(srv: TextSource, job: Job, body: CompletionRequest, 
                 if res.finish_reason == "error":
                     choice["error"] = res.error
                 yield sse({**head, "choices": [choice]})
-            yield sse({**head, "choices": [], "usage": usage([len(p) for p in prompt_of], results)})
+            yield sse({**head, "choices": [], "usage": usage([len(p) for p in prompt_of], counts)})
         else:
             yield _error_event(ev[1])
     yield "data: [DONE]\n\n"
@@ -108,11 +152,14 @@ async def stream_chat(srv: TextSource, job: Job, body: ChatCompletionRequest, ci
         roles[0]["prompt_token_ids"] = prompt_ids
     for r in roles:
         yield sse(r)
-    detok = Detok(srv, body.skip_special_tokens)
+    text = ChoiceText(srv, body.skip_special_tokens, body.stop, body.uses_tools)
     async for ev in _events(job):
         if ev[0] == "token":
             _, c, t, lp = ev
-            choice: dict[str, Any] = {"index": c, "delta": {"content": detok.push(c, t)},
+            delta = text.push(c, t)
+            if delta is None:
+                continue
+            choice: dict[str, Any] = {"index": c, "delta": {"content": delta} if delta else {},
                                       "logprobs": None, "finish_reason": None}
             if body.logprobs:
                 choice["logprobs"] = {"content": [chat_logprob(srv.token_str, t, lp)]}
@@ -121,11 +168,18 @@ async def stream_chat(srv: TextSource, job: Job, body: ChatCompletionRequest, ci
             yield sse({**head, "choices": [choice]})
         elif ev[0] == "done":
             results = ev[1]
+            counts = []
             for c, res in enumerate(results):
-                rest = detok.flush(c)
-                yield sse({**head, "choices": [{"index": c, "delta": {"content": rest} if rest else {},
-                                                "logprobs": None, "finish_reason": res.finish_reason}]})
-            yield sse({**head, "choices": [], "usage": usage([len(prompt_ids)] * len(results), results)})
+                rest, calls, finish, n = text.finish(c, res)
+                counts.append(n)
+                if rest:
+                    yield sse({**head, "choices": [{"index": c, "delta": {"content": rest}, "logprobs": None,
+                                                    "finish_reason": None}]})
+                if calls:
+                    yield sse({**head, "choices": [{"index": c, "logprobs": None, "finish_reason": None, "delta": {
+                        "tool_calls": [{"index": k, **tc} for k, tc in enumerate(calls)]}}]})
+                yield sse({**head, "choices": [{"index": c, "delta": {}, "logprobs": None, "finish_reason": finish}]})
+            yield sse({**head, "choices": [], "usage": usage([len(prompt_ids)] * len(results), counts)})
         else:
             yield _error_event(ev[1])
     yield "data: [DONE]\n\n"

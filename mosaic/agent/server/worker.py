@@ -8,6 +8,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -29,6 +30,8 @@ class Job:
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue  # ("token", choice, id, logprob) | ("done", results) | ("error", msg)
     stream: bool
+    stop_strings: tuple[str, ...] = ()  # a sequence ends once its text holds one (cut later, see textops)
+    skip_special: bool = True
 
     def send(self, event: tuple) -> None:
         """Hand an event to the request's event loop (from the worker thread)."""
@@ -41,12 +44,15 @@ class Job:
 class ModelWorker:
     """One thread that owns the model and decodes queued jobs in batches."""
 
-    def __init__(self, policy: LocalPolicy, *, max_batch_size: int, batch_window_s: float) -> None:
+    def __init__(self, policy: LocalPolicy, *, max_batch_size: int, batch_window_s: float,
+                 decode: Callable[[list[int], bool], str] | None = None) -> None:
+        """``decode(ids, skip_special)``: the tokenizer's text, for jobs with stop strings."""
         self.policy = policy
+        self.decode = decode
         self.max_batch_size = max_batch_size
         self.batch_window_s = batch_window_s
         self._queue: queue.Queue[Job | None] = queue.Queue()
-        self.stats = {"batches": 0, "sequences": 0, "max_batch": 0}  # for tests and /health
+        self.stats = {"batches": 0, "sequences": 0, "max_batch": 0, "stop_string_ends": 0}  # tests, /health
         self._thread = threading.Thread(target=self._run, name="mosaic-model-worker", daemon=True)
         self._thread.start()
 
@@ -102,17 +108,30 @@ class ModelWorker:
         if first.seed is not None:
             gen = torch.Generator(device=self.policy.device).manual_seed(first.seed)
 
-        def on_step(indices: list[int], toks: list[int], lps: list[float]) -> None:
+        sampled: dict[int, list[int]] = {i: [] for i, (j, _) in enumerate(flat) if j.stop_strings}
+
+        def on_step(indices: list[int], toks: list[int], lps: list[float]) -> list[int]:
+            ended = []
             for i, t, lp in zip(indices, toks, lps):
                 j, c = flat[i]
                 if j.stream:
                     j.send(("token", c, t, lp))
+                if j.stop_strings and self.decode is not None:
+                    ids = sampled[i]
+                    ids.append(t)
+                    # A stop string that ends with this token lies within its last len(s) + 1 tokens.
+                    window = ids[-(max(len(s) for s in j.stop_strings) + 1):]
+                    tail = self.decode(window, j.skip_special)
+                    if any(s in tail for s in j.stop_strings):
+                        ended.append(i)
+            self.stats["stop_string_ends"] += len(ended)
+            return ended
 
-        streaming = any(j.stream for j in jobs)
+        hooked = any(j.stream or j.stop_strings for j in jobs)
         results = self.policy.generate_with(  # turns batch failures into error results
             reqs, temperature=first.temperature, top_p=first.top_p,
             stop_token_ids=first.stop_ids, generator=gen,
-            on_step=on_step if streaming else None)
+            on_step=on_step if hooked else None)
         per_job: dict[int, list] = {}
         for (j, c), res in zip(flat, results):
             per_job.setdefault(id(j), [None] * len(j.reqs))[c] = res

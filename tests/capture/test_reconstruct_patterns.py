@@ -1,0 +1,194 @@
+"""Session graphs of the patterns a second real harness produced (issue 12), rebuilt exactly:
+a subagent that compacts its own history, a subagent whose result is returned directly, turns
+re-sent differently from how they were sampled, and a context overflow before a compaction."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from mosaic.capture.reconstruct import ReconstructionRules, reconstruct_rollout
+from mosaic.capture.records import RewardRecord
+from mosaic.testing import Renderer, build_tokenizer
+from mosaic.trace import StateRef
+
+from . import _patterns as P
+
+
+@functools.lru_cache(maxsize=1)
+def _tok():
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def rnd():
+    return Renderer(_tok())
+
+
+def _shape(t):
+    return [(s.kind, s.parent, s.edge, s.is_final) for s in t.sessions]
+
+
+def _first_user(t, s, recs):
+    rec = next(r for r in recs if r.call_id == s.meta["call_ids"][0])
+    return next(m["content"] for m in rec.messages if m["role"] == "user")
+
+
+def _exact(t, recs):
+    """Every call's completion sits in its session's row where the offsets say, trainable, with its
+    log-probs; the row's trainable tokens are exactly the calls' completions."""
+    by_id = {r.call_id: r for r in recs}
+    for s in t.sessions:
+        toks = s.tokens()
+        calls = [by_id[c] for c in s.meta["call_ids"]]
+        assert s.prompt_ids == calls[0].prompt_ids
+        assert s.num_trainable == sum(len(c.completion_ids) for c in calls)
+        sampled = [tok for tok, m in zip(s.completion_ids, s.loss_mask) if m]
+        assert sampled == [tok for c in calls for tok in c.completion_ids]
+        assert toks[-len(calls[-1].completion_ids) or len(toks):] == calls[-1].completion_ids
+
+
+def test_subagent_that_compacts_its_own_history(rnd):
+    recs, answer = P.run(P.subagent_compacts, rnd, "p1")
+    t = reconstruct_rollout(recs, RewardRecord("p1", 1.0, ground_truth="x"))
+    assert _shape(t) == [("main", None, None, True), ("subagent", 0, "forks", False),
+                         ("subagent", 0, "forks", False), ("compaction", 1, "continues", False),
+                         ("subagent", 3, "continues", False)]
+    assert [_first_user(t, t.sessions[k], recs) for k in (1, 2, 4)] == [P.QA, P.QB, P.QA]
+    comp = t.sessions[3]
+    assert comp.meta["parent_by"] == "history" and comp.meta["parent_score"] == 1.0
+    assert comp.state_before == StateRef(session=1, upto=len(t.sessions[1].tokens()))
+    assert t.resolve_state(comp.state_after) == t.sessions[4].prompt_ids
+    # The researcher's result came from its continuation; the fork's states are the lead's.
+    sub = t.sessions[1]
+    assert "RESULT for" in rnd.decode(t.resolve_state(sub.state_after)[sub.state_before.upto:])
+    assert t.answer == answer and answer.startswith("ANSWER:") and t.end_reason == "answer"
+    assert not t.meta["unlinked_sessions"]
+    _exact(t, recs)
+
+
+@pytest.mark.parametrize("posted", [None, "the posted answer"])
+def test_subagent_whose_result_is_returned_directly(rnd, posted):
+    recs, result = P.run(P.result_returned_directly, rnd, "p2")
+    t = reconstruct_rollout(recs, RewardRecord("p2", 1.0, answer=posted))
+    assert _shape(t) == [("main", None, None, True), ("subagent", 0, "forks", False)]
+    lead, sub = t.sessions
+    calling = next(r for r in recs if r.call_id == lead.meta["call_ids"][-1])
+    assert sub.meta["parent_by"] == "tool_call" and sub.meta["forked_by_call"] == calling.call_id
+    assert sub.meta["result_unseen"] is True
+    assert sub.state_before == StateRef(session=0, upto=len(calling.prompt_ids))
+    assert sub.state_after == StateRef(session=0, upto=len(calling.tip()))
+    if posted is None:
+        assert t.answer == result and result.startswith("RESULT for")
+        assert t.meta["answer_from"] == "subagent 1" and t.end_reason == "subagent_result"
+    else:
+        assert t.answer == posted and t.meta["answer_from"] == "reward"
+    _exact(t, recs)
+
+
+def test_whitespace_dropped_when_turns_are_resent(rnd):
+    recs, answer = P.run(P.whitespace_dropped, rnd, "p3a")
+    t = reconstruct_rollout(recs, RewardRecord("p3a", 1.0))
+    assert _shape(t) == [("main", None, None, True), ("subagent", 0, "forks", False)]
+    lead, sub = t.sessions
+    assert lead.num_turns == 4 and sub.num_turns == 3
+    assert len(lead.meta["resent"]) == 3 and len(sub.meta["resent"]) == 2
+    assert all(r["rendered"] < r["sampled"] for r in lead.meta["resent"] + sub.meta["resent"])
+    assert not any("diverged_from" in s.meta for s in t.sessions)
+    assert t.answer == answer and t.sessions[0].end_reason == "stop"
+    # What the harness inserted after each re-sent turn is the new prompt's tail, token for token.
+    by_id = {r.call_id: r for r in recs}
+    calls = [by_id[c] for c in lead.meta["call_ids"]]
+    row = lead.tokens()
+    for prev, c, r in zip(calls, calls[1:], lead.meta["resent"]):
+        q = len(prev.prompt_ids) + r["rendered"]
+        assert c.prompt_ids[: len(prev.prompt_ids)] == prev.prompt_ids
+        tail = c.prompt_ids[q:]
+        assert any(row[k: k + len(tail) + len(c.completion_ids)] == tail + c.completion_ids
+                   for k in range(len(row)))
+    _exact(t, recs)
+    # Without message matching every re-sent turn opens a session (the old behaviour, flagged).
+    old = reconstruct_rollout(recs, rules=ReconstructionRules(message_match=False))
+    assert len(old.sessions) > 2 and any("diverged_from" in s.meta for s in old.sessions)
+
+
+def test_leaked_markup_is_not_taken_for_a_compaction(rnd):
+    recs, answer = P.run(P.leaked_markup, rnd, "p3b")
+    t = reconstruct_rollout(recs, RewardRecord("p3b", 1.0))
+    assert _shape(t) == [("main", None, None, True), ("subagent", 0, "forks", False)]
+    lead, sub = t.sessions
+    assert lead.meta["resent"][0]["call_id"] == lead.meta["call_ids"][1]
+    assert sub.meta["parent_by"] == "result"
+    assert "RESULT for" in rnd.decode(t.resolve_state(sub.state_after)[sub.state_before.upto:])
+    assert t.answer == answer
+    _exact(t, recs)
+
+
+def test_context_overflow_prompt_is_in_the_compacted_history(rnd):
+    recs, answer = P.run(P.overflow_then_compact, rnd, "p4", max_context=760)
+    over = next(r for r in recs if r.context_overflow)
+    t = reconstruct_rollout(recs, RewardRecord("p4", 1.0))
+    assert _shape(t) == [("main", None, None, False), ("compaction", 0, "continues", False),
+                         ("main", 1, "continues", True)]
+    lead, comp, succ = t.sessions
+    assert lead.meta["call_ids"][-1] == over.call_id and lead.end_reason == "context_overflow"
+    assert lead.num_turns == 3 and t.meta["overflow_calls"] == [over.call_id] and not t.meta["errored_calls"]
+    # The compaction starts from the overflowing prompt: the long search result is in it.
+    assert comp.state_before == StateRef(session=0, upto=len(over.prompt_ids))
+    assert t.resolve_state(comp.state_before) == over.prompt_ids
+    assert lead.loss_mask[len(over.prompt_ids) - len(lead.prompt_ids) - 1] is False
+    assert comp.meta["parent_by"] == "history"
+    assert t.answer == answer and succ.end_reason == "stop"
+    _exact(t, recs)
+
+
+def test_a_compaction_without_evidence_falls_back_to_recency_and_says_so(rnd):
+    recs, _ = P.run(P.overflow_then_compact, rnd, "p4", max_context=760)
+    summ = next(r for r in recs if r.messages[0]["content"] == P.SUMMARISER_SYS)
+    summ.messages = [summ.messages[0], {"role": "user", "content": P.SUMMARY_ASK + "(history elided)"}]
+    t = reconstruct_rollout(recs)
+    comp = t.sessions[1]
+    assert comp.kind == "compaction" and comp.parent == 0 and comp.meta["parent_by"] == "recency"
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(plan=st.lists(st.fixed_dictionaries({"searches": st.integers(0, 3), "compact_before": st.none() | st.integers(1, 2),
+                                            "ws": st.booleans()}), min_size=1, max_size=3),
+       lead_searches=st.integers(0, 2), lead_ws=st.booleans(), patterns=st.booleans())
+def test_random_teams_rebuild_to_their_graph(plan, lead_searches, lead_ws, patterns):
+    """Researchers in parallel, some compacting their own history, some writing whitespace the
+    harness drops: every session is where it belongs, whatever the mix, with or without the
+    instruction patterns (then compactions are found by output)."""
+    rnd = Renderer(_tok())
+    recs, answer = P.run(lambda llm: P.random_team(llm, plan, lead_searches, lead_ws), rnd, "team")
+    rules = ReconstructionRules() if patterns else ReconstructionRules(compaction_patterns=())
+    t = reconstruct_rollout(recs, RewardRecord("team", 1.0), rules)
+    by_id = {r.call_id: r for r in recs}
+
+    def role(s):
+        first = by_id[s.meta["call_ids"][0]]
+        sys_, users = first.messages[0]["content"], [m["content"] for m in first.messages if m["role"] == "user"]
+        if sys_ == P.LEAD_SYS:
+            return ("lead", None)
+        q = next(k for k in range(len(plan)) if f"landmark {k}?" in users[0])
+        if sys_ == P.SUMMARISER_SYS:
+            return ("compaction", q)
+        return ("continuation" if len(users) > 1 else "head", q)
+
+    roles = [role(s) for s in t.sessions]
+    compacts = [p["compact_before"] is not None and p["searches"] > p["compact_before"] for p in plan]
+    assert sorted(roles, key=str) == sorted(
+        [("lead", None)] + [("head", k) for k in range(len(plan))]
+        + [(r, k) for k, c in enumerate(compacts) if c for r in ("compaction", "continuation")], key=str)
+    idx = {r: i for i, r in enumerate(roles)}
+    assert roles[0] == ("lead", None) and t.sessions[0].is_final and t.answer == answer
+    for (r, k), s in zip(roles, t.sessions):
+        want = {"lead": (None, None, "main"), "head": (idx[("lead", None)], "forks", "subagent"),
+                "compaction": (idx.get(("head", k)), "continues", "compaction"),
+                "continuation": (idx.get(("compaction", k)), "continues", "subagent")}[r]
+        assert (s.parent, s.edge, s.kind) == want, (r, k, s.meta)
+    assert not t.meta["unlinked_sessions"] and not any("diverged_from" in s.meta for s in t.sessions)
+    _exact(t, recs)
