@@ -9,6 +9,7 @@ gives it, without a model or a tokenizer::
      "group_id": ..., "reward": 1.0, "success": true, "answer": ..., "ground_truth": ...,
      "end_reason": "answer", "estimator": "mosaic",            # the one the step trained with
      "group": {"size": 8, "mean_reward": 0.375, "successes": 3},  # over the whole batch
+     "estimators": ["grpo", "broadcast", ...],                  # the registry, in its order
      "unavailable": {"turn-level": "needs turn_gains (not scored this step)", ...},
      "sessions": [{"id": 0, "kind": "main", "parent": null, "edge": null, "end": "compaction",
                    "final": false, "turns": 3,
@@ -29,14 +30,15 @@ gains exist only when the trained estimator scored them.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
-import torch
-
-from mosaic.core.estimators import ESTIMATORS, EstimatorParams
 from mosaic.trace.graph import Trajectory
 from mosaic.trace.rows import TurnLayout, turn_layout
-from mosaic.train.batch import advantage_batch
+
+if TYPE_CHECKING:  # torch and the estimators load only when records are made, not when they are read
+    import torch
+
+    from mosaic.core.estimators import EstimatorParams
 
 __all__ = ["SAMPLE_SCHEMA", "SAMPLE_SCHEMA_VERSION", "all_estimator_advantages", "sample_records", "vocab_pieces",
            "mask_runs"]  # fmt: skip
@@ -56,6 +58,9 @@ def all_estimator_advantages(trajs: Sequence[Trajectory], params: EstimatorParam
     ``gains``: (S,) in flatten order; ``turn_gains``: (U,) in ``layout`` order; ``context_budget``
     enables the half-budget flags of ``fold``. An estimator whose inputs are missing, or that refuses
     the batch (``grpo`` on multi-session rollouts), is listed with the reason instead."""
+    from mosaic.core.estimators import ESTIMATORS
+    from mosaic.train.batch import advantage_batch
+
     layout = layout if layout is not None else turn_layout(trajs)
     batch = advantage_batch(trajs, gains, count_kinds=count_kinds, layout=layout, turn_gains=turn_gains,
                             context_budget=context_budget)  # fmt: skip
@@ -104,6 +109,8 @@ def _group_stats(trajs: Sequence[Trajectory]) -> dict[str, dict[str, float]]:
 
 def _rounded(values) -> list[float]:
     """Six significant digits: the page shows three, and the file stays small."""
+    import torch
+
     return [float(f"{x:.6g}") for x in torch.as_tensor(values, dtype=torch.float64).tolist()]
 
 
@@ -112,6 +119,8 @@ def sample_records(trajs: Sequence[Trajectory], keep: Sequence[int], *, step: in
                    layout: TurnLayout | None = None) -> list[dict[str, Any]]:  # fmt: skip
     """The ``samples.jsonl`` lines of trajectories ``keep`` (indices into ``trajs``, the whole batch that
     ``advantages`` (from :func:`all_estimator_advantages`), ``gains`` (S,) and ``turn_gains`` (U,) cover)."""
+    from mosaic.core.estimators import ESTIMATORS
+
     layout = layout if layout is not None else turn_layout(trajs)
     levels = {n: ESTIMATORS[n].level for n in advantages}
     adv = {n: _rounded(v) for n, v in advantages.items()}
@@ -156,7 +165,8 @@ def sample_records(trajs: Sequence[Trajectory], keep: Sequence[int], *, step: in
                     "trajectory": t.id, "task_id": t.task_id, "group_id": t.group_id, "reward": float(t.reward),
                     "success": bool(t.success), "answer": t.answer, "ground_truth": t.ground_truth,
                     "end_reason": t.end_reason, "estimator": estimator, "group": groups[t.group_id],
-                    "unavailable": dict(unavailable), "sessions": sessions})  # fmt: skip
+                    "estimators": list(ESTIMATORS), "unavailable": dict(unavailable),
+                    "sessions": sessions})  # fmt: skip
     return out
 
 

@@ -111,10 +111,22 @@ def _metrics(run_dir: Path) -> list[dict[str, Any]]:
     return keep
 
 
-def load_view(path: str | Path, *, tokenizer: str | None = None, max_trajectories: int | None = None) -> dict:
-    """Everything the page shows, as one JSON-able dict (see :mod:`mosaic.view.page` for its use)."""
-    from mosaic.core.estimators import ESTIMATORS
+def _estimator_names(samples: list[dict]) -> list[str]:
+    """The estimators the records name, in the registry's order (as the trainer recorded it)."""
+    names: list[str] = []
+    for r in samples:
+        for n in r.get("estimators", []) + list(r.get("unavailable", {})) \
+                + [k for s in r["sessions"] for k in list(s["adv"]) + list(s["turn_adv"])]:  # fmt: skip
+            if n not in names:
+                names.append(n)
+    return names
 
+
+def load_view(path: str | Path, *, tokenizer: str | None = None, max_trajectories: int | None = None) -> dict:
+    """Everything the page shows, as one JSON-able dict (see :mod:`mosaic.view.page` for its use).
+
+    A run dir or a samples file needs no torch (the trainer recorded every number); a rollouts
+    file or ``tokenizer`` does."""
     path = Path(path)
     run_dir: Path | None = None
     if path.is_dir():
@@ -151,7 +163,7 @@ def load_view(path: str | Path, *, tokenizer: str | None = None, max_trajectorie
     return {
         "title": f"mosaic view: {path.name}",
         "source": source,
-        "estimators": [{"name": e.name, "doc": e.doc, "level": e.level} for e in ESTIMATORS.values()],
+        "estimators": _estimator_names(samples),
         "pieces": {str(i): pieces[i] for i in sorted(used)},
         "samples": samples,
         "metrics": _metrics(run_dir) if run_dir else [],

@@ -3,7 +3,8 @@ opens the page of a real ``mosaic train`` run dir (the CPU preset's main job, on
 rendered DOM is checked: sessions drawn, a transcript opened by a real mouse click, the filters.
 
 Slow (a training step and a browser start): ``make slow`` or ``pytest -m slow tests/view``.
-``MOSAIC_VIEW_SCREENSHOTS=DIR`` keeps the screenshots there.
+``MOSAIC_VIEW_RUN_DIR=DIR`` checks an existing run dir instead (e.g. the main job's ``runs/cpu``;
+it is only read); ``MOSAIC_VIEW_SCREENSHOTS=DIR`` keeps the screenshots there.
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ def run_dir(tmp_path_factory) -> Path:
     from mosaic.train import entrypoints
     from mosaic.train.config import load_config
 
+    if os.environ.get("MOSAIC_VIEW_RUN_DIR"):
+        return Path(os.environ["MOSAIC_VIEW_RUN_DIR"])
     d = tmp_path_factory.mktemp("view") / "run"
     cfg = load_config("cpu", overrides=[
         f"data.cache_dir={tmp_path_factory.mktemp('cache')}", "data.n_train_tasks=8", "train.steps=1",
@@ -84,14 +87,18 @@ def _set(b: Browser, select_id: str, value: str) -> None:
 
 
 def test_the_main_jobs_run_renders_and_a_click_opens_a_transcript(chromium, run_dir, tmp_path):
-    assert main(["view", str(run_dir)]) == 0
-    recs = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
-    assert len(recs) == 4
+    page = tmp_path / "view.html"
+    assert main(["view", str(run_dir), "-o", str(page)]) == 0
+    everything = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines() if line.strip()]
+    last = max(r["step"] for r in everything)
+    first = next(i for i, r in enumerate(everything) if r["step"] == last)
+    recs = [r for r in everything if r["step"] == last]  # the page opens on the latest step
+    assert 0 < len(recs) <= 40  # one page of cards
     with Browser(chromium) as b:
-        b.open(run_dir / "view.html")
+        b.open(page)
         assert b.page_errors() == []
-        # the latest step is shown first: one card per trajectory, one node per session
-        assert b.eval("document.querySelectorAll('article.traj').length") == 4
+        # one card per trajectory of the step, one node per session, one edge per parent link
+        assert b.eval("document.querySelectorAll('article.traj').length") == len(recs)
         assert b.eval("document.querySelectorAll('svg.graph g.node').length") == sum(len(r["sessions"]) for r in recs)
         edges = sum(s["parent"] is not None for r in recs for s in r["sessions"])
         assert b.eval("document.querySelectorAll('svg.graph path.edge').length") == edges
@@ -103,13 +110,13 @@ def test_the_main_jobs_run_renders_and_a_click_opens_a_transcript(chromium, run_
         ti, k = next(((i, s["id"]) for i, r in enumerate(recs) for s in r["sessions"] if s["kind"] == "compaction"),
                      (0, 0))  # fmt: skip
         assert b.eval("document.getElementById('transcript').hidden") is True
-        b.click(f"article[data-traj='{ti}'] g.node[data-s='{k}']")
+        b.click(f"article[data-traj='{first + ti}'] g.node[data-s='{k}']")
         b.wait_for("!document.getElementById('transcript').hidden")
         s = recs[ti]["sessions"][k]
-        assert b.eval("document.querySelectorAll('#transcript .t[data-i]').length") == \
+        assert b.eval("document.querySelectorAll('#transcript .tbody .t[data-i]').length") == \
             _prompt_len(recs[ti], k) + len(s["completion"])
         sampled = sum(s["mask"][1::2])
-        assert b.eval("document.querySelectorAll('#transcript .t.z3').length") == sampled
+        assert b.eval("document.querySelectorAll('#transcript .tbody .t.z3').length") == sampled
         header = b.eval("document.querySelector('#transcript header').innerText")
         assert f"session {k}" in header and s["kind"] in header
         if s["kind"] == "compaction":
@@ -117,7 +124,7 @@ def test_the_main_jobs_run_renders_and_a_click_opens_a_transcript(chromium, run_
         _shot(b, tmp_path, "view_run.png")
         # colour by advantage: every trained token gets a colour
         _set(b, "f-colour", "advantage")
-        assert b.eval("[...document.querySelectorAll('#transcript .t.z3')].every(e => e.style.background)") is True
+        assert b.eval("[...document.querySelectorAll('#transcript .tbody .t.z3')].every(e => e.style.background)") is True
         # filters: outcome and kind
         _set(b, "f-outcome", "failure")
         assert b.eval("document.querySelectorAll('article.traj').length") == sum(not r["success"] for r in recs)

@@ -56,7 +56,7 @@ def test_a_run_dir_becomes_one_closed_page(tmp_path):
     view = load_view(d)
     assert [t["step"] for t in view["samples"]] == [1, 1, 1, 2, 2, 2]
     assert [m["step"] for m in view["metrics"]] == [1, 2] and "bad" not in view["metrics"][0]  # NaN dropped
-    assert [e["name"] for e in view["estimators"]] == list(ESTIMATORS)
+    assert view["estimators"] == list(ESTIMATORS)
     used = {i for t in trajs for s in t.sessions for i in s.prompt_ids + s.completion_ids}
     assert set(map(int, view["pieces"])) <= used  # only the pieces the page prints
     page = render_page(view)
@@ -102,3 +102,19 @@ def test_cli_writes_the_page_beside_the_run(tmp_path, capsys):
     page = (d / "view.html").read_text()
     assert len(_data_of(page)["samples"]) == 4
     assert "4 trajectories" in capsys.readouterr().out
+
+
+def test_a_tokenizer_prints_the_ids_when_no_vocab_is_beside_the_file(tmp_path):
+    from pathlib import Path
+
+    import mosaic
+
+    trajs = _trajs()
+    write_jsonl(tmp_path / "rollouts.jsonl", trajs)
+    model_dir = Path(mosaic.__file__).parent / "assets" / "models" / "tiny-base"
+    view = load_view(tmp_path / "rollouts.jsonl", tokenizer=str(model_dir))
+    from mosaic.agent.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(model_dir)
+    some = trajs[0].sessions[0].completion_ids[0]
+    assert view["pieces"][str(some)] == tok.decode([some])

@@ -8,7 +8,7 @@
   const PAGE = 40;
   const KIND_COLOUR = { main: "#3b6fd8", compaction: "#e08a1e", subagent: "#2e9e5b", reset: "#8a4fc9" };
   D.samples.forEach((t, i) => { t._i = i; });
-  const EST = D.estimators.map((e) => e.name);
+  const EST = D.estimators;
   const $ = (sel, el) => (el || document).querySelector(sel);
   const esc = (s) => String(s).replace(/[&<>"]/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;" })[c]);
   const fmt = (x) => (x === null || x === undefined ? "–" : Math.abs(x) >= 100 ? x.toFixed(0) : x.toFixed(3));
@@ -254,7 +254,7 @@
       const z = zone(msg.start), sampled = msg.toks.some((i) => zone(i) === 3);
       const notes = [];
       const call = msg.text.match(/<tool_call>([\s\S]*?)<\/tool_call>/);
-      if (call) {
+      if (call && msg.role === "assistant") {  // the system prompt's example call is not one
         let what = call[1];
         try { const j = JSON.parse(call[1]); what = `${j.name}(${Object.values(j.arguments || {}).map((v) => JSON.stringify(v)).join(", ")})`; } catch (err) { /* shown raw */ }
         notes.push(`<span class="note call">tool call: ${esc(what)}</span>`);
