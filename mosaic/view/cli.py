@@ -45,6 +45,9 @@ def _run(args) -> int:
         return 2
     write_page(view, out)
     n = len(view["samples"])
+    if not n:
+        print(f"mosaic view: {path} holds no trajectories (trained with train.rollout_samples=0?); the page shows "
+              f"its metrics only", file=sys.stderr)
     size = out.stat().st_size
     print(f"[mosaic] view: {n} trajectories, {sum(len(t['sessions']) for t in view['samples'])} sessions "
           f"→ {out} ({size / 1e6:.1f} MB, {time.perf_counter() - t0:.1f} s)")

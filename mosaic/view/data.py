@@ -135,7 +135,7 @@ def load_view(path: str | Path, *, tokenizer: str | None = None, max_trajectorie
         if not samples_path.is_file():
             raise ViewError(f"{path}: no samples.jsonl (is it a `mosaic train` run dir?)")
         samples = read_samples(samples_path)
-        pieces = _pieces_from(path / "vocab.json", tokenizer)
+        pieces = _pieces_from(path / "vocab.json", tokenizer) if samples else []  # nothing to print: no vocab needed
         source = "run"
     elif path.is_file():
         if _is_trajectory_file(path):
@@ -144,7 +144,7 @@ def load_view(path: str | Path, *, tokenizer: str | None = None, max_trajectorie
             source = "rollouts"
         else:
             samples = read_samples(path)
-            pieces = _pieces_from(path.with_name("vocab.json"), tokenizer)
+            pieces = _pieces_from(path.with_name("vocab.json"), tokenizer) if samples else []
             run_dir = path.parent if (path.parent / "metrics.jsonl").is_file() else None
             source = "samples"
     else:

@@ -78,7 +78,11 @@
   options($("#f-colour"), ["mask", "advantage"], ["colour: loss mask", "colour: advantage"]);
   for (const [id, key] of [["#f-step", "step"], ["#f-outcome", "outcome"], ["#f-est", "est"], ["#f-kind", "kind"], ["#f-colour", "colour"]]) {
     $(id).value = state[key];
-    $(id).addEventListener("change", (e) => { state[key] = e.target.value; key === "colour" ? redrawTranscript() : render(); });
+    $(id).addEventListener("change", (e) => {
+      state[key] = e.target.value;
+      if (key !== "colour") render();
+      if (key === "colour" || key === "est") redrawTranscript();  // the colouring estimator may have changed
+    });
   }
   const colourEst = () => (state.est !== "all" ? state.est : trained || EST.find((e) => D.samples.some((t) => available(t, e))));
 
@@ -143,22 +147,23 @@
         continue;
       }
       const ta = trajAdv(t, e);
-      h += `<tr class="${cls}"><td>${esc(e)}</td><td class="v" style="${advStyle(ta)}">${fmt(ta)}</td>` +
-        t.sessions.map((s) => { const v = sessionAdv(s, e); return `<td class="v" style="${advStyle(v)}">${fmt(v)}</td>`; }).join("") + "</tr>";
+      h += `<tr class="${cls}"><td>${esc(e)}</td><td class="v" style="${advStyle(ta, e)}">${fmt(ta)}</td>` +
+        t.sessions.map((s) => { const v = sessionAdv(s, e); return `<td class="v" style="${advStyle(v, e)}">${fmt(v)}</td>`; }).join("") + "</tr>";
     }
     h += `<tr class="gain"><td>info gain</td><td></td>` + t.sessions.map((s) => `<td class="v">${s.final ? "final" : fmt(s.gain)}</td>`).join("") + "</tr>";
     return h + "</table>";
   }
-  let ADV_SCALE = 1e-9;
+  const SCALE = {};  // per estimator: the largest |advantage| it gives in the run (fold's -1 would wash out mosaic's 0.1)
   for (const t of D.samples) for (const s of t.sessions) {
-    for (const v of Object.values(s.adv || {})) ADV_SCALE = Math.max(ADV_SCALE, Math.abs(v));
-    for (const vs of Object.values(s.turn_adv || {})) for (const v of vs) ADV_SCALE = Math.max(ADV_SCALE, Math.abs(v));
+    for (const [e, v] of Object.entries(s.adv || {})) SCALE[e] = Math.max(SCALE[e] || 1e-9, Math.abs(v));
+    for (const [e, vs] of Object.entries(s.turn_adv || {})) for (const v of vs) SCALE[e] = Math.max(SCALE[e] || 1e-9, Math.abs(v));
   }
-  function advColour(v) {  // diverging: blue positive, red negative, white zero
-    const a = Math.min(1, Math.abs(v) / ADV_SCALE) * 0.75;
+  const scaleOf = (e) => SCALE[e] || 1e-9;
+  function advColour(v, est) {  // diverging: blue positive, red negative, white zero; scaled per estimator
+    const a = Math.min(1, Math.abs(v) / scaleOf(est || colourEst())) * 0.75;
     return v >= 0 ? `rgba(40,110,220,${a.toFixed(3)})` : `rgba(215,50,40,${a.toFixed(3)})`;
   }
-  const advStyle = (v) => (v === null || v === undefined ? "" : `background:${advColour(v)}`);
+  const advStyle = (v, est) => (v === null || v === undefined ? "" : `background:${advColour(v, est)}`);
 
   function card(t, ti) {
     const nk = {};
@@ -170,7 +175,7 @@
       `<b>${esc(t.trajectory)}</b> <span class="muted">step ${t.step} · ${esc(kindsTxt)} · ended by ${esc(t.end_reason)} · ` +
       `answer <q>${esc(t.answer === null ? "none" : t.answer)}</q> vs <q>${esc(t.ground_truth || "?")}</q>` +
       (g.size ? ` · group of ${g.size}: ${g.successes} success(es), mean reward ${fmt(g.mean_reward)}` : "") + `</span></header>` +
-      `<div class="body">${graphSvg(t, ti)}${advTable(t)}</div></article>`;
+      `<div class="body"><div class="gwrap">${graphSvg(t, ti)}</div>${advTable(t)}</div></article>`;
   }
 
   function render() {
@@ -181,6 +186,7 @@
     delete list.dataset.lastGroup;
     $("#count").textContent = `${state.list.length} of ${D.samples.length} trajectories` +
       (state.step === "all" ? "" : ` at step ${state.step}`);
+    if (!D.samples.length) list.innerHTML = `<p class="muted">no trajectories recorded (trained with train.rollout_samples=0?)</p>`;
     more();
     drawPlots();
   }
@@ -244,7 +250,7 @@
     const tokSpan = (i) => {
       const z = zone(i), j = i - prompt.length;
       let style = "";
-      if (state.colour === "advantage" && z === 3 && !isNaN(adv[j])) style = ` style="background:${advColour(adv[j])}"`;
+      if (state.colour === "advantage" && z === 3 && !isNaN(adv[j])) style = ` style="background:${advColour(adv[j], est)}"`;
       const p = piece(ids[i]);
       const sp = /^<\|.*\|>$/.test(p) ? " sp" : "";
       return `<span class="t z${z}${sp}" data-i="${i}"${style}>${esc(p)}</span>`;
@@ -286,7 +292,7 @@
       (s.turn_gains ? `<br>turn gains: ${s.turn_gains.map(fmt).join(", ")}` : "") +
       `<div class="legend">${state.colour === "mask"
         ? `<span class="t z1">prompt</span> <span class="t z2">inserted (mask 0)</span> <span class="t z3">sampled (mask 1, trained)</span>`
-        : `advantage under ${esc(est)}: <span class="t" style="background:${advColour(-ADV_SCALE)}">−${fmt(ADV_SCALE)}</span> <span class="t">0</span> <span class="t" style="background:${advColour(ADV_SCALE)}">+${fmt(ADV_SCALE)}</span>`}` +
+        : `advantage under ${esc(est)}: <span class="t" style="background:${advColour(-scaleOf(est), est)}">−${fmt(scaleOf(est))}</span> <span class="t">0</span> <span class="t" style="background:${advColour(scaleOf(est), est)}">+${fmt(scaleOf(est))}</span>`}` +
       ` <span id="tokinfo" class="muted"></span></div></header>` +
       `<div class="tbody colour-${state.colour}">` +
       (sharedMsgs ? `<details class="shared"><summary>${shared} tokens shared with session ${s.prefix[0]}</summary>${sharedMsgs}</details>` : "") +
