@@ -20,6 +20,7 @@ COMMAND_MODULES = (
     "mosaic.train.cli",
     "mosaic.capture.cli",
     "mosaic.experiment.cli",
+    "mosaic.view.cli",
 )
 
 

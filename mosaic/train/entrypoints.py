@@ -34,6 +34,7 @@ from mosaic.train.evaluate import evaluate, paired_outcomes
 from mosaic.train.optim import build_optimizer, build_scheduler
 from mosaic.train.rl import RLState, make_reference, rl_step
 from mosaic.train.runlog import RunLogger, write_summary
+from mosaic.train.samples import vocab_pieces
 from mosaic.train.sft import expert_trajectories, sft_train
 from mosaic.train.stats import paired_bootstrap
 
@@ -230,6 +231,9 @@ def _rl_loop(cfg: Config, plan: RunPlan, model, tok, chat, device) -> None:
     logger = RunLogger(plan.run_dir, config_yaml=plan.config_yaml, total_steps=steps, start_step=start,
                        tensorboard=cfg.train.tensorboard, wandb=cfg.train.wandb, log_every=cfg.train.log_every,
                        plot_every=cfg.train.plot_every, title=f"mosaic train ({cfg.algo.estimator})")  # fmt: skip
+    if cfg.train.rollout_samples and not (plan.run_dir / "vocab.json").exists():
+        # the token texts samples.jsonl's ids print as (mosaic view), written once per run
+        (plan.run_dir / "vocab.json").write_text(json.dumps({"pieces": vocab_pieces(tok)}))
     extra: dict[str, str] | None = None
     try:
         for step in range(start, steps):
@@ -241,7 +245,7 @@ def _rl_loop(cfg: Config, plan: RunPlan, model, tok, chat, device) -> None:
                 m.update(r.metrics)
             logger.log(n, m)
             if cfg.train.rollout_samples:
-                logger.log_samples(n, [_sample(t, tok) for t in st.last_trajs[: cfg.train.rollout_samples]])
+                logger.log_samples(n, st.last_samples)
             if (cfg.train.save_every and n % cfg.train.save_every == 0) or n == steps:
                 save_checkpoint(plan.run_dir, n, model=model, tokenizer=tok, optimizer=optimizer, scheduler=scheduler,
                                 state={"step": n, "estimator": cfg.algo.estimator}, keep_last=cfg.train.keep_last)
@@ -271,8 +275,3 @@ def _report_gain(cfg: Config, run_dir: Path, base: dict, final: dict, seconds: f
             "held-out gain (paired 95 % CI)": f"{100 * cmp.diff:+.1f} [{100 * cmp.lo:+.1f}, {100 * cmp.hi:+.1f}]",
             "wall time": f"{seconds:.0f} s"}  # fmt: skip
 
-
-def _sample(traj, tok) -> dict:
-    """A decoded trajectory for ``samples.jsonl`` (for reading, never for training)."""
-    return {"trajectory": traj.id, "reward": traj.reward, "answer": traj.answer, "ground_truth": traj.ground_truth,
-            "sessions": [{"kind": s.kind, "end": s.end_reason, "text": tok.decode(s.tokens())} for s in traj.sessions]}

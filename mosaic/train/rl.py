@@ -29,10 +29,12 @@ from mosaic.core.estimators import get_estimator
 from mosaic.core.loss import policy_loss, token_weights
 from mosaic.envs.splits import Split
 from mosaic.trace import Trajectory, turn_layout
-from mosaic.train.batch import Scores, compute_advantages, drop_uniform_groups, score_for, training_rows
+from mosaic.train.batch import (Scores, compute_advantages, drop_uniform_groups, estimator_params, score_for,
+                                training_rows)
 from mosaic.train.batching import collate, completion_logprobs, micro_batches, pack_rows
 from mosaic.train.config import Config
 from mosaic.train.metrics import rollout_metrics
+from mosaic.train.samples import all_estimator_advantages, sample_records
 from mosaic.train.setup import sampling_policy
 
 
@@ -50,6 +52,8 @@ class RLState:
     device: torch.device
     ref_model: PreTrainedModel | None = None
     last_trajs: list[Trajectory] = field(default_factory=list)
+    last_samples: list[dict] = field(default_factory=list)
+    """The ``samples.jsonl`` lines of the last step (``train.rollout_samples`` of its trajectories)."""
 
 
 def task_order(n_tasks: int, seed: int, epoch: int) -> list[int]:
@@ -161,6 +165,19 @@ def update(st: RLState, rows, *, temperature: float) -> dict[str, float]:
     return out
 
 
+def _samples(cfg: Config, trajs: list[Trajectory], scores, layout, step: int) -> list[dict]:
+    """The first ``train.rollout_samples`` trajectories as ``samples.jsonl`` lines, with the advantage every
+    estimator gives them on this batch (cheap: no model call; gains only where the step scored them)."""
+    layout = layout if layout is not None else turn_layout(trajs)
+    advs, why = all_estimator_advantages(trajs, estimator_params(cfg.algo), gains=scores.gains,
+                                         turn_gains=scores.turn_gains, layout=layout,
+                                         context_budget=cfg.harness.context_budget,
+                                         count_kinds=cfg.algo.count_kinds)  # fmt: skip
+    keep = range(min(cfg.train.rollout_samples, len(trajs)))
+    return sample_records(trajs, keep, step=step, estimator=cfg.algo.estimator, advantages=advs, unavailable=why,
+                          gains=scores.gains, turn_gains=scores.turn_gains, layout=layout)  # fmt: skip
+
+
 def rl_step(st: RLState, step: int) -> dict[str, float]:
     """Run training step ``step`` (0-based) and return its metrics."""
     cfg = st.cfg
@@ -177,10 +194,12 @@ def rl_step(st: RLState, step: int) -> dict[str, float]:
     t_score = time.perf_counter() - t1
 
     rows, adv_metrics, upd = [], {}, {}
+    st.last_samples = []
     if train:  # every group uniform and skipped: nothing to learn from this step
         layout = turn_layout(train) if est.needs_turns else None
         adv, adv_metrics = compute_advantages(train, cfg, scores, layout=layout)
         rows = training_rows(train, adv, est, layout)
+        st.last_samples = _samples(cfg, train, scores, layout, step + 1) if cfg.train.rollout_samples else []
     t2 = time.perf_counter()
     if rows:
         upd = update(st, rows, temperature=cfg.rollout.temperature)

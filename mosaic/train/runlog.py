@@ -4,7 +4,8 @@ Layout of ``<run_dir>/``::
 
     config.yaml        the resolved config (dump_config), written at start
     metrics.jsonl      one JSON line per step: {"step": N, "<name>": value, ...}, flushed
-    samples.jsonl      a few decoded rollouts per step, for reading
+    samples.jsonl      a few rollouts per step, token ids + credit (mosaic.train.samples; `mosaic view`)
+    vocab.json         the text of every token id, for reading samples.jsonl
     tb/                TensorBoard event files (torch.utils.tensorboard)
     wandb/             wandb offline run, only when asked for and installed
     plots/*.png        reward, held-out accuracy, sessions per trajectory, positive-gain share
@@ -234,7 +235,8 @@ class RunLogger:
             self.plot()
 
     def log_samples(self, step: int, samples: Iterable[Mapping[str, Any]]) -> None:
-        """Append decoded rollouts (any JSON-able dicts) to ``samples.jsonl``."""
+        """Append rollout records (any JSON-able dicts; the trainer's are :mod:`mosaic.train.samples`) to
+        ``samples.jsonl``."""
         for s in samples:
             self._samples.write(json.dumps({"step": int(step), **s}, default=str) + "\n")
         self._samples.flush()

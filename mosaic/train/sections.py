@@ -258,7 +258,8 @@ class TrainConfig(_Section):
     log_every: int = 1
     """Console metric line every N steps (JSONL and TensorBoard get every step)."""
     rollout_samples: int = 2
-    """Trajectories per step written to ``samples.jsonl`` (decoded, for reading)."""
+    """Trajectories per step written to ``samples.jsonl`` with their token ids, loss masks, gains and every
+    estimator's advantages (read them with ``mosaic view RUN_DIR``); 0 = none."""
     plot_every: int = 10
     """Regenerate the PNG plots every N steps (and at the end); 0 = only at the end."""
     tensorboard: bool = True

@@ -105,6 +105,13 @@ def test_each_estimator_runs_a_step(base_dir, tmp_path, estimator, mode):
         non_final = sum(len(t.sessions) - 1 for t in st.last_trajs)
         assert (m["score/probes"] > 0) == (non_final > 0)
     assert all(v == v for v in m.values() if isinstance(v, float))  # no NaN
+    # samples.jsonl lines: the trained estimator is always among the recorded ones, on every session
+    recs = st.last_samples
+    assert len(recs) == min(cfg.train.rollout_samples, len(st.last_trajs)) > 0
+    level = ESTIMATORS[estimator].level
+    for r in recs:
+        assert r["estimator"] == estimator and estimator not in r["unavailable"]
+        assert all(estimator in s["adv" if level == "session" else "turn_adv"] for s in r["sessions"])
 
 
 def test_skip_uniform_groups_trains_only_on_mixed_groups(base_dir, tmp_path):

@@ -1,0 +1,349 @@
+// mosaic view: the page's only script (no libraries, no network).
+// Reads the JSON in #mosaic-data, draws one card per trajectory (session graph + advantage table),
+// and a transcript when a session is clicked. Cards render a page at a time so a run of
+// thousands of trajectories opens fast; transcripts are built only on demand.
+"use strict";
+(function () {
+  const D = JSON.parse(document.getElementById("mosaic-data").textContent);
+  const PAGE = 40;
+  const KIND_COLOUR = { main: "#3b6fd8", compaction: "#e08a1e", subagent: "#2e9e5b", reset: "#8a4fc9" };
+  D.samples.forEach((t, i) => { t._i = i; });
+  const EST = D.estimators;
+  const $ = (sel, el) => (el || document).querySelector(sel);
+  const esc = (s) => String(s).replace(/[&<>"]/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;" })[c]);
+  const fmt = (x) => (x === null || x === undefined ? "–" : Math.abs(x) >= 100 ? x.toFixed(0) : x.toFixed(3));
+  const piece = (id) => { const p = D.pieces[id]; return p === undefined ? "\u2047" : p; };
+
+  // ------------------------------------------------------------------ per-session token data
+  function maskOf(s) {  // run lengths (first run False) -> Uint8Array
+    const m = new Uint8Array(s.completion.length);
+    let pos = 0, on = 0;
+    for (const n of s.mask) { if (on) m.fill(1, pos, pos + n); pos += n; on ^= 1; }
+    return m;
+  }
+  function turnSpans(m) {  // mosaic.trace.turn_spans: a sampled run and the inserted tokens after it
+    const starts = [];
+    for (let i = 0; i < m.length; i++) if (m[i] && (i === 0 || !m[i - 1])) starts.push(i);
+    if (!starts.length) return [];
+    starts[0] = 0;
+    return starts.map((a, j) => [a, j + 1 < starts.length ? starts[j + 1] : m.length]);
+  }
+  function fullPrompt(t, k) {  // the session's prompt ids, its shared prefix restored
+    const s = t.sessions[k];
+    if (s._prompt) return s._prompt;
+    let ids = s.prompt;
+    if (s.prefix) {
+      const [p, n] = s.prefix;
+      ids = fullPrompt(t, p).concat(t.sessions[p].completion).slice(0, n).concat(s.prompt);
+    }
+    s._prompt = ids;
+    return ids;
+  }
+  function tokenAdv(s, est) {  // (completion,) advantage of each token under `est`, NaN where not trained
+    const m = maskOf(s);
+    const a = new Float64Array(m.length).fill(NaN);
+    if (s.adv && s.adv[est] !== undefined) {
+      for (let i = 0; i < m.length; i++) if (m[i]) a[i] = s.adv[est];
+    } else if (s.turn_adv && s.turn_adv[est]) {
+      turnSpans(m).forEach(([x, y], u) => { for (let i = x; i < y; i++) if (m[i]) a[i] = s.turn_adv[est][u]; });
+    }
+    return a;
+  }
+  function sessionAdv(s, est) {  // mean over the session's trained tokens
+    const a = tokenAdv(s, est);
+    let sum = 0, n = 0;
+    for (const x of a) if (!isNaN(x)) { sum += x; n++; }
+    return n ? sum / n : null;
+  }
+  function trajAdv(t, est) {  // trajectory-token-mean: every trained token of the trajectory weighs the same
+    let sum = 0, n = 0;
+    for (const s of t.sessions) for (const x of tokenAdv(s, est)) if (!isNaN(x)) { sum += x; n++; }
+    return n ? sum / n : null;
+  }
+  function available(t, est) { return !(t.unavailable && t.unavailable[est]); }
+
+  // ------------------------------------------------------------------ filters
+  const steps = [...new Set(D.samples.map((t) => t.step))].sort((a, b) => a - b);
+  const kinds = [...new Set(D.samples.flatMap((t) => t.sessions.map((s) => s.kind)))];
+  const trained = D.samples.find((t) => t.estimator) ? D.samples.find((t) => t.estimator).estimator : null;
+  const state = { step: steps.length ? String(steps[steps.length - 1]) : "all", outcome: "all", est: "all",
+                  kind: "all", colour: "mask", shown: 0, list: [] };
+  function options(sel, vals, labels) {
+    sel.innerHTML = vals.map((v, i) => `<option value="${esc(v)}">${esc(labels ? labels[i] : v)}</option>`).join("");
+  }
+  options($("#f-step"), ["all"].concat(steps.map(String)), ["all steps"].concat(steps.map((s) => `step ${s}`)));
+  options($("#f-outcome"), ["all", "success", "failure"], ["success and failure", "success", "failure"]);
+  options($("#f-est"), ["all"].concat(EST), ["every estimator"].concat(EST.map((e) => e + (e === trained ? " (trained)" : ""))));
+  options($("#f-kind"), ["all"].concat(kinds), ["every kind"].concat(kinds));
+  options($("#f-colour"), ["mask", "advantage"], ["colour: loss mask", "colour: advantage"]);
+  for (const [id, key] of [["#f-step", "step"], ["#f-outcome", "outcome"], ["#f-est", "est"], ["#f-kind", "kind"], ["#f-colour", "colour"]]) {
+    $(id).value = state[key];
+    $(id).addEventListener("change", (e) => {
+      state[key] = e.target.value;
+      if (key !== "colour") render();
+      if (key === "colour" || key === "est") redrawTranscript();  // the colouring estimator may have changed
+    });
+  }
+  const colourEst = () => (state.est !== "all" ? state.est : trained || EST.find((e) => D.samples.some((t) => available(t, e))));
+
+  function filtered() {
+    return D.samples.filter((t) =>
+      (state.step === "all" || String(t.step) === state.step) &&
+      (state.outcome === "all" || (state.outcome === "success") === t.success) &&
+      (state.kind === "all" || t.sessions.some((s) => s.kind === state.kind)));
+  }
+
+  // ------------------------------------------------------------------ session graph
+  function layout(t) {  // continues edges go right along a row; a fork opens the next row below its parent
+    const pos = [], rowEnd = [];
+    for (const s of t.sessions) {
+      let row = 0, col = 0;
+      if (s.parent !== null) {
+        const p = pos[s.parent];
+        row = s.edge === "forks" ? p.row + 1 : p.row;
+        col = s.edge === "forks" ? p.col : p.col + 1;
+      }
+      while (rowEnd[row] !== undefined && col <= rowEnd[row]) col++;
+      rowEnd[row] = col;
+      pos.push({ row, col });
+    }
+    return pos;
+  }
+  const ARROW = `<defs><marker id="arrow" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="7" markerHeight="7" orient="auto-start-reverse"><path d="M0,0 L10,5 L0,10 z" fill="#666"/></marker></defs>`;
+  function graphSvg(t, ti) {
+    const pos = layout(t), W = 92, H = 40, GX = 30, GY = 22;
+    const cols = Math.max(...pos.map((p) => p.col)) + 1, rows = Math.max(...pos.map((p) => p.row)) + 1;
+    const x = (p) => 6 + p.col * (W + GX), y = (p) => 6 + p.row * (H + GY);
+    let edges = "", nodes = "";
+    t.sessions.forEach((s, k) => {
+      const p = pos[k];
+      if (s.parent !== null) {
+        const q = pos[s.parent];
+        const [x1, y1, x2, y2] = s.edge === "forks"
+          ? [x(q) + W / 2, y(q) + H, x(p) + W / 2, y(p)] : [x(q) + W, y(q) + H / 2, x(p), y(p) + H / 2];
+        edges += `<path class="edge ${esc(s.edge)}" d="M${x1},${y1} C${(x1 + x2) / 2},${s.edge === "forks" ? (y1 + y2) / 2 : y1} ${(x1 + x2) / 2},${s.edge === "forks" ? (y1 + y2) / 2 : y2} ${x2},${y2}" marker-end="url(#arrow)"/>`;
+      }
+      const dim = state.kind !== "all" && s.kind !== state.kind ? " dim" : "";
+      const g = s.gain === null || s.gain === undefined ? (s.final ? "final" : "gain –") : `gain ${s.gain >= 0 ? "+" : ""}${s.gain.toFixed(2)}`;
+      nodes += `<g class="node${dim}${s.final ? " final" : ""}" data-traj="${ti}" data-s="${k}" tabindex="0">` +
+        `<title>session ${k}: ${esc(s.kind)}, ended by ${esc(s.end)}, ${s.turns} turn(s)</title>` +
+        `<rect x="${x(p)}" y="${y(p)}" width="${W}" height="${H}" rx="6" fill="${KIND_COLOUR[s.kind] || "#777"}"/>` +
+        `<text x="${x(p) + 6}" y="${y(p) + 16}">${k} ${esc(s.kind)}</text>` +
+        `<text x="${x(p) + 6}" y="${y(p) + 32}" class="sub">${esc(g)}</text></g>`;
+    });
+    const w = 12 + cols * (W + GX) - GX, h = 12 + rows * (H + GY) - GY;
+    return `<svg class="graph" width="${w}" height="${h}" viewBox="0 0 ${w} ${h}">${ARROW}${edges}${nodes}</svg>`;
+  }
+
+  // ------------------------------------------------------------------ cards
+  function advTable(t) {
+    const ests = state.est === "all" ? EST : [state.est];
+    let h = `<table class="adv"><tr><th>estimator</th><th title="mean over the trajectory's trained tokens">trajectory</th>` +
+      t.sessions.map((s, k) => `<th>s${k} ${esc(s.kind[0])}</th>`).join("") + "</tr>";
+    for (const e of ests) {
+      const cls = (e === trained ? "trained " : "") + (e === colourEst() ? "colour" : "");
+      if (!available(t, e)) {
+        h += `<tr class="${cls} na"><td>${esc(e)}</td><td colspan="${t.sessions.length + 1}" title="${esc(t.unavailable[e])}">n/a: ${esc(t.unavailable[e])}</td></tr>`;
+        continue;
+      }
+      const ta = trajAdv(t, e);
+      h += `<tr class="${cls}"><td>${esc(e)}</td><td class="v" style="${advStyle(ta, e)}">${fmt(ta)}</td>` +
+        t.sessions.map((s) => { const v = sessionAdv(s, e); return `<td class="v" style="${advStyle(v, e)}">${fmt(v)}</td>`; }).join("") + "</tr>";
+    }
+    h += `<tr class="gain"><td>info gain</td><td></td>` + t.sessions.map((s) => `<td class="v">${s.final ? "final" : fmt(s.gain)}</td>`).join("") + "</tr>";
+    return h + "</table>";
+  }
+  const SCALE = {};  // per estimator: the largest |advantage| it gives in the run (fold's -1 would wash out mosaic's 0.1)
+  for (const t of D.samples) for (const s of t.sessions) {
+    for (const [e, v] of Object.entries(s.adv || {})) SCALE[e] = Math.max(SCALE[e] || 1e-9, Math.abs(v));
+    for (const [e, vs] of Object.entries(s.turn_adv || {})) for (const v of vs) SCALE[e] = Math.max(SCALE[e] || 1e-9, Math.abs(v));
+  }
+  const scaleOf = (e) => SCALE[e] || 1e-9;
+  function advColour(v, est) {  // diverging: blue positive, red negative, white zero; scaled per estimator
+    const a = Math.min(1, Math.abs(v) / scaleOf(est || colourEst())) * 0.75;
+    return v >= 0 ? `rgba(40,110,220,${a.toFixed(3)})` : `rgba(215,50,40,${a.toFixed(3)})`;
+  }
+  const advStyle = (v, est) => (v === null || v === undefined ? "" : `background:${advColour(v, est)}`);
+
+  function card(t, ti) {
+    const nk = {};
+    for (const s of t.sessions) nk[s.kind] = (nk[s.kind] || 0) + 1;
+    const kindsTxt = Object.entries(nk).map(([k, n]) => `${n} ${k}`).join(", ");
+    const g = t.group || {};
+    return `<article class="traj ${t.success ? "ok" : "fail"}" data-traj="${ti}">` +
+      `<header><span class="badge">${t.success ? "success" : "failure"} · reward ${fmt(t.reward)}</span> ` +
+      `<b>${esc(t.trajectory)}</b> <span class="muted">step ${t.step} · ${esc(kindsTxt)} · ended by ${esc(t.end_reason)} · ` +
+      `answer <q>${esc(t.answer === null ? "none" : t.answer)}</q> vs <q>${esc(t.ground_truth || "?")}</q>` +
+      (g.size ? ` · group of ${g.size}: ${g.successes} success(es), mean reward ${fmt(g.mean_reward)}` : "") + `</span></header>` +
+      `<div class="body"><div class="gwrap">${graphSvg(t, ti)}</div>${advTable(t)}</div></article>`;
+  }
+
+  function render() {
+    state.list = filtered();
+    state.shown = 0;
+    const list = $("#list");
+    list.innerHTML = "";
+    delete list.dataset.lastGroup;
+    $("#count").textContent = `${state.list.length} of ${D.samples.length} trajectories` +
+      (state.step === "all" ? "" : ` at step ${state.step}`);
+    if (!D.samples.length) list.innerHTML = `<p class="muted">no trajectories recorded (trained with train.rollout_samples=0?)</p>`;
+    more();
+    drawPlots();
+  }
+  function more() {
+    const list = $("#list");
+    const end = Math.min(state.list.length, state.shown + PAGE);
+    let html = "", lastGroup = list.dataset.lastGroup || "";
+    for (let i = state.shown; i < end; i++) {
+      const t = state.list[i];
+      const key = t.step + "|" + t.group_id;
+      if (key !== lastGroup) {
+        html += `<h3 class="group">step ${t.step} · group ${esc(t.group_id)}</h3>`;
+        lastGroup = key;
+      }
+      html += card(t, t._i);
+    }
+    list.dataset.lastGroup = lastGroup;
+    const old = $("#more");
+    if (old) old.remove();
+    list.insertAdjacentHTML("beforeend", html);
+    state.shown = end;
+    if (end < state.list.length) {
+      list.insertAdjacentHTML("beforeend", `<button id="more">show ${Math.min(PAGE, state.list.length - end)} more (${state.list.length - end} left)</button>`);
+      $("#more").addEventListener("click", () => more());
+    }
+  }
+
+  // ------------------------------------------------------------------ transcript
+  let open = null;  // [trajectory index, session index]
+  $("#list").addEventListener("click", (e) => {
+    const n = e.target.closest("g.node");
+    if (n) openTranscript(+n.dataset.traj, +n.dataset.s);
+  });
+  $("#list").addEventListener("keydown", (e) => {
+    const n = e.target.closest("g.node");
+    if (n && (e.key === "Enter" || e.key === " ")) openTranscript(+n.dataset.traj, +n.dataset.s);
+  });
+  function openTranscript(ti, k) { open = [ti, k]; redrawTranscript(); }
+  function redrawTranscript() {
+    const pane = $("#transcript");
+    if (!open) return;
+    const [ti, k] = open;
+    const t = D.samples[ti], s = t.sessions[k];
+    const prompt = fullPrompt(t, k), comp = s.completion, m = maskOf(s);
+    const shared = s.prefix ? s.prefix[1] : 0;
+    const est = colourEst(), adv = tokenAdv(s, est);
+    const ids = prompt.concat(comp);
+    // zone: 0 shared with the parent, 1 own prompt, 2 inserted completion, 3 sampled completion
+    const zone = (i) => (i < shared ? 0 : i < prompt.length ? 1 : m[i - prompt.length] ? 3 : 2);
+    const msgs = [];
+    let cur = null;
+    ids.forEach((id, i) => {
+      const p = piece(id);
+      if (p === "<|im_start|>" || !cur) { cur = { start: i, toks: [], text: "", role: "" }; msgs.push(cur); }
+      cur.toks.push(i);
+      cur.text += p;
+      if (!cur.role && cur.text.startsWith("<|im_start|>") && cur.text.includes("\n")) cur.role = cur.text.slice(12, cur.text.indexOf("\n"));
+    });
+    const children = t.sessions.filter((c) => c.parent === k);
+    const kid = (c) => `session ${c.id} (${c.kind})`;
+    const tokSpan = (i) => {
+      const z = zone(i), j = i - prompt.length;
+      let style = "";
+      if (state.colour === "advantage" && z === 3 && !isNaN(adv[j])) style = ` style="background:${advColour(adv[j], est)}"`;
+      const p = piece(ids[i]);
+      const sp = /^<\|.*\|>$/.test(p) ? " sp" : "";
+      return `<span class="t z${z}${sp}" data-i="${i}"${style}>${esc(p)}</span>`;
+    };
+    let body = "", sharedMsgs = "";
+    for (const msg of msgs) {
+      const z = zone(msg.start), sampled = msg.toks.some((i) => zone(i) === 3);
+      const notes = [];
+      const call = msg.text.match(/<tool_call>([\s\S]*?)<\/tool_call>/);
+      if (call && msg.role === "assistant") {  // the system prompt's example call is not one
+        let what = call[1];
+        try { const j = JSON.parse(call[1]); what = `${j.name}(${Object.values(j.arguments || {}).map((v) => JSON.stringify(v)).join(", ")})`; } catch (err) { /* shown raw */ }
+        notes.push(`<span class="note call">tool call: ${esc(what)}</span>`);
+      }
+      const ans = msg.text.match(/<answer>([\s\S]*?)<\/answer>/);
+      if (ans && sampled) notes.push(`<span class="note answer">answer: ${esc(ans[1])}</span>`);
+      if (msg.role === "tool" && /Error \(/.test(msg.text)) notes.push(`<span class="note err">tool error</span>`);
+      if (s.kind === "compaction" && sampled && msg.role === "assistant")
+        notes.push(`<span class="note handoff">summary, handed off to ${children.map(kid).join(", ") || "no session"}</span>`);
+      if (s.kind === "subagent" && sampled && ans)
+        notes.push(`<span class="note handoff">returned to session ${s.parent} as the delegate tool's response</span>`);
+      if (z === 1 && s.parent !== null && t.sessions[s.parent].kind === "compaction" && msg.role === "user")
+        notes.push(`<span class="note handoff">hand-off: the summary written by session ${s.parent}</span>`);
+      const html = `<div class="msg role-${esc(msg.role || "none")} zone${z}">` +
+        `<div class="mhead">${esc(msg.role || "(text)")} ${notes.join(" ")}</div>` +
+        `<div class="mbody">${msg.toks.map(tokSpan).join("")}</div></div>`;
+      if (z === 0) sharedMsgs += html; else body += html;
+    }
+    const forks = children.filter((c) => c.edge === "forks").map(kid);
+    const nTrained = m.reduce((a, b) => a + b, 0);
+    pane.hidden = false;
+    pane.innerHTML =
+      `<header><button id="close" title="close">×</button><b>${esc(t.trajectory)}</b><br>` +
+      `session ${k}: <span class="kind" style="background:${KIND_COLOUR[s.kind] || "#777"}">${esc(s.kind)}</span> ` +
+      `${s.parent === null ? "root" : `${esc(s.edge)} from session ${s.parent}`} · ended by ${esc(s.end)} · ${s.turns} turn(s)` +
+      (forks.length ? ` · forks ${esc(forks.join(", "))}` : "") + `<br>` +
+      `info gain <b>${s.final ? "final session (none)" : fmt(s.gain)}</b> · advantage (${esc(est)}) <b>${fmt(sessionAdv(s, est))}</b> · ` +
+      `${ids.length} tokens: ${prompt.length} prompt, ${comp.length - nTrained} inserted, ${nTrained} sampled (trained)` +
+      (s.turn_gains ? `<br>turn gains: ${s.turn_gains.map(fmt).join(", ")}` : "") +
+      `<div class="legend">${state.colour === "mask"
+        ? `<span class="t z1">prompt</span> <span class="t z2">inserted (mask 0)</span> <span class="t z3">sampled (mask 1, trained)</span>`
+        : `advantage under ${esc(est)}: <span class="t" style="background:${advColour(-scaleOf(est), est)}">−${fmt(scaleOf(est))}</span> <span class="t">0</span> <span class="t" style="background:${advColour(scaleOf(est), est)}">+${fmt(scaleOf(est))}</span>`}` +
+      ` <span id="tokinfo" class="muted"></span></div></header>` +
+      `<div class="tbody colour-${state.colour}">` +
+      (sharedMsgs ? `<details class="shared"><summary>${shared} tokens shared with session ${s.prefix[0]}</summary>${sharedMsgs}</details>` : "") +
+      body + `</div>`;
+    $("#close").addEventListener("click", () => { pane.hidden = true; open = null; });
+    pane.querySelector(".tbody").addEventListener("mouseover", (e) => {
+      const sp = e.target.closest(".t");
+      if (!sp) return;
+      const i = +sp.dataset.i, j = i - prompt.length;
+      $("#tokinfo").textContent = `token ${i}: id ${ids[i]}` + (j >= 0 ? ` · mask ${m[j]}` + (m[j] ? ` · advantage ${fmt(adv[j])}` : "") : " · prompt");
+    });
+  }
+
+  // ------------------------------------------------------------------ the step's plots
+  const CHARTS = [["critic/score/mean", "mean reward"], ["session/per_traj", "sessions per trajectory"],
+    ["session/pos_gain_share/all", "positive-gain share"], ["critic/advantages/std", "advantage std"],
+    ["response_length/mean", "response length"], ["actor/pg_loss", "policy loss"]];
+  function drawPlots() {
+    const box = $("#charts");
+    const rows = D.metrics;
+    if (!rows.length) { box.innerHTML = `<p class="muted">no metrics.jsonl</p>`; return; }
+    const at = state.step === "all" ? null : +state.step;
+    let html = "";
+    for (const [key, title] of CHARTS) {
+      const pts = rows.filter((r) => key in r).map((r) => [r.step, r[key]]);
+      if (!pts.length) continue;
+      const W = 210, H = 80, P = 4;
+      const xs = pts.map((p) => p[0]), ys = pts.map((p) => p[1]);
+      const x0 = Math.min(...xs), x1 = Math.max(...xs), y0 = Math.min(...ys), y1 = Math.max(...ys);
+      const sx = (x) => P + (x1 > x0 ? (x - x0) / (x1 - x0) : 0.5) * (W - 2 * P);
+      const sy = (y) => H - P - (y1 > y0 ? (y - y0) / (y1 - y0) : 0.5) * (H - 2 * P);
+      const line = pts.map((p) => `${sx(p[0]).toFixed(1)},${sy(p[1]).toFixed(1)}`).join(" ");
+      const here = at === null ? null : pts.find((p) => p[0] === at);
+      html += `<figure class="chart"><svg width="${W}" height="${H}"><polyline points="${line}"/>` +
+        (here ? `<line x1="${sx(at)}" x2="${sx(at)}" y1="0" y2="${H}"/><circle cx="${sx(at)}" cy="${sy(here[1])}" r="3"/>` : "") +
+        `</svg><figcaption>${esc(title)}${here ? `: <b>${fmt(here[1])}</b> at step ${at}` : ` (steps ${x0}–${x1})`}</figcaption></figure>`;
+    }
+    const row = at === null ? null : rows.find((r) => r.step === at);
+    if (row) {
+      html += `<details class="metrics"><summary>all metrics of step ${at}</summary><table>` +
+        Object.keys(row).sort().map((k) => `<tr><td>${esc(k)}</td><td>${fmt(row[k])}</td></tr>`).join("") + `</table></details>`;
+    }
+    box.innerHTML = html;
+  }
+  if (D.plots.length) {
+    $("#runplots").innerHTML = `<details><summary>run plots (${D.plots.length})</summary>` +
+      D.plots.map((p) => `<figure><img alt="${esc(p.name)}" src="${p.src}"><figcaption>${esc(p.name)}</figcaption></figure>`).join("") + `</details>`;
+  }
+  if (D.config) $("#config").innerHTML = `<details><summary>config.yaml</summary><pre>${esc(D.config)}</pre></details>`;
+
+  render();
+  window.mosaicViewReadyMs = performance.now();
+  document.body.dataset.ready = "1";
+})();

@@ -1,0 +1,172 @@
+"""What the page shows, read from a run directory, a ``samples.jsonl`` or a rollouts file.
+
+Sources:
+
+- a ``mosaic train`` run directory: ``samples.jsonl`` (lines of :mod:`mosaic.train.samples`: token
+  ids, loss masks, gains and every estimator's advantages, computed by the trainer on the whole
+  step's batch), ``vocab.json`` (token texts), ``metrics.jsonl`` and ``plots/*.png``;
+- a ``samples.jsonl`` on its own (its ``vocab.json`` beside it, or ``--tokenizer``);
+- a rollouts file (``mosaic.trajectory`` JSONL, e.g. from ``mosaic rollout``): no gains were
+  scored, so the advantages are computed here from the recorded graphs, all trajectories as
+  one batch, with default estimator knobs; estimators that need gains are listed as unavailable.
+
+The result is one JSON-able dict (:func:`load_view`); token texts are kept only for the ids used.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+from typing import Any, Iterable
+
+__all__ = ["ViewError", "load_view", "read_samples"]
+
+
+class ViewError(ValueError):
+    """A path the viewer cannot read; the message says what it expected."""
+
+
+def _jsonl(path: Path) -> Iterable[tuple[int, dict]]:
+    with open(path) as fh:
+        for n, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                yield n, json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut by a kill (the last one): the trainer's own readers skip it too
+
+
+def read_samples(path: str | Path) -> list[dict]:
+    """The ``mosaic.sample`` lines of a ``samples.jsonl``; a line of another kind is an error naming it."""
+    from mosaic.train.samples import SAMPLE_SCHEMA, SAMPLE_SCHEMA_VERSION
+
+    out = []
+    for n, rec in _jsonl(Path(path)):
+        if rec.get("schema") != SAMPLE_SCHEMA:
+            raise ViewError(f"{path}:{n}: not a {SAMPLE_SCHEMA} record (a samples.jsonl from an older trainer "
+                            f"holds decoded text only; rerun `mosaic train` to record token ids and credit)")
+        if rec.get("schema_version", 0) > SAMPLE_SCHEMA_VERSION:
+            raise ViewError(f"{path}:{n}: schema_version {rec['schema_version']} is newer than this viewer's "
+                            f"{SAMPLE_SCHEMA_VERSION}")
+        out.append(rec)
+    return out
+
+
+def _is_trajectory_file(path: Path) -> bool:
+    from mosaic.trace.storage import SCHEMA
+
+    for _, rec in _jsonl(path):
+        return rec.get("schema") == SCHEMA
+    return False
+
+
+def _pieces_from(vocab: Path | None, tokenizer: str | None) -> list[str]:
+    if tokenizer:
+        from mosaic.agent.tokenizer import load_tokenizer
+        from mosaic.train.samples import vocab_pieces
+
+        return vocab_pieces(load_tokenizer(tokenizer))
+    if vocab is None or not vocab.is_file():
+        raise ViewError(f"no vocab.json beside the samples ({vocab}); pass --tokenizer MODEL_DIR "
+                        f"(the run's checkpoints/*/model) to print the token ids")
+    return json.loads(vocab.read_text())["pieces"]
+
+
+def _rollout_samples(path: Path) -> list[dict]:
+    """A trajectory file as sample records: advantages from the graph, one batch, default knobs."""
+    from mosaic.core.estimators import EstimatorParams
+    from mosaic.trace import load_trajectories
+    from mosaic.train.samples import all_estimator_advantages, sample_records
+
+    trajs = load_trajectories(path)
+    if not trajs:
+        raise ViewError(f"{path}: no trajectories")
+    advs, why = all_estimator_advantages(trajs, EstimatorParams())
+    if "fold" in why:
+        why["fold"] = "needs the context budget (not recorded in a rollouts file)"
+    recs = sample_records(trajs, range(len(trajs)), step=0, estimator=None, advantages=advs, unavailable=why)
+    for r in recs:
+        for s in r["sessions"]:
+            s["gain"] = None
+    return recs
+
+
+def _plots(run_dir: Path) -> list[dict[str, str]]:
+    d = run_dir / "plots"
+    if not d.is_dir():
+        return []
+    return [{"name": p.stem, "src": "data:image/png;base64," + base64.b64encode(p.read_bytes()).decode()}
+            for p in sorted(d.glob("*.png"))]  # fmt: skip
+
+
+def _metrics(run_dir: Path) -> list[dict[str, Any]]:
+    from mosaic.train.runlog import read_metrics
+
+    rows = read_metrics(run_dir)
+    keep = []
+    for r in rows:  # finite numbers only (NaN is not JSON)
+        keep.append({k: v for k, v in r.items() if isinstance(v, (int, float)) and v == v and abs(v) != float("inf")})
+    return keep
+
+
+def _estimator_names(samples: list[dict]) -> list[str]:
+    """The estimators the records name, in the registry's order (as the trainer recorded it)."""
+    names: list[str] = []
+    for r in samples:
+        for n in r.get("estimators", []) + list(r.get("unavailable", {})) \
+                + [k for s in r["sessions"] for k in list(s["adv"]) + list(s["turn_adv"])]:  # fmt: skip
+            if n not in names:
+                names.append(n)
+    return names
+
+
+def load_view(path: str | Path, *, tokenizer: str | None = None, max_trajectories: int | None = None) -> dict:
+    """Everything the page shows, as one JSON-able dict (see :mod:`mosaic.view.page` for its use).
+
+    A run dir or a samples file needs no torch (the trainer recorded every number); a rollouts
+    file or ``tokenizer`` does."""
+    path = Path(path)
+    run_dir: Path | None = None
+    if path.is_dir():
+        run_dir = path
+        samples_path = path / "samples.jsonl"
+        if not samples_path.is_file():
+            raise ViewError(f"{path}: no samples.jsonl (is it a `mosaic train` run dir?)")
+        samples = read_samples(samples_path)
+        pieces = _pieces_from(path / "vocab.json", tokenizer) if samples else []  # nothing to print: no vocab needed
+        source = "run"
+    elif path.is_file():
+        if _is_trajectory_file(path):
+            samples = _rollout_samples(path)
+            pieces = _pieces_from(path.with_name("vocab.json") if not tokenizer else None, tokenizer)
+            source = "rollouts"
+        else:
+            samples = read_samples(path)
+            pieces = _pieces_from(path.with_name("vocab.json"), tokenizer) if samples else []
+            run_dir = path.parent if (path.parent / "metrics.jsonl").is_file() else None
+            source = "samples"
+    else:
+        raise ViewError(f"{path}: no such file or directory")
+    if max_trajectories is not None:
+        samples = samples[-max_trajectories:]  # the latest steps
+    used: set[int] = set()
+    for r in samples:
+        for s in r["sessions"]:
+            used.update(s["prompt"])
+            used.update(s["completion"])
+    bad = [i for i in used if not 0 <= i < len(pieces)]
+    if bad:
+        raise ViewError(f"token id {min(bad)} is outside the vocabulary of {len(pieces)} pieces: wrong tokenizer?")
+    config = (run_dir / "config.yaml").read_text() if run_dir and (run_dir / "config.yaml").is_file() else ""
+    return {
+        "title": f"mosaic view: {path.name}",
+        "source": source,
+        "estimators": _estimator_names(samples),
+        "pieces": {str(i): pieces[i] for i in sorted(used)},
+        "samples": samples,
+        "metrics": _metrics(run_dir) if run_dir else [],
+        "plots": _plots(run_dir) if run_dir else [],
+        "config": config,
+    }

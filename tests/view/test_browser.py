@@ -1,0 +1,154 @@
+"""``mosaic view`` in a real browser: headless Chromium (Debian's package, installed here if missing)
+opens the page of a real ``mosaic train`` run dir (the CPU preset's main job, one small step), and the
+rendered DOM is checked: sessions drawn, a transcript opened by a real mouse click, the filters.
+
+Part of ``make test`` (CI): one small training step (seconds on an idle 2-core machine) and a
+browser start; skipped only where Chromium is missing and cannot be installed (no root ``apt-get``).
+``MOSAIC_VIEW_RUN_DIR=DIR`` checks an existing run dir instead (e.g. the main job's ``runs/cpu``;
+it is only read); ``MOSAIC_VIEW_SCREENSHOTS=DIR`` keeps the screenshots there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from mosaic.cli import main
+from mosaic.view.browser import Browser, find_chromium
+
+def _apt(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    return subprocess.run(["apt-get", *args], env=env, capture_output=True, text=True, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def chromium() -> str:
+    """Chromium from the Debian packages (``apt-get install chromium``) when it is not installed yet."""
+    path = find_chromium()
+    if path:
+        return path
+    if shutil.which("apt-get") is None or os.geteuid() != 0:
+        pytest.skip("no chromium on PATH, and no root apt-get to install it (Debian: apt-get install -y chromium)")
+    r = _apt("install", "-y", "--no-install-recommends", "chromium")
+    if r.returncode != 0:  # stale package lists
+        _apt("update")
+        r = _apt("install", "-y", "--no-install-recommends", "chromium")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    path = find_chromium()
+    assert path, "apt-get installed chromium but it is not on PATH"
+    return path
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    """A run dir written by ``mosaic train`` with the CPU preset (the main job), one small step."""
+    from mosaic.train import entrypoints
+    from mosaic.train.config import load_config
+
+    if os.environ.get("MOSAIC_VIEW_RUN_DIR"):
+        return Path(os.environ["MOSAIC_VIEW_RUN_DIR"])
+    d = tmp_path_factory.mktemp("view") / "run"
+    cfg = load_config("cpu", overrides=[
+        f"data.cache_dir={tmp_path_factory.mktemp('cache')}", "data.n_train_tasks=8", "train.steps=1",
+        "train.batch_tasks=2", "train.group_size=2", "train.heldout_split=none", "train.tensorboard=false",
+        "train.rollout_samples=4", f"train.run_dir={d}",
+    ])  # fmt: skip
+    assert entrypoints.run_train(cfg) == 0
+    return d
+
+
+def _shot(b: Browser, tmp_path: Path, name: str) -> Path:
+    p = b.screenshot(tmp_path / name)
+    data = p.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    keep = os.environ.get("MOSAIC_VIEW_SCREENSHOTS")
+    if keep:
+        Path(keep).mkdir(parents=True, exist_ok=True)
+        shutil.copy(p, Path(keep) / name)
+    return p
+
+
+def _prompt_len(rec: dict, k: int) -> int:
+    s = rec["sessions"][k]
+    return (s["prefix"][1] if "prefix" in s else 0) + len(s["prompt"])
+
+
+def _set(b: Browser, select_id: str, value: str) -> None:
+    b.eval(f"(() => {{ const s = document.getElementById({json.dumps(select_id)}); s.value = {json.dumps(value)};"
+           f" s.dispatchEvent(new Event('change')); }})()")  # fmt: skip
+
+
+def test_the_main_jobs_run_renders_and_a_click_opens_a_transcript(chromium, run_dir, tmp_path):
+    page = tmp_path / "view.html"
+    assert main(["view", str(run_dir), "-o", str(page)]) == 0
+    everything = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines() if line.strip()]
+    last = max(r["step"] for r in everything)
+    first = next(i for i, r in enumerate(everything) if r["step"] == last)
+    recs = [r for r in everything if r["step"] == last]  # the page opens on the latest step
+    assert 0 < len(recs) <= 40  # one page of cards
+    with Browser(chromium) as b:
+        b.open(page)
+        assert b.page_errors() == []
+        # one card per trajectory of the step, one node per session, one edge per parent link
+        assert b.eval("document.querySelectorAll('article.traj').length") == len(recs)
+        assert b.eval("document.querySelectorAll('svg.graph g.node').length") == sum(len(r["sessions"]) for r in recs)
+        edges = sum(s["parent"] is not None for r in recs for s in r["sessions"])
+        assert b.eval("document.querySelectorAll('svg.graph path.edge').length") == edges
+        assert b.eval("document.querySelectorAll('#charts figure.chart').length") >= 3  # the step's plots
+        # every registered estimator has its row in each advantage table
+        assert b.eval("document.querySelectorAll('article.traj')[0].querySelectorAll('table.adv tr').length") == \
+            1 + len(recs[0]["unavailable"]) + len(recs[0]["sessions"][0]["adv"]) + len(recs[0]["sessions"][0]["turn_adv"]) + 1
+        # a real click on a session (a compaction one when the rollout has one) opens its transcript
+        ti, k = next(((i, s["id"]) for i, r in enumerate(recs) for s in r["sessions"] if s["kind"] == "compaction"),
+                     (0, 0))  # fmt: skip
+        assert b.eval("document.getElementById('transcript').hidden") is True
+        b.click(f"article[data-traj='{first + ti}'] g.node[data-s='{k}']")
+        b.wait_for("!document.getElementById('transcript').hidden")
+        s = recs[ti]["sessions"][k]
+        assert b.eval("document.querySelectorAll('#transcript .tbody .t[data-i]').length") == \
+            _prompt_len(recs[ti], k) + len(s["completion"])
+        sampled = sum(s["mask"][1::2])
+        assert b.eval("document.querySelectorAll('#transcript .tbody .t.z3').length") == sampled
+        header = b.eval("document.querySelector('#transcript header').innerText")
+        assert f"session {k}" in header and s["kind"] in header
+        if s["kind"] == "compaction":
+            assert "summary, handed off to session" in b.eval("document.getElementById('transcript').innerText")
+        _shot(b, tmp_path, "view_run.png")
+        # colour by advantage: every trained token gets a colour
+        _set(b, "f-colour", "advantage")
+        assert b.eval("[...document.querySelectorAll('#transcript .tbody .t.z3')].every(e => e.style.background)") is True
+        # filters: outcome and kind
+        _set(b, "f-outcome", "failure")
+        assert b.eval("document.querySelectorAll('article.traj').length") == sum(not r["success"] for r in recs)
+        _set(b, "f-outcome", "all")
+        _set(b, "f-kind", "compaction")
+        assert b.eval("document.querySelectorAll('article.traj').length") == \
+            sum(any(s["kind"] == "compaction" for s in r["sessions"]) for r in recs)
+        assert b.page_errors() == []
+
+
+def test_forks_are_drawn_as_edges_to_subagents(chromium, tmp_path):
+    from mosaic.trace import write_jsonl
+    from tests.train.trajs import compaction_chain, fork
+
+    rng = random.Random(1)
+    trajs = [fork(rng, tid=f"f{i}") for i in range(3)] + [compaction_chain(rng, 1, tid="c")]
+    write_jsonl(tmp_path / "rollouts.jsonl", trajs)
+    (tmp_path / "vocab.json").write_text(json.dumps({"pieces": [f"w{i} " for i in range(400)]}))
+    assert main(["view", str(tmp_path / "rollouts.jsonl")]) == 0
+    with Browser(chromium) as b:
+        b.open(tmp_path / "rollouts.html")
+        assert b.eval("document.querySelectorAll('g.node').length") == sum(len(t.sessions) for t in trajs)
+        assert b.eval("document.querySelectorAll('path.edge.forks').length") == 3
+        assert b.eval("document.querySelectorAll('path.edge.continues').length") == 2
+        b.click("article[data-traj='0'] g.node[data-s='1']")
+        b.wait_for("!document.getElementById('transcript').hidden")
+        assert "forks from session 0" in b.eval("document.querySelector('#transcript header').innerText")
+        _shot(b, tmp_path, "view_forks.png")
+        assert b.page_errors() == []

@@ -1,0 +1,120 @@
+"""``mosaic view``: what the page is built from, and that it is one closed file (no browser here)."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import pytest
+
+from mosaic.cli import main
+from mosaic.core.estimators import ESTIMATORS, EstimatorParams
+from mosaic.trace import write_jsonl
+from mosaic.train.samples import all_estimator_advantages, sample_records
+from mosaic.view.data import ViewError, load_view
+from mosaic.view.page import render_page
+from tests.train.trajs import compaction_chain, fork
+
+VOCAB = 400
+
+
+def _trajs():
+    rng = random.Random(5)
+    return [compaction_chain(rng, 2, tid="a"), compaction_chain(rng, 0, tid="b", reward=0.0), fork(rng, tid="c")]
+
+
+def _pieces():
+    # a piece that would end the data block if it were not escaped, and one that is markup
+    return ["</script><script>alert(1)</script>", "<b>", "\n"] + [f"w{i} " for i in range(3, VOCAB)]
+
+
+def _run_dir(tmp_path):
+    trajs = _trajs()
+    advs, why = all_estimator_advantages(trajs, EstimatorParams())
+    d = tmp_path / "run"
+    d.mkdir()
+    with open(d / "samples.jsonl", "w") as fh:
+        for step in (1, 2):
+            for r in sample_records(trajs, range(len(trajs)), step=step, estimator="broadcast", advantages=advs,
+                                    unavailable=why):  # fmt: skip
+                fh.write(json.dumps(r) + "\n")
+    (d / "vocab.json").write_text(json.dumps({"pieces": _pieces()}))
+    (d / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "critic/score/mean": s / 4, "bad": float("nan")})
+                                             + "\n" for s in (1, 2)))  # fmt: skip
+    (d / "config.yaml").write_text("algo:\n  estimator: broadcast\n")
+    return d, trajs
+
+
+def _data_of(page: str) -> dict:
+    m = re.search(r'<script id="mosaic-data" type="application/json">(.*?)</script>', page, re.S)
+    return json.loads(m.group(1))
+
+
+def test_a_run_dir_becomes_one_closed_page(tmp_path):
+    d, trajs = _run_dir(tmp_path)
+    view = load_view(d)
+    assert [t["step"] for t in view["samples"]] == [1, 1, 1, 2, 2, 2]
+    assert [m["step"] for m in view["metrics"]] == [1, 2] and "bad" not in view["metrics"][0]  # NaN dropped
+    assert view["estimators"] == list(ESTIMATORS)
+    used = {i for t in trajs for s in t.sessions for i in s.prompt_ids + s.completion_ids}
+    assert set(map(int, view["pieces"])) <= used  # only the pieces the page prints
+    page = render_page(view)
+    assert "Content-Security-Policy" in page and "default-src 'none'" in page  # the page can fetch nothing
+    assert not re.search(r"""(src|href)=["']?(https?:)?//""", page)
+    assert _data_of(page) == json.loads(json.dumps(view))  # the data block survives "</script>" in a token
+    assert page.count("</script>") == 2  # the data block's and the script's own: nothing leaked out
+
+
+def test_a_rollouts_file_gets_advantages_from_its_graph(tmp_path):
+    trajs = _trajs()
+    path = tmp_path / "rollouts.jsonl"
+    write_jsonl(path, trajs)
+    (tmp_path / "vocab.json").write_text(json.dumps({"pieces": _pieces()}))
+    view = load_view(path)
+    assert view["source"] == "rollouts" and len(view["samples"]) == 3
+    rec = view["samples"][0]
+    assert "mosaic" in rec["unavailable"] and "gains" in rec["unavailable"]["mosaic"]
+    assert "context budget" in rec["unavailable"]["fold"]
+    assert all("broadcast" in s["adv"] and s["gain"] is None for s in rec["sessions"])
+    assert [s["kind"] for s in view["samples"][2]["sessions"]] == ["main", "subagent"]
+
+
+def test_bad_inputs_fail_with_a_message(tmp_path, capsys):
+    old = tmp_path / "samples.jsonl"
+    old.write_text(json.dumps({"step": 1, "trajectory": "x", "sessions": [{"kind": "main", "text": "hi"}]}) + "\n")
+    with pytest.raises(ViewError, match="older trainer"):
+        load_view(old)
+    d, _ = _run_dir(tmp_path)
+    (d / "vocab.json").write_text(json.dumps({"pieces": ["a", "b"]}))
+    with pytest.raises(ViewError, match="outside the vocabulary"):
+        load_view(d)
+    (d / "vocab.json").unlink()
+    with pytest.raises(ViewError, match="--tokenizer"):
+        load_view(d)
+    assert main(["view", str(tmp_path / "nowhere")]) == 2
+    assert "no such file" in capsys.readouterr().err
+
+
+def test_cli_writes_the_page_beside_the_run(tmp_path, capsys):
+    d, _ = _run_dir(tmp_path)
+    assert main(["view", str(d), "--max-trajectories", "4"]) == 0
+    page = (d / "view.html").read_text()
+    assert len(_data_of(page)["samples"]) == 4
+    assert "4 trajectories" in capsys.readouterr().out
+
+
+def test_a_tokenizer_prints_the_ids_when_no_vocab_is_beside_the_file(tmp_path):
+    from pathlib import Path
+
+    import mosaic
+
+    trajs = _trajs()
+    write_jsonl(tmp_path / "rollouts.jsonl", trajs)
+    model_dir = Path(mosaic.__file__).parent / "assets" / "models" / "tiny-base"
+    view = load_view(tmp_path / "rollouts.jsonl", tokenizer=str(model_dir))
+    from mosaic.agent.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(model_dir)
+    some = trajs[0].sessions[0].completion_ids[0]
+    assert view["pieces"][str(some)] == tok.decode([some])
