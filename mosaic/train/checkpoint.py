@@ -437,8 +437,11 @@ def resolve_resume(resume: str, run_dir: str | Path) -> Path | None:
 # --------------------------------------------------------------------------------------
 # A changed config on resume.
 
-_RESUME_FREE = ("train.resume", "train.resume_force", "train.run_dir")
-"""Keys that may change on resume without notice (where to resume from, and the force switch itself)."""
+_RESUME_FREE = ("train.resume", "train.resume_force", "train.run_dir", "train.logger", "train.project_name",
+                "train.experiment_name", "train.tensorboard", "train.wandb", "train.log_every", "train.plot_every")
+"""Keys that may change on resume without notice: where to resume from, the force switch itself, and
+where metrics are shown (the run computes the same either way; a run started before ``train.logger``
+existed resumes without it showing up as a change)."""
 
 
 def check_resume_config(run_dir: str | Path, config_yaml: str, force: bool, *, state: Mapping[str, Any] | None = None

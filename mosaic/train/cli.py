@@ -86,6 +86,7 @@ def _run(fn_name: str):
             return code
         from mosaic.train import entrypoints
         from mosaic.train.checkpoint import CheckpointError
+        from mosaic.train.config import ConfigError
 
         try:
             if fn_name == "run_eval":
@@ -106,6 +107,9 @@ def _run(fn_name: str):
             return 1
         except CheckpointError as exc:  # a resume that must not go on (changed config) or a corrupt checkpoint
             print(f"mosaic {args.command}: {exc}", file=sys.stderr)
+            return EXIT_CONFIG
+        except ConfigError as exc:  # found once the run looks around (e.g. a logger that is not installed)
+            print(f"mosaic {args.command}: config error: {exc}", file=sys.stderr)
             return EXIT_CONFIG
 
     return cmd
@@ -170,7 +174,14 @@ def _pretrain(args) -> int:
     except ValueError as exc:
         print(f"mosaic pretrain: config error: {exc}", file=sys.stderr)
         return EXIT_CONFIG
-    out = args.out or str(BASE_MODELS_DIR / f"{cfg.model.embedded_preset}-base")
+    if args.out and args.into_package:
+        print("mosaic pretrain: --out and --into-package name two destinations; pass one", file=sys.stderr)
+        return EXIT_CONFIG
+    if args.into_package:  # the model the package ships (and `mosaic train` starts from): only when asked
+        out = str(BASE_MODELS_DIR / f"{cfg.model.embedded_preset}-base")
+    else:
+        out = args.out or str(Path("runs") / "pretrain" / f"{cfg.model.embedded_preset}-base")
+    print(f"[mosaic] pretrain: writing to {out}", file=sys.stderr)
     meta = pretrain(cfg, pc, out)
     print(f"[mosaic] pretrain: {meta['parameters'] / 1e6:.2f}M parameters, {pc.steps} steps over "
           f"{meta['worlds']} worlds, final loss {meta['final_loss']:.3f}, {meta['seconds']:.0f} s -> {out}")
@@ -180,7 +191,10 @@ def _pretrain(args) -> int:
 def register(subparsers) -> None:
     p = subparsers.add_parser("pretrain", help="build the embedded base model (expert rollouts over generated "
                                                "training-partition worlds)")
-    p.add_argument("--out", help="output dir (default: the shipped base model of the embedded preset)")
+    p.add_argument("--out", help="output dir (default: runs/pretrain/<embedded preset>-base)")
+    p.add_argument("--into-package", action="store_true",
+                   help="write over the base model shipped inside the installed package (what `mosaic train` "
+                        "starts from)")
     p.add_argument("--steps", type=int, help="optimizer steps (default 1500)")
     p.add_argument("--lr", type=float, help="peak learning rate (default 2e-3)")
     p.add_argument("--batch-size", type=int, help="rows per step (default 16)")
