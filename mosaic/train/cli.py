@@ -1,9 +1,10 @@
 """``mosaic train | sft | eval | compare``.
 
-``train``, ``sft`` and ``eval`` take ``--config YAML``, ``--preset NAME`` and
-trailing ``section.field=value`` overrides; the config is resolved and
-validated first, and an invalid one exits with status 2 and the message
-before any work. ``--print-config`` prints the resolved YAML and exits.
+``train``, ``sft``, ``eval`` and ``pretrain`` take ``--config YAML``, ``--preset NAME`` and
+trailing ``section.field=value`` overrides (the grammar of every verb, :mod:`mosaic.cliargs`);
+the config is resolved and validated first, and an invalid one exits with status 2 and the
+message before any work. ``--print-config`` prints the resolved YAML and exits;
+``--help-config`` prints every key with its value under the preset and its docstring.
 ``compare`` runs a paired bootstrap on two per-question outcome files. Bad
 flags (``eval --checkpoint`` that is missing or does not verify, ``compare``
 with a missing file, ``--n-boot 0``, ``--ci 2``) exit with status 2 and one
@@ -25,25 +26,16 @@ EXIT_CONFIG = 2
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", metavar="YAML", help="YAML file of config sections (merged over the preset)")
-    p.add_argument("--preset", help="base preset: cpu (default), smollm2, paper")
-    p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. algo.lam=0.2")
+    from mosaic.cliargs import add_config_args
+
+    add_config_args(p)
 
 
 def _config(args):
-    """The resolved config, or (None, exit code) after printing the error."""
-    from mosaic.train.config import ConfigError, dump_config, load_config
+    """The resolved config, or (None, exit code) after printing the error / --help-config / --print-config."""
+    from mosaic.cliargs import resolve_config
 
-    try:
-        cfg = load_config(preset=args.preset, yaml_path=args.config, overrides=args.overrides)
-    except ConfigError as exc:
-        print(f"mosaic {args.command}: config error: {exc}", file=sys.stderr)
-        return None, EXIT_CONFIG
-    if args.print_config:
-        print(dump_config(cfg), end="")
-        return None, 0
-    return cfg, None
+    return resolve_config(args, args.command)
 
 
 def _eval_args_error(args) -> str | None:

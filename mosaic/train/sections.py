@@ -111,7 +111,8 @@ class DataConfig(_Section):
     seed: int = 0
     """Seed of the worlds and question samplers (world seeds derive from it per split)."""
     cache_dir: str = ".mosaic-cache"
-    """Where generated worlds / indexes are cached (relative to the working directory)."""
+    """Where generated worlds / indexes are cached (relative to the working directory); the default
+    means ``$MOSAIC_CACHE`` when that is set (``mosaic.envs.cache``, the same for every verb)."""
 
     def _validate(self) -> None:
         self._positive("n_train_tasks", "n_eval_tasks", "world_entities", "train_world_entities", allow_zero=True)
