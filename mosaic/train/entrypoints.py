@@ -244,7 +244,8 @@ def _rl_loop(cfg: Config, plan: RunPlan, model, tok, chat, device) -> None:
     st = RLState(cfg, model, tok, chat, train, optimizer, scheduler, device, ref_model=ref)
     val = setup.load_split(cfg, cfg.data.eval_split) if cfg.train.eval_every else None
     logger = RunLogger(plan.run_dir, config_yaml=plan.config_yaml, total_steps=steps, start_step=start,
-                       logger=cfg.train.sinks(), project_name=cfg.train.project_name,
+                       logger=cfg.train.logger, tensorboard=cfg.train.tensorboard, wandb=cfg.train.wandb,
+                       project_name=cfg.train.project_name,
                        experiment_name=cfg.train.experiment_name, log_every=cfg.train.log_every,
                        plot_every=cfg.train.plot_every, title=f"mosaic train ({cfg.algo.estimator})")  # fmt: skip
     extra: dict[str, str] | None = None

@@ -113,6 +113,9 @@ def test_wandb_sink_online_with_a_key_offline_without_or_when_unreachable(tmp_pa
     with pytest.warns(UserWarning, match="logging offline"):
         RunLogger(tmp_path / "c", logger=["wandb"]).close()
     assert [c[1] for c in calls if c[0] == "init"] == ["online", "offline"]
+    calls.clear()
+    RunLogger(tmp_path / "e", wandb="offline", tensorboard=False).close()  # the deprecated switch: offline always
+    assert [c[1] for c in calls if c[0] == "init"] == ["offline"]
     monkeypatch.setitem(sys.modules, "wandb", None)  # not installed
     with pytest.raises(RuntimeError, match="not installed"):
         RunLogger(tmp_path / "d", logger=["wandb"])
