@@ -39,6 +39,12 @@ class OneLineParser(argparse.ArgumentParser):
         (``mosaic rollout: unrecognized arguments: ...``), not with the top-level ``mosaic``."""
         ns, extras = self.parse_known_args(args, namespace)
         prog = ns.__dict__.pop("_extras_prog", self.prog)
+        if extras and isinstance(getattr(ns, "overrides", None), list):
+            # section.field=value items after a flag that followed earlier ones (argparse takes one run
+            # of positionals): still overrides, in command-line order
+            kv = [x for x in extras if "=" in x and not x.startswith("-")]
+            ns.overrides = ns.overrides + kv
+            extras = [x for x in extras if x not in kv]
         if extras:
             print(f"{prog}: unrecognized arguments: {' '.join(extras)}", file=sys.stderr)
             sys.exit(EXIT_USAGE)
@@ -107,3 +113,64 @@ def device_error(flag: str, device: str) -> str | None:
     elif d.type == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
         return f"{flag} {device!r}: MPS is not available"
     return None
+
+
+# --------------------------------------------------------------------------------------
+# One config grammar for every verb.
+
+CONFIG_GRAMMAR = ("the config sections of `mosaic train` (model, data, harness, rollout, algo, optim, train, sft), "
+                  "set as section.field=value (YAML values) after the flags")
+
+
+def add_config_args(p: argparse.ArgumentParser, *, overrides: bool = True) -> None:
+    """``--config YAML``, ``--preset NAME``, ``--print-config``, ``--help-config`` and trailing
+    ``section.field=value`` overrides: the same on ``train``, ``sft``, ``eval``, ``pretrain``,
+    ``data`` and ``rollout``."""
+    p.add_argument("--config", metavar="YAML", help="YAML file of config sections (merged over the preset)")
+    p.add_argument("--preset", help="base preset: cpu (default), smollm2, paper")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    p.add_argument("--help-config", action="store_true",
+                   help="print every config key with its value under the preset and its docstring, then exit")
+    if overrides:
+        p.add_argument("overrides", nargs="*", metavar="SECTION.FIELD=VALUE",
+                       help="dotted overrides with YAML values, e.g. algo.lam=0.2 data.n_eval_tasks=50 "
+                            "train.logger=[console,tensorboard]")
+
+
+def resolve_config(args: argparse.Namespace, verb: str, *, aliases: list[str] | tuple[str, ...] = (),
+                   sections: tuple[str, ...] | None = None):
+    """``(config, None)``, or ``(None, exit status)`` after printing a config error (status 2) or the
+    ``--help-config`` / ``--print-config`` text (status 0).
+
+    ``aliases``: overrides an older flag stands for (``--seed 3`` → ``data.seed=3``), applied before
+    the command line's own, which win. ``sections``: what ``--help-config`` lists (None: all).
+    """
+    from mosaic.train.config import ConfigError, describe_config, dump_config, load_config  # lazy: torch
+
+    try:
+        cfg = load_config(preset=args.preset, yaml_path=args.config,
+                          overrides=[*aliases, *getattr(args, "overrides", [])])
+    except ConfigError as exc:
+        print(f"mosaic {verb}: config error: {exc}", file=sys.stderr)
+        return None, EXIT_USAGE
+    if args.help_config:
+        print(describe_config(cfg, sections))
+        return None, 0
+    if args.print_config:
+        print(dump_config(cfg), end="")
+        return None, 0
+    return cfg, None
+
+
+def deprecated(args: argparse.Namespace, old: str, new: str) -> None:
+    """Note that ``old`` still works and ``new`` is how to write it now; printed by
+    :func:`print_deprecations` once the command has done its work (a bad argument stays one line)."""
+    notes = args.__dict__.setdefault("deprecations", [])
+    line = f"{old} is deprecated; write {new}"
+    if line not in notes:
+        notes.append(line)
+
+
+def print_deprecations(args: argparse.Namespace, verb: str) -> None:
+    for line in args.__dict__.pop("deprecations", []):
+        print(f"mosaic {verb}: {line}", file=sys.stderr)

@@ -4,10 +4,17 @@ Policies: ``expert`` (the scripted gold-chain solver, with noise knobs), ``local
 (a saved embedded model directory, or ``smollm2``) and ``openai`` (any
 OpenAI-compatible server, token-in token-out). Each finished trajectory is
 appended to ``--out`` as soon as it ends (a crash loses at most the in-flight
-ones); a summary table follows. Harness fields: the named flags or
-``--set key=value`` for any :class:`~mosaic.agent.harness.HarnessConfig` field;
-``--set noise.<field>=rate`` for the expert's :class:`~mosaic.agent.expert.ExpertNoise`.
-Model-backed policies import torch inside the command, so ``mosaic --help`` stays fast.
+ones); a summary table follows. Settings use the grammar of every verb (:mod:`mosaic.cliargs`):
+``--preset`` (cpu, the default), ``--config YAML``, ``--help-config`` and trailing
+``section.field=value`` overrides of the shared sections: ``harness.*`` (the agent loop, as in
+``mosaic train``), ``data.*`` (the split's worlds), ``rollout.temperature`` / ``rollout.top_p``
+(sampling), ``train.seed`` (the sampling seed); ``noise.<field>=rate`` sets the expert's
+:class:`~mosaic.agent.expert.ExpertNoise`. The named flags (``--mode``, ``--context-budget``,
+``--max-new-tokens``, ``--max-sessions``, ``--max-turns``, ``--temperature``, ``--top-p``) are
+shortcuts applied over the sections. Older spellings still work with a deprecation line:
+``--set key=value`` (``harness.key=value``), ``--seed N`` (``data.seed=N train.seed=N``),
+``--cache-dir`` (``data.cache_dir``). Model-backed policies import torch inside the command, so
+``mosaic --help`` stays fast.
 
 Bad arguments (a count below its minimum, a non-finite or out-of-range number, an
 unknown or ill-typed ``--set``, a missing model or tokenizer directory, an
@@ -37,9 +44,10 @@ from mosaic.agent.harness import DeepSearchEnv, Harness
 from mosaic.agent.models import load_any
 from mosaic.agent.models.corpus import build_project_tokenizer
 from mosaic.agent.tokenizer import load_tokenizer, save_tokenizer
-from mosaic.cliargs import device_error, output_error
-from mosaic.envs.cli import EXIT_USAGE, UsageError, parse_value
-from mosaic.envs.splits import load_split, split_config
+from mosaic.cliargs import add_config_args, deprecated, device_error, output_error, print_deprecations, resolve_config
+from mosaic.envs.cache import resolve_cache_dir
+from mosaic.envs.cli import EXIT_USAGE, ConfigExit, UsageError, parse_value
+from mosaic.envs.splits import load_split
 from mosaic.trace import JsonlWriter
 
 
@@ -57,44 +65,55 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--save-tokenizer", default=None, metavar="DIR",
                    help="save the tokenizer used (e.g. the freshly trained project tokenizer)")
     p.add_argument("--split", default="validation", choices=("train", "validation", "test"))
-    p.add_argument("--preset", default="paper", choices=("paper", "cpu"))
-    p.add_argument("--seed", type=int, default=0, help="data seed (split worlds) and rollout seed")
-    p.add_argument("--cache-dir", default=None, help="split cache (default: $MOSAIC_CACHE or ~/.cache/mosaic)")
+    p.add_argument("--seed", type=int, default=None, help="deprecated: data.seed=N train.seed=N")
+    p.add_argument("--cache-dir", default=None, help="deprecated: data.cache_dir=DIR (default: $MOSAIC_CACHE "
+                                                     "or ./.mosaic-cache, for every verb)")
     p.add_argument("--n-tasks", type=int, default=None,
                    help="first N tasks of the split, N >= 1 (default: all)")
     p.add_argument("--group-size", type=int, default=1, help="rollouts per task (G)")
-    p.add_argument("--mode", default="compaction", choices=("single", "compaction", "fork", "compaction+fork"))
+    p.add_argument("--mode", default=None, choices=("single", "compaction", "fork", "compaction+fork"),
+                   help="shortcut for harness.mode")
     p.add_argument("--context-budget", type=int, default=None)
     p.add_argument("--max-new-tokens", type=int, default=None)
     p.add_argument("--max-sessions", type=int, default=None)
     p.add_argument("--max-turns", type=int, default=None)
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="any HarnessConfig field, or noise.<field> for the expert")
+    p.add_argument("--set", dest="set_items", action="append", default=[], metavar="KEY=VALUE",
+                   help="deprecated: harness.KEY=VALUE (noise.<field> still works here too)")
     p.add_argument("--noise", choices=("default", "off"), default="default", help="expert: noise preset")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--temperature", type=float, default=None, help="shortcut for rollout.temperature")
+    p.add_argument("--top-p", type=float, default=None, help="shortcut for rollout.top_p")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--out", required=True, help="JSONL file (appended)")
+    p.add_argument("--out", help="JSONL file (appended); required")
     p.add_argument("--no-progress", action="store_true")
+    add_config_args(p)
     p.set_defaults(func=_guarded)
 
 
 def _guarded(args: argparse.Namespace) -> int:
     """Run ``rollout``; a bad argument is one line on stderr and exit status 2."""
     try:
-        return _run(args)
+        code = _run(args)
+        print_deprecations(args, "rollout")
+        return code
     except UsageError as exc:
         print(f"mosaic rollout: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except ConfigExit as done:
+        return done.code
 
 
 _HARNESS_FLAGS = ("context_budget", "max_new_tokens", "max_sessions", "max_turns")
 
 
-def _configs(args: argparse.Namespace):
-    """The harness config and expert noise of the flags and ``--set`` items; :class:`UsageError`
-    naming the flag or item that is malformed, unknown or out of range."""
-    h, given = {"mode": args.mode}, {"mode": f"--mode {args.mode}"}
+def _configs(args: argparse.Namespace, base: HarnessConfig | None = None):
+    """The harness config (``base``, the shared ``harness`` section, with the flags and ``--set``
+    items over it) and expert noise; :class:`UsageError` naming the flag or item that is
+    malformed, unknown or out of range."""
+    base = base or HarnessConfig()
+    h = {f.name: getattr(base, f.name) for f in dataclasses.fields(HarnessConfig)}
+    given = {}
+    if args.mode is not None:
+        h["mode"], given["mode"] = args.mode, f"--mode {args.mode}"
     for flag in _HARNESS_FLAGS:
         if getattr(args, flag) is not None:
             h[flag] = getattr(args, flag)
@@ -102,7 +121,9 @@ def _configs(args: argparse.Namespace):
     n = {}
     known = {f.name for f in dataclasses.fields(HarnessConfig)}
     noise_known = {f.name for f in dataclasses.fields(ExpertNoise)}
-    for item in args.overrides:
+    if any(not item.startswith("noise.") for item in args.set_items):
+        deprecated(args, "--set KEY=VALUE", "harness.KEY=VALUE (after the flags)")
+    for item in args.set_items + [x for x in getattr(args, "noise_items", [])]:
         if "=" not in item:
             raise UsageError(f"--set expects KEY=VALUE, got {item!r}")
         key, value = item.split("=", 1)
@@ -141,15 +162,17 @@ def _configs(args: argparse.Namespace):
 
 def _check_args(args: argparse.Namespace) -> None:
     """Counts, numbers and paths, checked before any work (see the module docstring)."""
+    if not args.out:
+        raise UsageError("the following arguments are required: --out")
     if args.n_tasks is not None and args.n_tasks < 1:
         raise UsageError(f"--n-tasks must be >= 1 (leave it out for all tasks), got {args.n_tasks}")
     if args.group_size < 1:
         raise UsageError(f"--group-size must be >= 1, got {args.group_size}")
-    if args.seed < 0:
+    if args.seed is not None and args.seed < 0:
         raise UsageError(f"--seed must be >= 0, got {args.seed}")
-    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+    if args.temperature is not None and not (math.isfinite(args.temperature) and args.temperature >= 0):
         raise UsageError(f"--temperature must be a finite number >= 0, got {args.temperature}")
-    if not (0 < args.top_p <= 1):  # (NaN fails too)
+    if args.top_p is not None and not (0 < args.top_p <= 1):  # (NaN fails too)
         raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.policy == "local":
         if not args.model:
@@ -182,10 +205,34 @@ def _tokenizer(args, split, model_tok):
     return build_project_tokenizer([split])
 
 
+def _shared(args: argparse.Namespace):
+    """The shared config: trailing overrides (``noise.*`` set aside for the expert), older flags
+    mapped onto their keys with a deprecation line."""
+    args.noise_items = [x for x in args.overrides if x.startswith("noise.")]
+    args.overrides = [x for x in args.overrides if not x.startswith("noise.")]
+    aliases = []
+    if args.seed is not None:
+        deprecated(args, f"--seed {args.seed}", f"data.seed={args.seed} train.seed={args.seed}")
+        aliases += [f"data.seed={args.seed}", f"train.seed={args.seed}"]
+    if args.cache_dir is not None:
+        deprecated(args, f"--cache-dir {args.cache_dir}", f"data.cache_dir={args.cache_dir}")
+        aliases.append(f"data.cache_dir={args.cache_dir}")
+    shared, code = resolve_config(args, "rollout", aliases=aliases, sections=("data", "harness", "rollout", "train"))
+    if shared is None:
+        raise ConfigExit(code)
+    return shared
+
+
 def _run(args: argparse.Namespace) -> int:
+    shared = _shared(args)  # first: --help-config / --print-config need nothing else
     _check_args(args)
-    cfg, noise = _configs(args)
-    split = load_split(args.split, split_config(args.split, args.preset, seed=args.seed), args.cache_dir)
+    cfg, noise = _configs(args, shared.harness)
+    seed = shared.train.seed
+    temperature = shared.rollout.temperature if args.temperature is None else args.temperature
+    top_p = shared.rollout.top_p if args.top_p is None else args.top_p
+    from mosaic.train.config import split_config_for  # lazy: torch (the config's estimator registry)
+
+    split = load_split(args.split, split_config_for(shared, args.split), resolve_cache_dir(shared.data.cache_dir))
     tasks = split.tasks if args.n_tasks is None else split.tasks[: args.n_tasks]
     model = model_tok = None
     if args.policy == "local":
@@ -195,22 +242,22 @@ def _run(args: argparse.Namespace) -> int:
         save_tokenizer(tok, args.save_tokenizer)
     chat = ChatFormat(tok)
     if args.policy == "expert":
-        policy = ExpertPolicy(tok, tasks, noise, seed=args.seed)
+        policy = ExpertPolicy(tok, tasks, noise, seed=seed)
     elif args.policy == "local":
         from mosaic.agent.policies.local import LocalPolicy, LocalPolicyConfig  # lazy: torch; keeps --help fast
 
-        policy = LocalPolicy(model, tok, LocalPolicyConfig(temperature=args.temperature, top_p=args.top_p,
-                                                           seed=args.seed), device=args.device)
+        policy = LocalPolicy(model, tok, LocalPolicyConfig(temperature=temperature, top_p=top_p,
+                                                           seed=seed), device=args.device)
     else:
         from mosaic.agent.policies.openai import OpenAIPolicy, OpenAIPolicyConfig  # lazy: httpx; keeps --help fast
 
         policy = OpenAIPolicy(OpenAIPolicyConfig(base_url=args.base_url, model=args.model,
-                                                 temperature=args.temperature, top_p=args.top_p,
+                                                 temperature=temperature, top_p=top_p,
                                                  stop_token_ids=(chat.im_end_id,)))
     harness = Harness(policy, chat, DeepSearchEnv(split), cfg)
     try:
         with JsonlWriter(args.out) as writer:
-            trajs = harness.run(tasks, group_size=args.group_size, seed=args.seed, on_trajectory=writer.write,
+            trajs = harness.run(tasks, group_size=args.group_size, seed=seed, on_trajectory=writer.write,
                                 progress=not args.no_progress)
     finally:
         close = getattr(policy, "close", None)

@@ -119,9 +119,11 @@ class Harness:
 
     # ------------------------------------------------------------------ public
     def run(self, tasks: Sequence, group_size: int = 1, seed: int = 0, *,
-            on_trajectory: Callable[[Trajectory], None] | None = None, progress: bool = False,
+            on_trajectory: Callable[[Trajectory], None] | None = None, progress: bool | str = False,
             step: int | str | None = None) -> list[Trajectory]:
-        """Roll out every task ``group_size`` times; returns validated trajectories (task-major)."""
+        """Roll out every task ``group_size`` times; returns validated trajectories (task-major).
+
+        ``progress``: a progress bar over trajectories (a string: the bar's label, else ``rollout``)."""
         if group_size < 1:
             raise ValueError(f"group_size must be >= 1, got {group_size}")
         ids = [t.id for t in tasks]
@@ -142,7 +144,7 @@ class Harness:
         self._seed = seed
         bar = None
         if progress:
-            bar = tqdm(total=len(runs), desc="rollout", unit="traj")
+            bar = tqdm(total=len(runs), desc=progress if isinstance(progress, str) else "rollout", unit="traj")
         pending = list(runs)
         try:
             while pending:

@@ -2,7 +2,7 @@
 
     mosaic proxy serve --upstream http://127.0.0.1:8000 --out runs/capture
     mosaic proxy --upstream URL --out DIR            # same as ``serve``
-    mosaic proxy export --records runs/capture --out sessions.parquet [--force] [--tokenizer DIR] [--rule k=v ...]
+    mosaic proxy export --records runs/capture --out sessions.parquet [--force] [--tokenizer DIR] [rules.k=v ...]
     mosaic proxy scripted-upstream --port 8001       # the deterministic test upstream (mosaic.testing)
 
 The servers import FastAPI inside their commands, so ``mosaic --help`` stays fast.
@@ -141,7 +141,9 @@ def register(subparsers) -> None:
     e.add_argument("--tokenizer", default=None, metavar="DIR",
                    help="re-tokenize calls recorded without token ids (marked retokenized)")
     e.add_argument("--rule", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a ReconstructionRules field (value parsed as JSON, else a string)")
+                   help="older spelling of rules.KEY=VALUE")
+    e.add_argument("overrides", nargs="*", metavar="rules.FIELD=VALUE",
+                   help="override a ReconstructionRules field (YAML value, as every verb's overrides)")
     e.set_defaults(func=_guarded(_cmd_export))
 
     u = sub.add_parser("scripted-upstream", help="run the deterministic scripted OpenAI-compatible test server")
@@ -188,17 +190,22 @@ def _cmd_serve(args) -> int:
 
 
 def parse_rules(pairs: list[str]) -> ReconstructionRules:
+    """``ReconstructionRules`` from ``KEY=VALUE`` / ``rules.KEY=VALUE`` items; values parsed as YAML
+    (the grammar of every verb's overrides; JSON values read the same), else kept as strings."""
+    import yaml
+
     names = {f.name for f in fields(ReconstructionRules)}
     kw = {}
     for pair in pairs:
         key, sep, raw = pair.partition("=")
         if not sep:
             raise UsageError(f"--rule {pair!r}: expected KEY=VALUE")
+        key = key.removeprefix("rules.")
         if key not in names:
             raise UsageError(f"--rule {key!r}: unknown rule (known: {', '.join(sorted(names))})")
         try:
-            val = json.loads(raw)
-        except json.JSONDecodeError:
+            val = yaml.safe_load(raw) if raw.strip() else raw
+        except yaml.YAMLError:
             val = raw
         kw[key] = tuple(val) if isinstance(val, list) else val
     try:
@@ -260,7 +267,7 @@ def export(records: str, out: str, *, tokenizer: str | None = None, rules=None, 
 
 def _cmd_export(args) -> int:
     _check_export_args(args)
-    rules = parse_rules(args.rule)
+    rules = parse_rules(args.rule + args.overrides)
     try:
         summary = export(args.records, args.out, tokenizer=args.tokenizer, rules=rules, force=args.force)
     except RecordError as exc:  # a file that cannot be read at all: a broken line, a foreign schema

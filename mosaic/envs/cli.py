@@ -1,9 +1,14 @@
 """``mosaic data …``: generate, inspect, search, score, export and calibrate the deep-search data.
 
-Every command that reads a split takes ``--split``, ``--preset`` (paper | cpu),
-``--seed``, ``--cache-dir`` and dotted overrides ``--set key=value`` (keys:
-``n_tasks``, ``task_seed``, ``snippet_tokens``, ``snippet_mode``,
-``hop_mix=2:0.5,3:0.5``, ``world.<field>``). Heavy imports stay inside commands.
+Every command that reads a split takes ``--split`` and the config grammar of every verb
+(:mod:`mosaic.cliargs`): ``--preset`` (cpu, the default | smollm2 | paper), ``--config YAML``,
+``--help-config`` and trailing ``section.field=value`` overrides of the shared sections, e.g.
+``data.seed=1 data.world_entities=300 data.n_eval_tasks=50`` — the split is built from the
+``data`` section exactly as ``mosaic train`` builds it. Older spellings still work with a
+deprecation line: ``--seed N`` (``data.seed``), ``--cache-dir DIR`` (``data.cache_dir``) and
+``--set key=value`` (``n_tasks``, ``task_seed``, ``snippet_tokens``, ``snippet_mode``,
+``hop_mix=2:0.5,3:0.5``, ``world.<field>``; applied to the split after the sections). The cache
+directory is the one of every verb (:mod:`mosaic.envs.cache`). Heavy imports stay inside commands.
 
 Bad arguments (a count below its minimum, an unknown or ill-typed ``--set``, a
 missing or unreadable input, an unwritable output) exit with status 2 and one
@@ -34,13 +39,42 @@ _MINIMA = {"k": ("-k", 1), "snippet_tokens": ("--snippet-tokens", 1), "head": ("
 
 
 def _add_split_args(p: argparse.ArgumentParser, default_split: str = "validation") -> None:
+    from mosaic.cliargs import add_config_args
+
     p.add_argument("--split", default=default_split, choices=("train", "validation", "test"))
-    p.add_argument("--preset", default="paper", choices=("paper", "cpu"),
-                   help="paper: 1000/300/500 tasks, hops 2-5; cpu: 60-entity worlds, hops 2-3")
-    p.add_argument("--seed", type=int, default=0, help="base seed (world seed = 3*seed + split index)")
-    p.add_argument("--cache-dir", default=None, help="default: $MOSAIC_CACHE or ~/.cache/mosaic")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a split config field, e.g. world.n_entities=300, n_tasks=50")
+    p.add_argument("--seed", type=int, default=None, help="deprecated: data.seed=N")
+    p.add_argument("--cache-dir", default=None, help="deprecated: data.cache_dir=DIR (default: $MOSAIC_CACHE "
+                                                     "or ./.mosaic-cache, for every verb)")
+    p.add_argument("--set", dest="set_items", action="append", default=[], metavar="KEY=VALUE",
+                   help="deprecated: a split field applied after the sections, e.g. world.n_entities=300")
+    add_config_args(p)
+
+
+def shared_config(args: argparse.Namespace, verb: str):
+    """The shared config of the command line (older flags mapped onto their keys, with a deprecation
+    line); :class:`UsageError` on a config error, :class:`ConfigExit` for ``--help-config`` /
+    ``--print-config``."""
+    from mosaic.cliargs import deprecated, resolve_config
+
+    aliases = []
+    if getattr(args, "seed", None) is not None:
+        deprecated(args, f"--seed {args.seed}", f"data.seed={args.seed}")
+        aliases.append(f"data.seed={args.seed}")
+    if getattr(args, "cache_dir", None) is not None:
+        deprecated(args, f"--cache-dir {args.cache_dir}", f"data.cache_dir={args.cache_dir}")
+        aliases.append(f"data.cache_dir={args.cache_dir}")
+    cfg, code = resolve_config(args, verb, aliases=aliases, sections=("data",))
+    if cfg is None:
+        raise ConfigExit(code)
+    return cfg
+
+
+class ConfigExit(Exception):
+    """``--help-config`` / ``--print-config`` done (status 0), or a config error already printed (2)."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(code)
+        self.code = code
 
 
 def parse_value(text: str):
@@ -53,17 +87,25 @@ def parse_value(text: str):
     return text
 
 
-def split_config_from_args(args: argparse.Namespace):
-    """The split config of ``--split/--preset/--seed/--set``; :class:`UsageError` naming the ``--set``
-    item that is malformed, unknown or out of range."""
+def split_config_from_args(args: argparse.Namespace, verb: str = "data"):
+    """The split config of ``--split``, the shared ``data`` section and the deprecated ``--set`` items;
+    :class:`UsageError` naming the ``--set`` item that is malformed, unknown or out of range."""
     import dataclasses
 
-    from mosaic.envs.splits import split_config
     from mosaic.envs.world import WorldConfig
+    from mosaic.train.config import split_config_for
 
+    cfg = shared_config(args, verb)
+    args.resolved_config = cfg
+    base = split_config_for(cfg, args.split)
+    if args.set_items:
+        from mosaic.cliargs import deprecated
+
+        deprecated(args, "--set", "section.field=value of the data section where one exists (data.seed, "
+                   "data.world_entities, data.n_eval_tasks, data.n_train_tasks, data.hop_mix)")
     world_fields = {f.name: f.default for f in dataclasses.fields(WorldConfig)}
     world_over, top_over = {}, {}
-    for item in args.overrides:
+    for item in args.set_items:
         if "=" not in item:
             raise UsageError(f"--set expects KEY=VALUE, got {item!r}")
         key, value = item.split("=", 1)
@@ -86,15 +128,15 @@ def split_config_from_args(args: argparse.Namespace):
                                  f"e.g. hop_mix=2:0.5,3:0.5") from None
         else:
             top_over[key] = parse_value(value)
-    given = " ".join(f"--set {x}" for x in args.overrides)
+    given = " ".join(f"--set {x}" for x in args.set_items)
     try:
-        cfg = split_config(args.split, args.preset, seed=args.seed, **world_over)
+        sc = dataclasses.replace(base, world=dataclasses.replace(base.world, **world_over)) if world_over else base
     except TypeError as exc:  # (unknown fields and ill-typed numbers are caught above)
         raise UsageError(f"{given}: a world field has the wrong type ({exc})") from None
     except ValueError as exc:
         raise UsageError(f"{given}: {exc}") from None
     try:
-        return dataclasses.replace(cfg, **top_over)
+        return dataclasses.replace(sc, **top_over)
     except TypeError as exc:
         raise UsageError(f"{given}: bad key or value ({exc})") from None
     except ValueError as exc:
@@ -123,24 +165,32 @@ def _guarded(fn):
     def cmd(args: argparse.Namespace) -> int:
         try:
             _check_args(args)
-            return fn(args)
+            code = fn(args)
+            from mosaic.cliargs import print_deprecations
+
+            print_deprecations(args, f"data {args.data_command}")
+            return code
         except UsageError as exc:
             print(f"mosaic data {args.data_command}: {exc}", file=sys.stderr)
             return EXIT_USAGE
+        except ConfigExit as done:
+            return done.code
 
     return cmd
 
 
 def _load(args: argparse.Namespace):
+    from mosaic.envs.cache import resolve_cache_dir
     from mosaic.envs.splits import load_split
 
-    cfg = split_config_from_args(args)
+    sc = split_config_from_args(args, f"data {args.data_command}")
+    args.cache_root = resolve_cache_dir(args.resolved_config.data.cache_dir)
     try:
-        return load_split(args.split, cfg, args.cache_dir)
+        return load_split(args.split, sc, args.cache_root)
     except ValueError as exc:  # some split fields are only checked while generating (hop_mix, snippet_mode)
-        if not args.overrides:
+        if not args.set_items:
             raise
-        raise UsageError(f"{' '.join(f'--set {x}' for x in args.overrides)}: {exc}") from None
+        raise UsageError(f"{' '.join(f'--set {x}' for x in args.set_items)}: {exc}") from None
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -182,7 +232,7 @@ def cmd_search(args: argparse.Namespace) -> int:
     split = _load(args)
     index = split.index
     if args.snippet_tokens is not None:
-        index = SearchIndex(split.world, args.cache_dir, snippet_tokens=args.snippet_tokens,
+        index = SearchIndex(split.world, args.cache_root, snippet_tokens=args.snippet_tokens,
                             snippet_mode=split.config.snippet_mode)
     print(format_hits(index.search(args.query, args.k)))
     return 0
@@ -246,14 +296,14 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     split = _load(args)
     index = split.index
     if args.snippet_tokens is not None:
-        index = SearchIndex(split.world, args.cache_dir, snippet_tokens=args.snippet_tokens,
+        index = SearchIndex(split.world, args.cache_root, snippet_tokens=args.snippet_tokens,
                             snippet_mode=split.config.snippet_mode)
     for budget in args.budget:
         cfg = CalibrationConfig(context_budget=budget, k=args.k, max_new_tokens=args.max_new_tokens,
                                 tokenizer=args.tokenizer, searches_per_hop=args.searches_per_hop)
         print(f"\nbudget={budget} tokenizer={args.tokenizer} k={args.k} snippet_tokens="
               f"{index.snippet_tokens} max_new_tokens={args.max_new_tokens} split={split.name} "
-              f"({args.preset})")
+              f"(preset {args.resolved_config.preset})")
         print(format_table(calibration_table(index, split.tasks, cfg)))
     return 0
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import os
 import re
 import shutil
 import tempfile
@@ -32,15 +31,13 @@ import Stemmer
 import bm25s
 import numpy as np
 
+from mosaic.envs.cache import default_cache_dir  # noqa: F401  (re-exported)
+
 INDEX_FORMAT = 1
 _TOKEN = re.compile(r"(?u)\b\w\w+\b")  # bm25s's default token pattern
 DEFAULT_SNIPPET_TOKENS = 24
 
 
-def default_cache_dir() -> Path:
-    """``$MOSAIC_CACHE`` if set, else ``~/.cache/mosaic``."""
-    env = os.environ.get("MOSAIC_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "mosaic"
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,8 @@
 
 A checkpoint is a directory ``<run_dir>/checkpoints/ckpt-<step>/`` holding
 - ``model/``: weights as safetensors (``save_pretrained`` for HF models, a plain
-  ``model.safetensors`` for other modules) and the tokenizer when given;
+  ``model.safetensors`` for other modules) and the tokenizer when given (saved so
+  that ``AutoTokenizer`` loads it back to the same ids, checked on save);
 - ``optimizer.pt``, ``scheduler.pt``: their ``state_dict`` s;
 - ``rng.pt``: python, numpy, torch CPU and CUDA RNG states and every named
   generator passed in (``torch.Generator`` or ``numpy.random.Generator``);
@@ -123,7 +124,9 @@ def _save_model(model, tokenizer, d: Path) -> None:
 
         save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, str(d / "model.safetensors"))
     if tokenizer is not None:
-        tokenizer.save_pretrained(d)
+        from mosaic.agent.tokenizer import save_tokenizer  # lazy: keeps checkpoint free of transformers until used
+
+        save_tokenizer(tokenizer, d)  # loads back with AutoTokenizer to the same ids, or raises
 
 
 def _load_model(model, d: Path) -> None:
@@ -434,8 +437,11 @@ def resolve_resume(resume: str, run_dir: str | Path) -> Path | None:
 # --------------------------------------------------------------------------------------
 # A changed config on resume.
 
-_RESUME_FREE = ("train.resume", "train.resume_force", "train.run_dir")
-"""Keys that may change on resume without notice (where to resume from, and the force switch itself)."""
+_RESUME_FREE = ("train.resume", "train.resume_force", "train.run_dir", "train.logger", "train.project_name",
+                "train.experiment_name", "train.tensorboard", "train.wandb", "train.log_every", "train.plot_every")
+"""Keys that may change on resume without notice: where to resume from, the force switch itself, and
+where metrics are shown (the run computes the same either way; a run started before ``train.logger``
+existed resumes without it showing up as a change)."""
 
 
 def check_resume_config(run_dir: str | Path, config_yaml: str, force: bool, *, state: Mapping[str, Any] | None = None

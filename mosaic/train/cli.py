@@ -1,9 +1,10 @@
 """``mosaic train | sft | eval | compare``.
 
-``train``, ``sft`` and ``eval`` take ``--config YAML``, ``--preset NAME`` and
-trailing ``section.field=value`` overrides; the config is resolved and
-validated first, and an invalid one exits with status 2 and the message
-before any work. ``--print-config`` prints the resolved YAML and exits.
+``train``, ``sft``, ``eval`` and ``pretrain`` take ``--config YAML``, ``--preset NAME`` and
+trailing ``section.field=value`` overrides (the grammar of every verb, :mod:`mosaic.cliargs`);
+the config is resolved and validated first, and an invalid one exits with status 2 and the
+message before any work. ``--print-config`` prints the resolved YAML and exits;
+``--help-config`` prints every key with its value under the preset and its docstring.
 ``compare`` runs a paired bootstrap on two per-question outcome files. Bad
 flags (``eval --checkpoint`` that is missing or does not verify, ``compare``
 with a missing file, ``--n-boot 0``, ``--ci 2``) exit with status 2 and one
@@ -25,25 +26,16 @@ EXIT_CONFIG = 2
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", metavar="YAML", help="YAML file of config sections (merged over the preset)")
-    p.add_argument("--preset", help="base preset: cpu (default), smollm2, paper")
-    p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. algo.lam=0.2")
+    from mosaic.cliargs import add_config_args
+
+    add_config_args(p)
 
 
 def _config(args):
-    """The resolved config, or (None, exit code) after printing the error."""
-    from mosaic.train.config import ConfigError, dump_config, load_config
+    """The resolved config, or (None, exit code) after printing the error / --help-config / --print-config."""
+    from mosaic.cliargs import resolve_config
 
-    try:
-        cfg = load_config(preset=args.preset, yaml_path=args.config, overrides=args.overrides)
-    except ConfigError as exc:
-        print(f"mosaic {args.command}: config error: {exc}", file=sys.stderr)
-        return None, EXIT_CONFIG
-    if args.print_config:
-        print(dump_config(cfg), end="")
-        return None, 0
-    return cfg, None
+    return resolve_config(args, args.command)
 
 
 def _eval_args_error(args) -> str | None:
@@ -86,6 +78,7 @@ def _run(fn_name: str):
             return code
         from mosaic.train import entrypoints
         from mosaic.train.checkpoint import CheckpointError
+        from mosaic.train.config import ConfigError
 
         try:
             if fn_name == "run_eval":
@@ -106,6 +99,9 @@ def _run(fn_name: str):
             return 1
         except CheckpointError as exc:  # a resume that must not go on (changed config) or a corrupt checkpoint
             print(f"mosaic {args.command}: {exc}", file=sys.stderr)
+            return EXIT_CONFIG
+        except ConfigError as exc:  # found once the run looks around (e.g. a logger that is not installed)
+            print(f"mosaic {args.command}: config error: {exc}", file=sys.stderr)
             return EXIT_CONFIG
 
     return cmd
@@ -170,7 +166,14 @@ def _pretrain(args) -> int:
     except ValueError as exc:
         print(f"mosaic pretrain: config error: {exc}", file=sys.stderr)
         return EXIT_CONFIG
-    out = args.out or str(BASE_MODELS_DIR / f"{cfg.model.embedded_preset}-base")
+    if args.out and args.into_package:
+        print("mosaic pretrain: --out and --into-package name two destinations; pass one", file=sys.stderr)
+        return EXIT_CONFIG
+    if args.into_package:  # the model the package ships (and `mosaic train` starts from): only when asked
+        out = str(BASE_MODELS_DIR / f"{cfg.model.embedded_preset}-base")
+    else:
+        out = args.out or str(Path("runs") / "pretrain" / f"{cfg.model.embedded_preset}-base")
+    print(f"[mosaic] pretrain: writing to {out}", file=sys.stderr)
     meta = pretrain(cfg, pc, out)
     print(f"[mosaic] pretrain: {meta['parameters'] / 1e6:.2f}M parameters, {pc.steps} steps over "
           f"{meta['worlds']} worlds, final loss {meta['final_loss']:.3f}, {meta['seconds']:.0f} s -> {out}")
@@ -180,7 +183,10 @@ def _pretrain(args) -> int:
 def register(subparsers) -> None:
     p = subparsers.add_parser("pretrain", help="build the embedded base model (expert rollouts over generated "
                                                "training-partition worlds)")
-    p.add_argument("--out", help="output dir (default: the shipped base model of the embedded preset)")
+    p.add_argument("--out", help="output dir (default: runs/pretrain/<embedded preset>-base)")
+    p.add_argument("--into-package", action="store_true",
+                   help="write over the base model shipped inside the installed package (what `mosaic train` "
+                        "starts from)")
     p.add_argument("--steps", type=int, help="optimizer steps (default 1500)")
     p.add_argument("--lr", type=float, help="peak learning rate (default 2e-3)")
     p.add_argument("--batch-size", type=int, help="rows per step (default 16)")

@@ -293,6 +293,50 @@ def load_config(preset: str | None = None, yaml_path: str | Path | None = None,
     return _build(Config, tree, "")
 
 
+def field_docs(cls: type) -> dict[str, str]:
+    """The attribute docstrings of a dataclass (the string literal under each field), read from its source."""
+    import ast
+    import inspect
+    import textwrap
+
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError):  # no source (frozen app): no docs
+        return {}
+    body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+    out = {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr) \
+                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):  # fmt: skip
+            out[node.target.id] = " ".join(nxt.value.value.split())
+    return out
+
+
+def describe_config(cfg: Config, sections: Sequence[str] | None = None) -> str:
+    """Every key of ``cfg`` (or of ``sections``) with its value in ``cfg`` (the preset's default when
+    nothing was overridden) and its docstring: what ``mosaic <verb> --help-config`` prints."""
+    hints = typing.get_type_hints(Config)
+    lines = [f"Config keys (preset {cfg.preset!r}); set any with section.field=value (YAML values), "
+             f"or in a --config YAML file.", ""]
+    for name in SECTIONS:
+        if sections is not None and name not in sections:
+            continue
+        cls = hints[name]
+        section_doc = " ".join((cls.__doc__ or "").split())
+        lines.append(f"{name}:  {section_doc}".rstrip())
+        docs = field_docs(cls)
+        for f in fields(cls):
+            value = yaml.safe_dump(config_tree(getattr(getattr(cfg, name), f.name)), default_flow_style=True,
+                                   width=10_000).strip().removesuffix("...").strip()
+            if len(value) > 60:
+                value = value[:57] + "..."
+            lines.append(f"  {name}.{f.name} = {value}")
+            if docs.get(f.name):
+                lines.append(f"      {docs[f.name]}")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def loads_config(text: str) -> Config:
     """A :class:`Config` from the YAML text :func:`dump_config` writes (validated like :func:`load_config`)."""
     try:
@@ -340,6 +384,26 @@ _ABSENT = _Absent()
 
 def _show(v: Any) -> str:
     return repr(list(v) if isinstance(v, tuple) else v)
+
+
+def split_config_for(cfg: Config, split: str):
+    """The env's split config with the run's overrides (world size, task counts, hop mix)."""
+    from dataclasses import replace
+
+    from mosaic.envs.splits import split_config  # lazy: keeps loading a config light
+
+    d = cfg.data
+    n_entities = d.train_world_entities if split == "train" and d.train_world_entities else d.world_entities
+    overrides = {"n_entities": n_entities} if n_entities else {}
+    sc = split_config(split, d.preset, seed=d.seed, **overrides)
+    changes = {}
+    if split == "train" and d.n_train_tasks:
+        changes["n_tasks"] = d.n_train_tasks
+    if split != "train" and d.n_eval_tasks:
+        changes["n_tasks"] = d.n_eval_tasks
+    if d.hop_mix is not None:
+        changes["hop_mix"] = tuple((int(h), float(w)) for h, w in d.hop_mix)
+    return replace(sc, **changes) if changes else sc
 
 
 def resolve_steps(cfg: Config, n_train_tasks: int) -> int:

@@ -29,7 +29,7 @@ from mosaic.agent.models.embedded import save_model
 from mosaic.trace import load_trajectories, write_jsonl
 from mosaic.train import setup
 from mosaic.train.checkpoint import check_resume_config, find_latest, load_checkpoint, resolve_resume, save_checkpoint
-from mosaic.train.config import Config, dump_config, resolve_steps
+from mosaic.train.config import Config, ConfigError, dump_config, resolve_steps
 from mosaic.train.evaluate import evaluate, paired_outcomes
 from mosaic.train.optim import build_optimizer, build_scheduler
 from mosaic.train.rl import RLState, make_reference, rl_step
@@ -150,13 +150,19 @@ def run_eval(cfg: Config, checkpoint: str | None, out: str | None) -> int:
     path = Path(checkpoint) if checkpoint else find_latest(cfg.train.run_dir)
     if path is None:
         path = ensure_warm_start(cfg)
+        what = (f"the warm start of model.source={cfg.model.source} (no checkpoint in train.run_dir="
+                f"{cfg.train.run_dir}; pass --checkpoint to evaluate another model)")
     elif (path / "model").is_dir():
+        what = f"checkpoint {path.name}" + ("" if checkpoint else f" (the latest of train.run_dir={cfg.train.run_dir})")
         path = path / "model"
     elif not (path / "config.json").exists():
         found = find_latest(path)
         if found is None:
             raise FileNotFoundError(f"{path}: neither a model directory nor a run dir with checkpoints")
-        path = found / "model"
+        what, path = f"checkpoint {found.name} (the latest of run dir {path})", found / "model"
+    else:
+        what = "a model directory"
+    _log(f"evaluating {path}: {what}")
     model, tok = setup.load_policy(path, device=device, dtype=dtype)
     chat = setup.chat_format(tok)
     split = setup.load_split(cfg, cfg.data.eval_split)
@@ -165,7 +171,7 @@ def run_eval(cfg: Config, checkpoint: str | None, out: str | None) -> int:
     _log(f"model {path}")
     _log(res.line(f"eval[{cfg.data.eval_split}]"))
     for k in sorted(res.metrics):
-        if k.startswith(("session/", "val/")):
+        if k.startswith(("session/", "val-core/", "val-aux/")):
             print(f"  {k}: {res.metrics[k]:.4f}")
     if out:
         _log(f"per-question outcomes → {out}")
@@ -178,6 +184,12 @@ def run_eval(cfg: Config, checkpoint: str | None, out: str | None) -> int:
 def run_train(cfg: Config) -> int:
     """``mosaic train``: warm start (cached) → held-out eval → RL → held-out eval and paired CI."""
     t_start = time.perf_counter()
+    if "wandb" in cfg.train.sinks() and cfg.train.logger is not None:
+        import importlib.util
+
+        if importlib.util.find_spec("wandb") is None:  # before minutes of warm-start evaluation
+            raise ConfigError("config key 'train.logger': lists wandb but the wandb package is not installed "
+                              "(pip install wandb, or drop wandb from train.logger)")
     plan = prepare_run(cfg)
     plan.run_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.train.seed)
@@ -203,13 +215,17 @@ def _heldout_eval(cfg: Config, run_dir: Path, name: str, model, tok, chat, split
         res = json.loads(meta.read_text())
         _log(f"warm start on {where} (cached): {100 * res['accuracy']:.1f} %")
         return res
-    r = evaluate(cfg, model, tok, chat, split, n_tasks=cfg.data.n_eval_tasks or len(split.tasks),
+    label = "warm start" if name == "warmstart" else "after RL"
+    n_tasks = cfg.data.n_eval_tasks or len(split.tasks)
+    _log(f"evaluating the {label} on {where}: {n_tasks} questions x {cfg.train.eval_samples} samples")
+    r = evaluate(cfg, model, tok, chat, split, n_tasks=n_tasks,
                  samples=cfg.train.eval_samples, temperature=cfg.train.eval_temperature,
-                 out=run_dir / f"eval_{name}.jsonl", progress=False)  # fmt: skip
+                 out=run_dir / f"eval_{name}.jsonl",
+                 progress=f"eval {label}" if "console" in cfg.train.sinks() else False)  # fmt: skip
     res = {"split": where, "accuracy": r.accuracy, "lo": r.lo, "hi": r.hi, "outcomes": r.outcomes,
            "metrics": r.metrics}  # fmt: skip
     meta.write_text(json.dumps(res))
-    _log(r.line(f"{'warm start' if name == 'warmstart' else 'after RL'} on {where}"))
+    _log(r.line(f"{label} on {where}"))
     return res
 
 
@@ -229,7 +245,9 @@ def _rl_loop(cfg: Config, plan: RunPlan, model, tok, chat, device) -> None:
     st = RLState(cfg, model, tok, chat, train, optimizer, scheduler, device, ref_model=ref)
     val = setup.load_split(cfg, cfg.data.eval_split) if cfg.train.eval_every else None
     logger = RunLogger(plan.run_dir, config_yaml=plan.config_yaml, total_steps=steps, start_step=start,
-                       tensorboard=cfg.train.tensorboard, wandb=cfg.train.wandb, log_every=cfg.train.log_every,
+                       logger=cfg.train.logger, tensorboard=cfg.train.tensorboard, wandb=cfg.train.wandb,
+                       project_name=cfg.train.project_name,
+                       experiment_name=cfg.train.experiment_name, log_every=cfg.train.log_every,
                        plot_every=cfg.train.plot_every, title=f"mosaic train ({cfg.algo.estimator})")  # fmt: skip
     if cfg.train.rollout_samples and not (plan.run_dir / "vocab.json").exists():
         # the token texts samples.jsonl's ids print as (mosaic view), written once per run
@@ -240,8 +258,9 @@ def _rl_loop(cfg: Config, plan: RunPlan, model, tok, chat, device) -> None:
             m = rl_step(st, step)
             n = step + 1
             if val is not None and n % cfg.train.eval_every == 0 and n < steps:
-                r = evaluate(cfg, model, tok, chat, val, n_tasks=cfg.data.n_eval_tasks or None,
-                             samples=1, temperature=cfg.train.eval_temperature, progress=False)  # fmt: skip
+                r = evaluate(cfg, model, tok, chat, val, n_tasks=cfg.data.n_eval_tasks or None, samples=1,
+                             temperature=cfg.train.eval_temperature,
+                             progress=f"eval step {n}" if "console" in cfg.train.sinks() else False)  # fmt: skip
                 m.update(r.metrics)
             logger.log(n, m)
             if cfg.train.rollout_samples:

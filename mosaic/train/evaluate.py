@@ -21,7 +21,7 @@ import numpy as np
 from mosaic.agent.harness import DeepSearchEnv, Harness
 from mosaic.trace import Trajectory
 from mosaic.train.config import Config
-from mosaic.train.metrics import rollout_metrics
+from mosaic.train.metrics import rollout_metrics, val_keys
 from mosaic.train.scorer import score_gains as score_gains_
 from mosaic.train.setup import sampling_policy
 from mosaic.train.stats import accuracy_ci
@@ -45,14 +45,17 @@ class EvalResult:
 
 
 def evaluate(cfg: Config, model, tokenizer, chat, split, *, n_tasks: int | None = None, samples: int = 1,
-             temperature: float = 0.0, seed: int = 0, score_gains: bool = True, progress: bool = True,
+             temperature: float = 0.0, seed: int = 0, score_gains: bool = True, progress: bool | str = True,
              out: str | Path | None = None) -> EvalResult:
-    """Accuracy of ``model`` on ``split`` through the harness; optional outcomes file ``out``."""
+    """Accuracy of ``model`` on ``split`` through the harness; optional outcomes file ``out``.
+
+    ``progress``: a progress bar over the trajectories (a string: its label; ``True``: ``eval``)."""
     t0 = time.perf_counter()
     tasks = split.tasks[: n_tasks or len(split.tasks)]
     policy = sampling_policy(cfg, model, tokenizer, temperature=temperature, seed=seed)
     harness = Harness(policy, chat, DeepSearchEnv(split), cfg.harness)
-    trajs = harness.run(tasks, group_size=samples, seed=seed, progress=progress, step="eval")
+    trajs = harness.run(tasks, group_size=samples, seed=seed, progress="eval" if progress is True else progress,
+                        step="eval")
     gains = is_final = None
     if score_gains:
         res = score_gains_(trajs, model, chat.answer_probe, max_batch_tokens=cfg.algo.score_batch_tokens)
@@ -64,7 +67,7 @@ def evaluate(cfg: Config, model, tokenizer, chat, split, *, n_tasks: int | None 
     acc = accuracy_ci([outcomes[t.id] for t in tasks])
     if out is not None:
         write_outcomes(out, trajs)
-    metrics.update({"val/accuracy": acc.accuracy, "val/accuracy_lo": acc.lo, "val/accuracy_hi": acc.hi})
+    metrics.update(zip(val_keys(samples), (acc.accuracy, acc.lo, acc.hi)))
     return EvalResult(acc.accuracy, acc.lo, acc.hi, acc.n_questions, metrics, outcomes, time.perf_counter() - t0)
 
 

@@ -1,13 +1,14 @@
-"""Rollout and session metrics with stable, verl-style names.
+"""Rollout and session metrics with stable names: verl's where the quantity is the same.
 
-Names used across the trainer (console, JSONL, TensorBoard, plots):
+Names used across the trainer (console, JSONL, TensorBoard, wandb, plots):
 
 | name | meaning |
 | --- | --- |
 | ``critic/score/mean`` (``/max``, ``/min``) | outcome reward of the batch's trajectories |
 | ``critic/success/mean`` | share of successful trajectories |
 | ``actor/pg_loss``, ``actor/entropy``, ``actor/grad_norm``, ``actor/lr`` | update (from the loss) |
-| ``timing_s/gen``, ``timing_s/score``, ``timing_s/update``, ``timing_s/step`` | wall seconds |
+| ``timing_s/gen``, ``timing_s/score``, ``timing_s/update_actor``, ``timing_s/step`` | wall seconds (``score``:
+the information-gain probes, which verl does not have) |
 | ``perf/throughput`` | tokens (prompt + completion of every row) per second of step time |
 | ``session/per_traj`` | sessions per trajectory (mean) |
 | ``session/count/<kind>`` | sessions of a kind per trajectory (mean) |
@@ -16,7 +17,11 @@ Names used across the trainer (console, JSONL, TensorBoard, plots):
 | ``session/compactions``, ``session/forks`` | per trajectory (mean) |
 | ``session/end/<reason>`` | share of trajectories ending for each reason |
 | ``response_length/mean`` | trainable (sampled) tokens per trajectory |
-| ``val/accuracy`` (``_lo``, ``_hi``) | held-out accuracy and its 95 % CI |
+| ``val-core/deepsearch/acc/mean@<n>`` | held-out accuracy over n samples per question (verl's name) |
+| ``val-aux/deepsearch/acc/ci_lo@<n>``, ``ci_hi@<n>`` | its 95 % interval |
+
+Run dirs written before the verl names (``timing_s/update``, ``val/accuracy`` and its ``_lo`` / ``_hi``)
+are read under the new names: :func:`upgrade_names` (applied by ``runlog.read_metrics``).
 """
 
 from __future__ import annotations
@@ -27,12 +32,42 @@ import numpy as np
 
 from mosaic.trace.graph import Trajectory
 
-__all__ = ["rollout_metrics", "CONSOLE_ORDER"]
+__all__ = ["rollout_metrics", "CONSOLE_ORDER", "VAL_SOURCE", "val_keys", "ci_keys", "upgrade_names"]
+
+VAL_SOURCE = "deepsearch"
+"""The data source in verl's validation names (``val-core/<source>/...``): the one environment."""
+
+
+def val_keys(samples: int) -> tuple[str, str, str]:
+    """(accuracy, 95 % CI low, high) names of a held-out evaluation with ``samples`` per question."""
+    return (f"val-core/{VAL_SOURCE}/acc/mean@{samples}", f"val-aux/{VAL_SOURCE}/acc/ci_lo@{samples}",
+            f"val-aux/{VAL_SOURCE}/acc/ci_hi@{samples}")
+
+
+def ci_keys(key: str) -> tuple[str, str] | None:
+    """The CI bound names of an accuracy name of :func:`val_keys`; None for any other name."""
+    if not key.startswith("val-core/") or "/acc/mean@" not in key:
+        return None
+    aux = key.replace("val-core/", "val-aux/", 1)
+    return aux.replace("/acc/mean@", "/acc/ci_lo@"), aux.replace("/acc/mean@", "/acc/ci_hi@")
+
+
+_RENAMED = {"timing_s/update": "timing_s/update_actor", **dict(zip(("val/accuracy", "val/accuracy_lo",
+                                                                    "val/accuracy_hi"), val_keys(1)))}
+"""Names of metrics lines written before the verl names; the periodic evaluation then used 1 sample."""
+
+
+def upgrade_names(row: dict) -> dict:
+    """``row`` (one ``metrics.jsonl`` line) with pre-verl metric names renamed (a new dict when any was)."""
+    if not any(k in row for k in _RENAMED):
+        return row
+    return {_RENAMED.get(k, k): v for k, v in row.items()}
+
 
 CONSOLE_ORDER = (
-    "critic/score/mean", "critic/success/mean", "val/accuracy", "actor/pg_loss", "actor/entropy", "actor/grad_norm",
-    "actor/lr", "session/per_traj", "session/compactions", "session/forks", "timing_s/step", "timing_s/gen",
-    "timing_s/score", "timing_s/update", "perf/throughput",
+    "critic/score/mean", "critic/success/mean", val_keys(1)[0], "actor/pg_loss", "actor/entropy",
+    "actor/grad_norm", "actor/lr", "session/per_traj", "session/compactions", "session/forks", "timing_s/step",
+    "timing_s/gen", "timing_s/score", "timing_s/update_actor", "perf/throughput",
 )  # fmt: skip
 """Keys printed first on the console line (others follow alphabetically)."""
 

@@ -216,7 +216,7 @@ def rl_step(st: RLState, step: int) -> dict[str, float]:
     m.update(adv_metrics)
     m.update(scores.metrics or {})
     m.update(upd)
-    m.update({"timing_s/gen": t_gen, "timing_s/score": t_score, "timing_s/update": t_update,
+    m.update({"timing_s/gen": t_gen, "timing_s/score": t_score, "timing_s/update_actor": t_update,
               "timing_s/step": total, "perf/throughput": tokens / max(total, 1e-9),
               "train/tasks": float(len(tasks)), "train/sessions": float(len(rows))})  # fmt: skip
     return m

@@ -6,15 +6,18 @@ Layout of ``<run_dir>/``::
     metrics.jsonl      one JSON line per step: {"step": N, "<name>": value, ...}, flushed
     samples.jsonl      a few rollouts per step, token ids + credit (mosaic.train.samples; `mosaic view`)
     vocab.json         the text of every token id, for reading samples.jsonl
-    tb/                TensorBoard event files (torch.utils.tensorboard)
-    wandb/             wandb offline run, only when asked for and installed
+    tb/                TensorBoard event files (``tensorboard`` in ``train.logger``)
+    wandb/             wandb's files (``wandb`` in ``train.logger``; online or offline)
     plots/*.png        reward, held-out accuracy, sessions per trajectory, positive-gain share
     summary.md         short human summary, rewritten with the plots
     checkpoints/       see mosaic.train.checkpoint
 
-Console: a tqdm progress bar plus, every ``log_every`` steps, a line
-``step:N - key:value - ...`` (verl's format; names in :mod:`mosaic.train.metrics`)
-printed with ``tqdm.write`` so it does not break the bar.
+Sinks are verl's ``trainer.logger`` names (``train.logger``): ``console`` is a tqdm
+progress bar plus, every ``log_every`` steps, a line ``step:N - key:value - ...``
+(verl's format; names in :mod:`mosaic.train.metrics`) printed with ``tqdm.write``
+so it does not break the bar; ``tensorboard``; ``wandb``, under ``train.project_name``
+and ``train.experiment_name``, online when it has an API key and its server answers,
+offline otherwise. ``metrics.jsonl`` is always written.
 
 On resume from step k, lines of steps > k in ``metrics.jsonl`` / ``samples.jsonl``
 (written after the checkpoint by the interrupted run) are dropped, so the
@@ -29,17 +32,17 @@ import os
 import sys
 import warnings
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 from tqdm import tqdm
 
-from mosaic.train.metrics import CONSOLE_ORDER
+from mosaic.train.metrics import CONSOLE_ORDER, ci_keys, upgrade_names
 
 __all__ = ["RunLogger", "format_console_line", "read_metrics", "make_plots", "write_summary"]
 
 PLOTS = {
     "reward": ("critic/score/mean", "mean outcome reward"),
-    "heldout_accuracy": ("val/accuracy", "held-out accuracy"),
+    "heldout_accuracy": ("val-core/", "held-out accuracy"),
     "sessions_per_traj": ("session/per_traj", "sessions per trajectory"),
     "pos_gain_share": ("session/pos_gain_share/", "share of sessions with positive gain"),
 }
@@ -53,6 +56,45 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
+def init_wandb(run_dir: Path, *, mode: str, project: str, name: str, config_yaml: str | None = None):
+    """A wandb run under ``run_dir``; None when wandb is not installed and ``mode`` is the deprecated
+    ``offline`` switch (a warning; ``auto`` raises instead: the user listed wandb in ``train.logger``).
+
+    ``auto``: ``$WANDB_MODE`` when set; else online when an API key is configured, falling back to
+    offline (with a warning) when the server cannot be reached; offline without a key.
+    """
+    try:
+        import wandb as _wandb  # optional, never a dependency
+    except ImportError:
+        if mode == "auto":
+            raise RuntimeError("train.logger lists wandb but the wandb package is not installed "
+                               "(pip install wandb, or drop wandb from train.logger)") from None
+        warnings.warn("train.wandb=offline but wandb is not installed; skipping wandb", stacklevel=3)
+        return None
+    import yaml
+
+    kw = dict(dir=str(run_dir), project=project, name=name, resume="allow",
+              config=yaml.safe_load(config_yaml) if config_yaml else None)
+    if mode == "auto":
+        mode = os.environ.get("WANDB_MODE") or ("online" if _wandb_api_key(_wandb) else "offline")
+    if mode == "online":
+        try:
+            return _wandb.init(mode="online", **kw)
+        except Exception as exc:  # unreachable server, bad key: the run goes on, logged offline
+            warnings.warn(f"wandb online failed ({type(exc).__name__}: {exc}); logging offline under "
+                          f"{run_dir}/wandb (wandb sync uploads it later)", stacklevel=3)
+    return _wandb.init(mode="offline", **kw)
+
+
+def _wandb_api_key(wandb_module) -> bool:
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    try:
+        return bool(wandb_module.api.api_key)
+    except Exception:  # no settings / netrc: no key
+        return False
+
+
 def format_console_line(step: int, metrics: Mapping[str, Any]) -> str:
     """``step:N - key:value - ...``: the keys of CONSOLE_ORDER first, then the rest sorted."""
     keys = [k for k in CONSOLE_ORDER if k in metrics] + sorted(k for k in metrics if k not in CONSOLE_ORDER)
@@ -60,6 +102,7 @@ def format_console_line(step: int, metrics: Mapping[str, Any]) -> str:
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """Every step's metrics of ``run_dir``, pre-verl names renamed (:func:`~mosaic.train.metrics.upgrade_names`)."""
     p = Path(run_dir) / "metrics.jsonl"
     if not p.is_file():
         return []
@@ -67,7 +110,7 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     for line in p.read_text().splitlines():
         if line.strip():
             try:
-                out.append(json.loads(line))
+                out.append(upgrade_names(json.loads(line)))
             except json.JSONDecodeError:  # a line cut by a kill: skip it
                 continue
     return out
@@ -113,7 +156,7 @@ def make_plots(run_dir: str | Path) -> list[Path]:
         fig, ax = plt.subplots(figsize=(6, 3.6), dpi=100)
         for k, (xs, ys) in sorted(series.items()):
             ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, ms=3, label=k.removeprefix(key) or k)
-            lo_k, hi_k = f"{k}_lo", f"{k}_hi"
+            lo_k, hi_k = ci_keys(k) or (f"{k}_lo", f"{k}_hi")
             band = [(r["step"], r[lo_k], r[hi_k]) for r in rows if lo_k in r and hi_k in r]
             if band:
                 ax.fill_between([b[0] for b in band], [b[1] for b in band], [b[2] for b in band], alpha=0.2)
@@ -142,12 +185,12 @@ def write_summary(run_dir: str | Path, *, title: str = "", extra: Mapping[str, A
         for k in CONSOLE_ORDER:
             if k in last:
                 lines.append(f"| `{k}` | {_fmt(last[k])} |")
-        evals = [r for r in rows if "val/accuracy" in r]
-        if evals:
-            best = max(evals, key=lambda r: r["val/accuracy"])
-            ci = f" (95% CI {_fmt(best['val/accuracy_lo'])}-{_fmt(best['val/accuracy_hi'])})" \
-                if "val/accuracy_lo" in best else ""  # fmt: skip
-            lines += ["", f"Best held-out accuracy: {_fmt(best['val/accuracy'])}{ci} at step {best['step']}."]
+        acc_keys = sorted({k for r in rows for k in r if ci_keys(k)})
+        for key in acc_keys:  # one per samples-per-question setting (verl's mean@n)
+            best = max((r for r in rows if key in r), key=lambda r: r[key])
+            lo_k, hi_k = ci_keys(key)
+            ci = f" (95% CI {_fmt(best[lo_k])}-{_fmt(best[hi_k])})" if lo_k in best and hi_k in best else ""
+            lines += ["", f"Best held-out accuracy ({key}): {_fmt(best[key])}{ci} at step {best['step']}."]
     else:
         lines.append("No steps logged yet.")
     for k, v in (extra or {}).items():
@@ -168,16 +211,22 @@ class RunLogger:
         config_yaml: the resolved config text (``dump_config(cfg)``), written to ``config.yaml``.
         total_steps: length of the progress bar.
         start_step: the step a resumed run continues after (later lines are dropped).
-        tensorboard / wandb: sinks; wandb ``offline`` is used only if importable (a warning otherwise).
-        console: print the progress bar and the metric lines.
+        logger: the sinks, verl's ``trainer.logger`` names (``console``, ``tensorboard``, ``wandb``); None:
+            the older switches ``console`` / ``tensorboard`` / ``wandb`` (``offline``: wandb offline when
+            installed, a warning otherwise).
+        project_name / experiment_name: the wandb project and run name (empty: the run dir's name).
     """
 
     def __init__(self, run_dir: str | Path, *, config_yaml: str | None = None, total_steps: int | None = None,
                  start_step: int = 0, tensorboard: bool = True, wandb: str = "off", console: bool = True,
-                 log_every: int = 1, plot_every: int = 10, title: str = "") -> None:  # fmt: skip
+                 log_every: int = 1, plot_every: int = 10, title: str = "", logger: Sequence[str] | None = None,
+                 project_name: str = "mosaic", experiment_name: str = "") -> None:  # fmt: skip
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.log_every, self.plot_every, self.title = log_every, plot_every, title
+        if logger is not None:
+            console, tensorboard = "console" in logger, "tensorboard" in logger
+            wandb = "auto" if "wandb" in logger else "off"
         if config_yaml is not None:
             (self.run_dir / "config.yaml").write_text(config_yaml)
         self._metrics_path = self.run_dir / "metrics.jsonl"
@@ -193,15 +242,10 @@ class RunLogger:
 
             self._tb = SummaryWriter(log_dir=str(self.run_dir / "tb"), purge_step=start_step + 1 if start_step else None)
         self._wandb = None
-        if wandb == "offline":
-            try:
-                import wandb as _wandb  # optional, never required
-
-                self._wandb = _wandb.init(mode="offline", dir=str(self.run_dir), project="mosaic",
-                                          name=title or self.run_dir.name, resume="allow")  # fmt: skip
-            except ImportError:
-                warnings.warn("train.wandb=offline but wandb is not installed; skipping wandb", stacklevel=2)
-        self._bar = None
+        if wandb != "off":
+            self._wandb = init_wandb(self.run_dir, mode=wandb, project=project_name,
+                                     name=experiment_name or self.run_dir.name, config_yaml=config_yaml)
+        self._bar, self._console = None, console
         if console:
             self._bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True, file=sys.stderr)
 
@@ -229,7 +273,7 @@ class RunLogger:
             self._bar.update(1)
             if "critic/score/mean" in clean:
                 self._bar.set_postfix(score=f"{clean['critic/score/mean']:.3f}")
-        if self.log_every and step % self.log_every == 0:
+        if self._console and self.log_every and step % self.log_every == 0:
             self.write(format_console_line(step, clean))
         if self.plot_every and step % self.plot_every == 0:
             self.plot()

@@ -22,6 +22,8 @@ __all__ = ["ConfigError", "ModelConfig", "DataConfig", "RolloutConfig", "AlgoCon
 EMBEDDED_PRESETS = ("tiny", "cpu")
 """Names of ``mosaic.agent.models.embedded.PRESETS`` (kept here so config loads without torch; a test keeps them equal)."""
 LOSS_AGG = ("trajectory-token-mean", "token-mean", "session-token-mean")
+LOGGERS = ("console", "tensorboard", "wandb")
+"""Entries of ``train.logger`` (verl's ``trainer.logger`` names)."""
 
 
 class ConfigError(ValueError):
@@ -109,7 +111,8 @@ class DataConfig(_Section):
     seed: int = 0
     """Seed of the worlds and question samplers (world seeds derive from it per split)."""
     cache_dir: str = ".mosaic-cache"
-    """Where generated worlds / indexes are cached (relative to the working directory)."""
+    """Where generated worlds / indexes are cached (relative to the working directory); the default
+    means ``$MOSAIC_CACHE`` when that is set (``mosaic.envs.cache``, the same for every verb)."""
 
     def _validate(self) -> None:
         self._positive("n_train_tasks", "n_eval_tasks", "world_entities", "train_world_entities", allow_zero=True)
@@ -263,9 +266,20 @@ class TrainConfig(_Section):
     plot_every: int = 10
     """Regenerate the PNG plots every N steps (and at the end); 0 = only at the end."""
     tensorboard: bool = True
-    """Write TensorBoard event files."""
+    """Write TensorBoard event files (used only while ``train.logger`` is null; prefer ``train.logger``)."""
     wandb: Literal["off", "offline"] = "off"
-    """Also log to wandb in offline mode when the package is installed (never required)."""
+    """Deprecated alias: ``offline`` = ``wandb`` in ``train.logger``, but offline always (used only while
+    ``train.logger`` is null)."""
+    logger: tuple[str, ...] | None = None
+    """Where metrics go besides ``metrics.jsonl`` (always written), as verl's ``trainer.logger``: any of
+    ``console`` (progress bars and a line every ``log_every`` steps), ``tensorboard`` (``<run_dir>/tb``),
+    ``wandb`` (online with an API key and a reachable server, else offline under ``<run_dir>/wandb``; needs
+    the ``wandb`` package). E.g. ``train.logger=[console,tensorboard,wandb]``. Null: console, plus
+    TensorBoard while ``train.tensorboard``, plus wandb offline when ``train.wandb=offline``."""
+    project_name: str = "mosaic"
+    """Project the run is logged under (wandb project), as verl's ``trainer.project_name``."""
+    experiment_name: str = ""
+    """Name of the run in wandb, as verl's ``trainer.experiment_name``; empty = the run dir's name."""
 
     def _validate(self) -> None:
         self._positive("steps", "eval_every", "save_every", "plot_every", allow_zero=True)
@@ -273,6 +287,20 @@ class TrainConfig(_Section):
         self._positive("rollout_samples", "eval_temperature", allow_zero=True)
         self._need(bool(self.resume), "resume", "must be 'auto', 'never' or a checkpoint path")
         self._need(bool(self.run_dir), "run_dir", "must not be empty")
+        if self.logger is not None:
+            self._need(all(x in LOGGERS for x in self.logger), "logger", f"each entry must be one of {LOGGERS}")
+            self._need(len(set(self.logger)) == len(self.logger), "logger", "lists an entry twice")
+            self._need(self.wandb == "off", "wandb",
+                       "is a deprecated alias; with train.logger set, list wandb there instead")
+            self._need(self.tensorboard or "tensorboard" not in self.logger, "tensorboard",
+                       "is false but train.logger lists tensorboard; drop train.tensorboard")
+
+    def sinks(self) -> tuple[str, ...]:
+        """The resolved ``train.logger``: the list, or what the older switches ask for when it is null."""
+        if self.logger is not None:
+            return self.logger
+        return ("console",) + (("tensorboard",) if self.tensorboard else ()) + \
+            (("wandb",) if self.wandb == "offline" else ())  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,6 @@ every setting.
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -18,9 +17,10 @@ from mosaic.agent.models.embedded import EmbeddedModelConfig, build_model, load_
 from mosaic.agent.models.smollm2 import load_smollm2
 from mosaic.agent.policies.local import LocalPolicy, LocalPolicyConfig
 from mosaic.agent.models.corpus import build_generator_tokenizer
-from mosaic.envs.splits import Split, split_config
+from mosaic.envs.cache import resolve_cache_dir
+from mosaic.envs.splits import Split
 from mosaic.envs.splits import load_split as _load_split
-from mosaic.train.config import Config
+from mosaic.train.config import Config, split_config_for
 
 log = logging.getLogger(__name__)
 
@@ -41,24 +41,8 @@ def resolve_dtype(cfg: Config, device: torch.device) -> torch.dtype:
     return getattr(torch, cfg.model.dtype)
 
 
-def split_config_for(cfg: Config, split: str):
-    """The env's split config with the run's overrides (world size, task counts, hop mix)."""
-    d = cfg.data
-    n_entities = d.train_world_entities if split == "train" and d.train_world_entities else d.world_entities
-    overrides = {"n_entities": n_entities} if n_entities else {}
-    sc = split_config(split, d.preset, seed=d.seed, **overrides)
-    changes = {}
-    if split == "train" and d.n_train_tasks:
-        changes["n_tasks"] = d.n_train_tasks
-    if split != "train" and d.n_eval_tasks:
-        changes["n_tasks"] = d.n_eval_tasks
-    if d.hop_mix is not None:
-        changes["hop_mix"] = tuple((int(h), float(w)) for h, w in d.hop_mix)
-    return replace(sc, **changes) if changes else sc
-
-
 def load_split(cfg: Config, split: str) -> Split:
-    return _load_split(split, split_config_for(cfg, split), cache_dir=cfg.data.cache_dir)
+    return _load_split(split, split_config_for(cfg, split), cache_dir=resolve_cache_dir(cfg.data.cache_dir))
 
 
 def base_model_dir(preset: str) -> Path:

@@ -151,11 +151,12 @@ def test_hf_model_and_tokenizer_round_trip(tmp_path, tokenizer):
     ck.load_checkpoint(d, model=m2)
     for (n, p), (_, q) in zip(m.named_parameters(), m2.named_parameters()):
         assert torch.equal(p, q), n
-    from transformers import PreTrainedTokenizerFast
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    tok2 = PreTrainedTokenizerFast.from_pretrained(d / "model")
     text = "<|im_start|>assistant\n<answer>Velmora Quint</answer><|im_end|>"
-    assert tok2(text)["input_ids"] == tokenizer(text)["input_ids"]
+    for tok2 in (PreTrainedTokenizerFast.from_pretrained(d / "model"),
+                 AutoTokenizer.from_pretrained(str(d / "model"), local_files_only=True)):
+        assert tok2(text)["input_ids"] == tokenizer(text)["input_ids"]
 
 
 def test_lr_factor():

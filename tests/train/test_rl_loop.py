@@ -99,7 +99,7 @@ def test_each_estimator_runs_a_step(base_dir, tmp_path, estimator, mode):
     st = _state(cfg)
     m = rl.rl_step(st, 0)
     for key in ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", "timing_s/gen", "timing_s/score",
-                "timing_s/update", "perf/throughput", "critic/advantages/mean", "session/per_traj"):
+                "timing_s/update_actor", "perf/throughput", "critic/advantages/mean", "session/per_traj"):
         assert key in m, key
     if ESTIMATORS[estimator].needs_gains or "turn_gains" in ESTIMATORS[estimator].needs:
         non_final = sum(len(t.sessions) - 1 for t in st.last_trajs)
@@ -135,6 +135,26 @@ def test_skip_uniform_groups_trains_only_on_mixed_groups(base_dir, tmp_path):
         assert all(torch.equal(p, before[n]) for n, p in st.model.named_parameters())
     else:
         assert m["train/sessions"] > 0 and "actor/pg_loss" in m
+
+
+def test_a_checkpoint_the_trainer_writes_loads_with_the_auto_classes(base_dir, tmp_path):
+    """vLLM, SGLang, verl and TRL load a model with AutoTokenizer / AutoModelForCausalLM: a
+    checkpoint written by ``mosaic train`` must give the ids and logits training used."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from mosaic.agent.tokenizer import CHECK_TEXTS
+
+    cfg = _cfg(base_dir, tmp_path, "train.steps=1", "train.save_every=1", "train.eval_every=0")
+    assert entrypoints.run_train(cfg) == 0
+    d = tmp_path / "run" / "checkpoints" / "ckpt-1" / "model"
+    model, tok = setup.load_policy(str(d), device=torch.device("cpu"), dtype=torch.float32)
+    auto = AutoTokenizer.from_pretrained(str(d), local_files_only=True)
+    for text in CHECK_TEXTS:
+        assert auto(text, add_special_tokens=False)["input_ids"] == tok(text, add_special_tokens=False)["input_ids"]
+    hf = AutoModelForCausalLM.from_pretrained(str(d), local_files_only=True, dtype=torch.float32).eval()
+    ids = torch.tensor([tok(CHECK_TEXTS[1], add_special_tokens=False)["input_ids"]])
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, model(ids).logits, rtol=0, atol=0)
 
 
 def _train_killed_at(cfg, at_step, monkeypatch):

@@ -18,7 +18,7 @@ def test_run_dir_contents_and_resume_truncation(tmp_path, capsys):
     with RunLogger(tmp_path, config_yaml=dump_config(cfg), total_steps=4, plot_every=2, title="t") as lg:
         for s in range(1, 5):
             lg.log(s, {"critic/score/mean": 0.1 * s, "session/per_traj": 2.0, "session/pos_gain_share/main": 0.5,
-                       "val/accuracy": 0.2, "val/accuracy_lo": 0.1, "val/accuracy_hi": 0.3})
+                       "val/accuracy": 0.2, "val/accuracy_lo": 0.1, "val/accuracy_hi": 0.3, "timing_s/update": 1.0})
         lg.log_samples(4, [{"question": "q", "text": "..."}])
     out = capsys.readouterr().out
     assert "step:4 - critic/score/mean:0.4" in out
@@ -27,7 +27,10 @@ def test_run_dir_contents_and_resume_truncation(tmp_path, capsys):
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     for name in ("reward", "heldout_accuracy", "sessions_per_traj", "pos_gain_share"):
         assert (tmp_path / "plots" / f"{name}.png").stat().st_size > 1000
-    assert "Best held-out accuracy: 0.2" in (tmp_path / "summary.md").read_text()
+    # Lines written under the pre-verl names (val/accuracy...) are read under verl's.
+    assert "timing_s/update_actor" in read_metrics(tmp_path)[0] and "val/accuracy" not in read_metrics(tmp_path)[0]
+    assert "Best held-out accuracy (val-core/deepsearch/acc/mean@1): 0.2 (95% CI 0.1-0.3)" in \
+        (tmp_path / "summary.md").read_text()
     assert list((tmp_path / "tb").glob("events.*"))
     # Resume after a checkpoint at step 2: steps 3-4 are dropped, then re-logged once.
     with RunLogger(tmp_path, start_step=2, console=False, tensorboard=False) as lg:
@@ -48,3 +51,71 @@ def test_rollout_metrics():
     assert m["session/pos_gain_share/subagent"] == 0.0 and m["session/gain/subagent"] == -1.0
     assert m["session/end/answer"] == 0.5
     json.dumps(m)
+
+
+def test_logger_list_resolves_like_verl_and_old_switches_still_work():
+    from mosaic.train.config import ConfigError
+
+    assert load_config().train.sinks() == ("console", "tensorboard")  # the old defaults, unchanged
+    assert load_config(overrides=["train.wandb=offline", "train.tensorboard=false"]).train.sinks() == \
+        ("console", "wandb")
+    cfg = load_config(overrides=["train.logger=[console,wandb]", "train.project_name=p",
+                                 "train.experiment_name=e"])
+    assert cfg.train.sinks() == ("console", "wandb") and cfg.train.project_name == "p"
+    for bad, key in ((["train.logger=[console,mlflow]"], "train.logger"),
+                     (["train.logger=[console,console]"], "train.logger"),
+                     (["train.logger=[console]", "train.wandb=offline"], "train.wandb"),
+                     (["train.logger=[tensorboard]", "train.tensorboard=false"], "train.tensorboard")):
+        try:
+            load_config(overrides=bad)
+        except ConfigError as exc:
+            assert f"'{key}'" in str(exc), exc
+        else:
+            raise AssertionError(f"{bad} was accepted")
+
+
+def test_wandb_sink_online_with_a_key_offline_without_or_when_unreachable(tmp_path, monkeypatch):
+    import sys
+    import types
+
+    import pytest
+
+    calls = []
+
+    class Run:
+        def log(self, *a, **k):
+            calls.append(("log", a, k))
+
+        def finish(self):
+            calls.append(("finish",))
+
+    def init(mode, **kw):
+        calls.append(("init", mode, kw["project"], kw["name"]))
+        if mode == "online" and fail_online:
+            raise TimeoutError("no route to the server")
+        return Run()
+
+    fake = types.SimpleNamespace(init=init, api=types.SimpleNamespace(api_key=None))
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    fail_online = False
+    with RunLogger(tmp_path / "a", logger=["wandb"], project_name="proj", experiment_name="exp") as lg:
+        lg.log(1, {"critic/score/mean": 0.5})
+    assert calls[0] == ("init", "offline", "proj", "exp") and calls[1][0] == "log"
+    assert not (tmp_path / "a" / "tb").exists()  # tensorboard not listed
+    calls.clear()
+    monkeypatch.setenv("WANDB_API_KEY", "k")
+    RunLogger(tmp_path / "b", logger=["wandb"]).close()
+    assert calls[0] == ("init", "online", "mosaic", "b")
+    calls.clear()
+    fail_online = True
+    with pytest.warns(UserWarning, match="logging offline"):
+        RunLogger(tmp_path / "c", logger=["wandb"]).close()
+    assert [c[1] for c in calls if c[0] == "init"] == ["online", "offline"]
+    calls.clear()
+    RunLogger(tmp_path / "e", wandb="offline", tensorboard=False).close()  # the deprecated switch: offline always
+    assert [c[1] for c in calls if c[0] == "init"] == ["offline"]
+    monkeypatch.setitem(sys.modules, "wandb", None)  # not installed
+    with pytest.raises(RuntimeError, match="not installed"):
+        RunLogger(tmp_path / "d", logger=["wandb"])

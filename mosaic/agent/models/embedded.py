@@ -6,11 +6,11 @@ the tokenizer's special tokens. Weights are fp32 (bf16 is ~25x slower on the
 CPUs this project targets; cast on GPU if you want).
 
 Saving and loading go through ``save_pretrained`` / ``from_pretrained`` on a local
-directory (safetensors). The tokenizer is reloaded with
-``PreTrainedTokenizerFast.from_pretrained`` and never ``AutoTokenizer``: on a
-directory whose config says ``qwen2``, ``AutoTokenizer`` silently picks
-``Qwen2Tokenizer`` and pre-tokenises differently (different ids). :func:`load_model`
-checks that a probe string round-trips to the same ids as recorded at save time.
+directory (safetensors). The tokenizer is saved by :func:`mosaic.agent.tokenizer.save_tokenizer`,
+so the directory loads with ``AutoTokenizer`` / ``AutoModelForCausalLM`` with the same ids
+(checked at save time). :func:`load_model` reads it as ``PreTrainedTokenizerFast`` (what
+``tokenizer.json`` defines, for directories saved before that too) and checks that a probe
+string gives the ids recorded at save time.
 """
 
 from __future__ import annotations
@@ -31,11 +31,10 @@ from transformers import (
     Qwen2Config,
 )
 
-Arch = Literal["llama", "qwen2"]
+from mosaic.agent.tokenizer import CHECK_FILE as _CHECK_FILE
+from mosaic.agent.tokenizer import save_tokenizer
 
-# Written next to the weights; lets load_model verify the tokenizer round-trips.
-_CHECK_FILE = "mosaic_tokenizer_check.json"
-_PROBE_TEXT = "<|im_start|>user\nProbe: search(Vel Oranthi) -> 42, x_y z.<|im_end|>\n"
+Arch = Literal["llama", "qwen2"]
 
 
 @dataclass(frozen=True)
@@ -165,14 +164,15 @@ def build_model(config: EmbeddedModelConfig, tokenizer: PreTrainedTokenizerBase,
 
 def save_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, directory: str | Path,
                ) -> Path:
-    """Write weights (safetensors), config and tokenizer to ``directory``; returns it."""
+    """Write weights (safetensors), config and tokenizer to ``directory``; returns it.
+
+    The tokenizer is checked to load back with ``AutoTokenizer`` to the same ids
+    (:func:`mosaic.agent.tokenizer.save_tokenizer`).
+    """
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
-    check = {"text": _PROBE_TEXT, "ids": tokenizer(_PROBE_TEXT, add_special_tokens=False)["input_ids"],
-             "vocab_size": len(tokenizer)}
-    (out / _CHECK_FILE).write_text(json.dumps(check))
+    save_tokenizer(tokenizer, out)  # after the model: AutoTokenizer reads config.json
     return out
 
 
