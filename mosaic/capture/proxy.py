@@ -225,10 +225,10 @@ class RecordingProxy:
         too_deep = ApiError(400, f"request body nests JSON deeper than {MAX_JSON_DEPTH} levels")
         try:
             body = json.loads(b"".join(chunks))
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ApiError(400, f"request body is not valid JSON: {exc}") from None
         except RecursionError:
             raise too_deep from None
+        except ValueError as exc:  # bad JSON, bad UTF-8, an integer of more than 4,300 digits
+            raise ApiError(400, f"request body is not valid JSON: {str(exc)[:200]}") from None
         if json_depth_exceeds(body, MAX_JSON_DEPTH):
             raise too_deep
         return body

@@ -143,6 +143,16 @@ def test_types_are_strict(client, field, value):
     assert r.status_code == 400 and field in r.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi \\udfff there"}], "max_tokens": 3}'),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi \\ud800"}], "stream": true}'),
+    ("/v1/completions", '{"prompt": "hi \\udfff", "max_tokens": 3}'),
+])
+def test_lone_surrogates_are_a_400_not_a_500(client, path, body):
+    r = client.post(path, content=body.encode(), headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "surrogate" in r.json()["error"]["message"], r.text
+
+
 def test_ints_are_fine_where_floats_are_asked(client):
     r = client.post("/v1/chat/completions", json={"messages": MSGS, "temperature": 0, "top_p": 1, "max_tokens": 2})
     assert r.status_code == 200

@@ -67,6 +67,16 @@ def test_deeply_nested_json_is_a_400(upstream, make_proxy):
     assert r.status_code == 400
 
 
+def test_integers_too_long_to_parse_are_a_400_on_every_route(upstream, make_proxy):
+    px = make_proxy(upstream.url)
+    huge = "9" * 5000  # Python refuses to convert integers of more than 4,300 digits
+    for path, body in (("/rollouts/x/v1/chat/completions", f'{{"model": "m", "messages": {json.dumps(MSGS)}, "max_tokens": {huge}}}'),
+                       ("/rollouts/x/v1/completions", f'{{"model": "m", "prompt": "hi", "max_tokens": {huge}}}'),
+                       ("/rollouts/x/reward", f'{{"reward": {huge}}}')):
+        r = _post(f"{px.url}{path}", body.encode())
+        assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"], (path, r.text)
+
+
 _chars = st.characters(codec=None, categories=None, exclude_categories=())  # lone surrogates included
 _text = st.text(_chars, max_size=12)
 _scalar = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=False), _text)

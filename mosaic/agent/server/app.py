@@ -199,12 +199,32 @@ class ModelServer:
             raise ApiError(400, f"chat template failed: {exc}", "messages") from exc
 
 
+def _lone_surrogate(obj: Any) -> bool:
+    """Whether any string (key or value) in a parsed JSON body cannot be encoded as UTF-8."""
+    stack = [obj]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, str):
+            try:
+                x.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(x, dict):
+            stack.extend(x.keys())
+            stack.extend(x.values())
+        elif isinstance(x, list):
+            stack.extend(x)
+    return False
+
+
 def _parse(model: type[BaseModel], raw: bytes) -> Any:
     """A request body → its model (runs in a worker thread); 400 naming the fields otherwise."""
     try:
         obj = json.loads(raw)
     except (ValueError, RecursionError) as exc:
-        raise ApiError(400, f"request body is not valid JSON: {exc}") from None
+        raise ApiError(400, f"request body is not valid JSON: {str(exc)[:200]}") from None
+    if _lone_surrogate(obj):
+        raise ApiError(400, "request body holds a lone surrogate escape (e.g. \\udfff): not valid Unicode text")
     try:
         return model.model_validate(obj)
     except ValidationError as exc:
