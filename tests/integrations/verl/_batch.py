@@ -27,6 +27,8 @@ def random_case(seed: int, *, n_groups: int = 4, width: int = 6, gains: bool = T
     group_of_traj = np.repeat(np.arange(n_groups), sizes)  # (T,)
     t = group_of_traj.size
     rewards = rng.integers(0, 2, t).astype(np.float32)
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    rewards[starts], rewards[starts + 1] = 1.0, 0.0  # every group mixed: GRPO is never all zero
     n_sess = rng.integers(1, 5, t)  # (T,)
     session_traj = np.repeat(np.arange(t), n_sess)  # (S,)
     position = np.concatenate([np.arange(n) for n in n_sess])
