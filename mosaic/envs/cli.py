@@ -258,7 +258,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     if bad:
         raise UsageError(bad)
     split = _load(args)
-    path = export_parquet(split.tasks, args.out)
+    path = export_parquet(split.tasks, args.out, split_config=split.config)
     back = load_parquet(path)
     if back != split.tasks:
         print(f"round-trip mismatch in {path}", file=sys.stderr)

@@ -6,8 +6,13 @@ One row per task:
 - ``prompt``: chat messages ``[{"role": "system", ...}, {"role": "user", ...}]``
 - ``ability``: ``"deep-search"``
 - ``reward_model``: ``{"style": "rule", "ground_truth": answer}``
+- ``agent_name``: ``"mosaic_agent"``, the verl agent loop that runs the Mosaic harness on the row
+  (:mod:`mosaic.integrations.verl.agent_loop`; verl reads this column to pick a loop per row)
 - ``extra_info``: ``{"index", "split", "hops", "task_id", "question", "start", "style",
-  "gold_chain": [{doc_id, title, relation, target, query, relation_name, target_id}, ...]}``
+  "gold_chain": [{doc_id, title, relation, target, query, relation_name, target_id}, ...],
+  "tools_kwargs": {"split_config": JSON}}``; verl's dataset passes ``extra_info.tools_kwargs`` to
+  the agent loop, which rebuilds the row's world and search index from the split's full
+  :class:`~mosaic.envs.splits.SplitConfig` (JSON text: Parquet would turn its int/float pairs into floats)
 
 The prompt here is a neutral default; the harness may build its own from
 ``extra_info.question``.
@@ -15,15 +20,19 @@ The prompt here is a neutral default; the harness may build its own from
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from dataclasses import asdict
 from pathlib import Path
 
 from mosaic.envs.questions import Hop, Task
+from mosaic.envs.splits import SplitConfig, WorldConfig
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 DATA_SOURCE = "mosaic/deepsearch"
 ABILITY = "deep-search"
+AGENT_NAME = "mosaic_agent"  # == mosaic.integrations.verl.AGENT_NAME (that package may not import here)
 SYSTEM_PROMPT = (
     "You answer questions about a fictional world by searching its encyclopedia. "
     "Call the search tool with short queries (an entity name plus a relation word works best). "
@@ -36,9 +45,12 @@ def build_prompt(task: Task, system_prompt: str = SYSTEM_PROMPT) -> list[dict[st
     return [{"role": "system", "content": system_prompt}, {"role": "user", "content": task.question}]
 
 
-def task_to_row(task: Task, index: int) -> dict:
+def task_to_row(task: Task, index: int, split_config: SplitConfig | None = None) -> dict:
+    """One verl row; ``split_config``: the config the task's split was generated with (its world)."""
+    cfg = json.dumps(dataclasses.asdict(split_config), sort_keys=True) if split_config is not None else ""
     return {
         "data_source": DATA_SOURCE,
+        "agent_name": AGENT_NAME,
         "prompt": build_prompt(task),
         "ability": ABILITY,
         "reward_model": {"style": "rule", "ground_truth": task.answer},
@@ -46,6 +58,7 @@ def task_to_row(task: Task, index: int) -> dict:
             "index": index, "split": task.split, "hops": task.hops, "task_id": task.id,
             "question": task.question, "start": task.start, "style": task.style,
             "gold_chain": [asdict(h) for h in task.gold_chain],
+            "tools_kwargs": {"split_config": cfg},
         },
     }
 
@@ -58,14 +71,26 @@ def row_to_task(row: dict) -> Task:
                 start=info["start"], style=info["style"])
 
 
-def export_parquet(tasks: list[Task], path: str | Path) -> Path:
-    """Write ``tasks`` as a verl-layout Parquet file; returns the path."""
+def export_parquet(tasks: list[Task], path: str | Path, *, split_config: SplitConfig | None = None) -> Path:
+    """Write ``tasks`` as a verl-layout Parquet file; returns the path. ``split_config``: the config
+    the tasks' split was generated with, so verl's agent loop can rebuild their world (empty if None)."""
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    table = pa.Table.from_pylist([task_to_row(t, i) for i, t in enumerate(tasks)])
+    table = pa.Table.from_pylist([task_to_row(t, i, split_config) for i, t in enumerate(tasks)])
     pq.write_table(table, path)
     return path
+
+
+def split_config_from_json(text: str) -> SplitConfig:
+    """The :class:`SplitConfig` stored by :func:`task_to_row` (``extra_info.tools_kwargs.split_config``)."""
+    if not text:
+        raise ValueError("tools_kwargs.split_config is empty: export with export_parquet(..., split_config=...)")
+    d = json.loads(text)
+    wfields = {f.name: f for f in dataclasses.fields(WorldConfig)}
+    world = {k: tuple(v) if isinstance(v, list) else v for k, v in d.pop("world").items() if k in wfields}
+    d["hop_mix"] = tuple((int(h), float(w)) for h, w in d["hop_mix"])
+    return SplitConfig(world=WorldConfig(**world), **d)
 
 
 def read_rows(path: str | Path) -> list[dict]:

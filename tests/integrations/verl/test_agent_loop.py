@@ -1,0 +1,200 @@
+"""The ``mosaic_agent`` loop driven by a scripted server manager with verl's real types (runs in .venv-verl).
+
+The scripted server answers from the decoded prompt (search twice, compact when asked, answer after
+a compaction) and returns ``verl.workers.rollout.replica.TokenOutput``s; prompt log-probs for the
+gain probes are a deterministic function of the prefix. The same script run as a plain harness
+policy gives the reference trajectory: the loop's outputs must carry its sessions token for token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+
+import hydra
+import numpy as np
+import pytest
+from omegaconf import OmegaConf
+
+import verl  # noqa: F401
+from verl.experimental.agent_loop.agent_loop import AgentLoopOutput, DictConfigWrap, ToolListWrap, _agent_loop_registry
+from verl.utils.dataset.rl_dataset import RLHFDataset
+from verl.workers.rollout.replica import TokenOutput
+
+from mosaic.agent.chat import ChatFormat
+from mosaic.agent.harness import DeepSearchEnv, Harness, HarnessConfig
+from mosaic.agent.models.corpus import build_project_tokenizer
+from mosaic.agent.policy import GenResult
+from mosaic.envs.export import task_to_row
+from mosaic.envs.splits import load_split, split_config
+from mosaic.integrations.verl.agent_loop import MosaicAgentLoop, score_session_gains
+
+HARNESS = {"mode": "compaction", "context_budget": 260, "max_new_tokens": 40, "summary_max_new_tokens": 40,
+           "max_sessions": 4}  # fmt: skip
+
+
+def fake_logprob(prefix_sum: int, token: int) -> float:
+    return -((prefix_sum * 31 + token * 7) % 997) / 400.0
+
+
+class ScriptedServer:
+    """Stands in for verl's ``LLMServerClient``: ``await generate(request_id, prompt_ids=, sampling_params=)``."""
+
+    def __init__(self, tokenizer, answer: str):
+        self.tok = tokenizer
+        self.answer = answer
+        self.im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        self.requests: list[tuple[str, list[int], dict]] = []
+
+    def reply(self, prompt_ids: list[int]) -> str:
+        text = self.tok.decode(prompt_ids)
+        last_user = text.rsplit("<|im_start|>user", 1)[-1]
+        if "context is full" in last_user:
+            return "Found the first entity. Next: search its second relation."
+        if "notes so far" in text.rsplit("<|im_start|>system", 1)[-1]:
+            return f"<answer>{self.answer}</answer>"
+        n_calls = text.rsplit("<|im_start|>system", 1)[-1].count("<tool_call>")
+        return '<tool_call>{"name": "search", "arguments": {"query": "q%d"}}</tool_call>' % n_calls
+
+    def sample(self, prompt_ids: list[int], max_tokens: int) -> list[int]:
+        ids = list(self.tok(self.reply(prompt_ids), add_special_tokens=False)["input_ids"]) + [self.im_end]
+        return ids[:max_tokens]
+
+    async def generate(self, request_id, *, prompt_ids, sampling_params, **kwargs) -> TokenOutput:
+        self.requests.append((request_id, list(prompt_ids), dict(sampling_params)))
+        await asyncio.sleep(0)
+        if "prompt_logprobs" in sampling_params:
+            lps = [[fake_logprob(sum(prompt_ids[:j]), prompt_ids[j])] for j in range(1, len(prompt_ids))]
+            return TokenOutput(token_ids=[0], log_probs=[0.0], stop_reason="completed",
+                               extra_fields={"prompt_logprobs": lps + [[0.0]]})  # fmt: skip
+        ids = self.sample(prompt_ids, int(sampling_params["max_tokens"]))
+        return TokenOutput(token_ids=ids, log_probs=[-0.25] * len(ids), stop_reason="completed")
+
+
+class ScriptPolicy:
+    """The same script as a synchronous harness policy (the reference run)."""
+
+    def __init__(self, server: ScriptedServer):
+        self.server = server
+
+    def generate(self, requests):
+        out = []
+        for r in requests:
+            ids = self.server.sample(r.prompt_ids, r.max_new_tokens)
+            out.append(GenResult(ids, [-0.25] * len(ids), "stop" if ids[-1] == self.server.im_end else "length"))
+        return out
+
+    def release(self, key):
+        pass
+
+
+@pytest.fixture(scope="module")
+def split(tmp_path_factory):
+    return load_split("validation", split_config("validation", "cpu"), tmp_path_factory.mktemp("cache"))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(split):
+    return build_project_tokenizer([split])
+
+
+def _loop(tokenizer, server, *, gains=True, logprobs=True) -> MosaicAgentLoop:
+    config = OmegaConf.create({
+        "actor_rollout_ref": {"rollout": {"calculate_log_probs": logprobs, "prompt_length": 4096,
+                                          "response_length": 4096}},
+        "data": {}, "mosaic": {"harness": HARNESS, "gains": gains},
+    })  # fmt: skip
+    return hydra.utils.instantiate(_agent_loop_registry["mosaic_agent"], trainer_config=DictConfigWrap(config),
+                                   server_manager=server, tokenizer=tokenizer, processor=None, hf_model_type=None,
+                                   dataset_cls=RLHFDataset, data_config=DictConfigWrap(config.data),
+                                   tools=ToolListWrap([]))  # fmt: skip
+
+
+def _kwargs(split, task) -> dict:
+    row = task_to_row(task, 0, split.config)
+    return {"raw_prompt": row["prompt"], "extra_info": row["extra_info"], "reward_model": row["reward_model"],
+            "tools_kwargs": row["extra_info"]["tools_kwargs"], "agent_name": "mosaic_agent", "uid": "u1",
+            "session_id": 3, "data_source": row["data_source"]}  # fmt: skip
+
+
+def test_one_output_per_session_with_the_harness_tokens_and_graph(split, tokenizer):
+    task = split.tasks[0]
+    server = ScriptedServer(tokenizer, task.answer)
+    outs = asyncio.run(_loop(tokenizer, server).run({"temperature": 1.0}, **_kwargs(split, task)))
+
+    ref = Harness(ScriptPolicy(ScriptedServer(tokenizer, task.answer)), ChatFormat(tokenizer), DeepSearchEnv(split),
+                  HarnessConfig(**HARNESS)).run([task], 1)[0]  # fmt: skip
+    kinds = [s.kind for s in ref.sessions]
+    assert "compaction" in kinds and ref.reward == 1.0  # the script compacted once, then answered
+    assert all(isinstance(o, AgentLoopOutput) for o in outs) and len(outs) == len(ref.sessions)
+    assert outs[-1].extra_fields["mosaic_final"] and not any(o.extra_fields["mosaic_final"] for o in outs[:-1])
+    by_id = {o.extra_fields["mosaic_session_id"]: o for o in outs}
+    for s in ref.sessions:
+        o = by_id[s.id]
+        assert o.prompt_ids == s.prompt_ids and o.response_ids == s.completion_ids
+        assert o.response_mask == [int(m) for m in s.loss_mask]
+        assert o.response_logprobs == pytest.approx(s.logprobs)
+        f = o.extra_fields
+        assert (f["mosaic_kind"], f["mosaic_final"], f["mosaic_sessions"]) == (s.kind, s.is_final, len(ref.sessions))
+        assert f["mosaic_parent"] == (-1 if s.parent is None else s.parent) and f["mosaic_edge"] == (s.edge or "")
+        assert f["mosaic_traj"] == "u1_3"  # verl's own trajectory key {uid}_{session_id}
+    assert outs[-1].reward_score == 1.0 and outs[-1].extra_fields["reward_extra_info"]["acc"] == 1.0
+    assert all(o.reward_score is None for o in outs[:-1])  # verl copies the final reward to the others
+
+    # every turn went through the server manager, sticky per session
+    turns = [r for r in server.requests if "prompt_logprobs" not in r[2]]
+    assert len(turns) == sum(s.num_turns for s in ref.sessions)
+    assert all(r[0].startswith("u1_3/") for r in turns)
+
+
+def test_gains_are_scored_on_the_server_once_per_distinct_state(split, tokenizer):
+    task = split.tasks[1]
+    server = ScriptedServer(tokenizer, task.answer)
+    outs = asyncio.run(_loop(tokenizer, server).run({"temperature": 1.0}, **_kwargs(split, task)))
+    probes = [r for r in server.requests if "prompt_logprobs" in r[2]]
+    live = [o for o in outs if not o.extra_fields["mosaic_final"]]
+    assert live and all(math.isfinite(o.extra_fields["mosaic_gain"]) for o in live)
+    assert math.isnan(outs[-1].extra_fields["mosaic_gain"])
+    # a chain of k compactions (2k non-final sessions) has 2k + 1 distinct states (SPEC §4.4)
+    n_comp = sum(o.extra_fields["mosaic_kind"] == "compaction" for o in outs)
+    assert len(probes) == 2 * n_comp + 1
+    assert all(r[2]["max_tokens"] == 1 and r[2]["prompt_logprobs"] == 0 for r in probes)
+
+    # one gain by hand: L(after) - L(before) from the probe's answer span
+    chat = ChatFormat(tokenizer)
+    suffix, (a, b) = chat.answer_probe(task.answer)
+    first = min(live, key=lambda o: o.extra_fields["mosaic_session_id"])
+    before = first.prompt_ids[: len(first.prompt_ids) - len(chat.generation_header_ids)]
+    after = first.prompt_ids + first.response_ids
+
+    def L(ctx):
+        ids = ctx + suffix
+        return float(np.mean([fake_logprob(sum(ids[:j]), ids[j]) for j in range(len(ctx) + a, len(ctx) + b)]))
+
+    assert first.extra_fields["mosaic_gain"] == pytest.approx(L(after) - L(before), abs=1e-9)
+
+
+def test_broadcast_twin_skips_probes_and_logprobs_when_off(split, tokenizer):
+    task = split.tasks[0]
+    server = ScriptedServer(tokenizer, task.answer)
+    outs = asyncio.run(_loop(tokenizer, server, gains=False, logprobs=False).run({}, **_kwargs(split, task)))
+    assert not [r for r in server.requests if "prompt_logprobs" in r[2]]
+    assert all(math.isnan(o.extra_fields["mosaic_gain"]) and o.response_logprobs is None for o in outs)
+
+
+def test_exported_parquet_loads_with_verls_dataset_and_chat_template(split, tokenizer, tmp_path):
+    from mosaic.envs.export import export_parquet
+
+    path = export_parquet(split.tasks[:4], tmp_path / "val.parquet", split_config=split.config)
+    cfg = OmegaConf.create({"prompt_key": "prompt", "max_prompt_length": 4096, "filter_overlong_prompts": False,
+                            "return_raw_chat": True, "truncation": "error"})  # fmt: skip
+    ds = RLHFDataset(data_files=str(path), tokenizer=tokenizer, config=cfg)
+    assert len(ds) == 4
+    item = ds[2]
+    assert item["agent_name"] == "mosaic_agent"
+    assert json.loads(item["tools_kwargs"]["split_config"])["split"] == "validation"
+    assert item["raw_prompt"][1]["content"] == split.tasks[2].question
+    ids = tokenizer.apply_chat_template(list(item["raw_prompt"]), add_generation_prompt=True, tokenize=True)
+    ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+    assert split.tasks[2].question in tokenizer.decode(ids)
