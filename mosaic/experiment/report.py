@@ -37,26 +37,20 @@ PAPER = {  # SPEC §8 (Qwen3.5-4B, BrowseComp; one run, no intervals)
 }
 
 
-def _outcomes(path: Path) -> dict[str, float]:
-    """Per-question mean outcome of an evaluation's JSONL."""
-    per: dict[str, list[float]] = {}
-    for line in path.read_text().splitlines():
-        if line.strip():
-            r = json.loads(line)
-            per.setdefault(str(r["question_id"]), []).append(float(r["correct"]))
-    return {q: float(np.mean(v)) for q, v in per.items()}
-
-
-def _eval_record(d: Path, name: str) -> tuple[dict[str, float], dict] | None:
+def _eval_record(d: Path, name: str) -> tuple[dict[str, float], dict, list[str | None]] | None:
+    """An evaluation's per-question mean outcomes, its metrics file and every sample's answer (one read
+    of its JSONL); None when it has not run."""
     j, m = d / "evals" / f"{name}.jsonl", d / "evals" / f"{name}.json"
     if not (j.exists() and m.exists()):
         return None
-    return _outcomes(j), json.loads(m.read_text())
-
-
-def _answers(d: Path, name: str) -> list[str | None]:
-    path = d / "evals" / f"{name}.jsonl"
-    return [json.loads(x).get("answer") for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+    per: dict[str, list[float]] = {}
+    answers: list[str | None] = []
+    for line in j.read_text().splitlines():
+        if line.strip():
+            r = json.loads(line)
+            per.setdefault(str(r["question_id"]), []).append(float(r["correct"]))
+            answers.append(r.get("answer"))
+    return {q: float(np.mean(v)) for q, v in per.items()}, json.loads(m.read_text()), answers
 
 
 def _health(answers: list[str | None], names: set[str]) -> dict[str, float]:
@@ -84,23 +78,27 @@ def collect(grid: Grid, work: Path) -> dict:
         g = groups.setdefault(f"{r.arm}/{r.setting}", {"arm": r.arm, "setting": r.setting, "seeds": {}})
         if not (d / DONE).exists():
             continue
-        evals = {e.name: _eval_record(d, e.name) for e in grid.evals}
-        curve = [(m["step"], m.get("critic/score/mean")) for m in read_metrics(d) if "step" in m]
-        ent = [m["actor/entropy"] for m in read_metrics(d) if "actor/entropy" in m]
-        steps = [m["timing_s/step"] for m in read_metrics(d) if "timing_s/step" in m]
-        g["seeds"][r.seed] = {"evals": {k: v for k, v in evals.items() if v is not None}, "curve": curve,
+        evals = {e.name: rec for e in grid.evals if (rec := _eval_record(d, e.name)) is not None}
+        metrics = read_metrics(d)
+        curve = [(m["step"], m.get("critic/score/mean")) for m in metrics if "step" in m]
+        ent = [m["actor/entropy"] for m in metrics if "actor/entropy" in m]
+        steps = [m["timing_s/step"] for m in metrics if "timing_s/step" in m]
+        g["seeds"][r.seed] = {"evals": {k: v[:2] for k, v in evals.items()}, "curve": curve,
                               "step_s": median(steps) if steps else float("nan"),
                               "entropy": (float(np.mean(ent[:3])), float(np.mean(ent[-3:]))) if ent else None,
-                              "answers": {e.name: _answers(d, e.name) for e in grid.evals},
+                              "answers": {k: v[2] for k, v in evals.items()},
                               "done": json.loads((d / DONE).read_text()),
                               "reused_from": json.loads((d / REUSED).read_text())["from"]
                               if (d / REUSED).exists() else None}  # fmt: skip
-    warm, warm_answers = {}, {}
+    warm, warm_answers, read = {}, {}, {}
     for setting in grid.settings:
         d = warm_dir(work, grid, setting)
-        warm[setting] = {e.name: rec for e in grid.evals if (rec := _eval_record(d, e.name)) is not None}
-        if all(str(d) != w for w, _ in warm_answers.values()):  # settings may share one warm-start evaluation
-            warm_answers[setting] = (str(d), {e.name: _answers(d, e.name) for e in grid.evals})
+        shared = d in read  # settings may share one warm-start evaluation: read it once
+        if not shared:
+            read[d] = {e.name: rec for e in grid.evals if (rec := _eval_record(d, e.name)) is not None}
+        warm[setting] = {k: v[:2] for k, v in read[d].items()}
+        if not shared:
+            warm_answers[setting] = (str(d), {k: v[2] for k, v in read[d].items()})
     return {"groups": groups, "warm": warm, "warm_answers": warm_answers}
 
 
