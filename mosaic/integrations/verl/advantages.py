@@ -81,17 +81,21 @@ def _name(adv_estimator: Any) -> str:
     return str(getattr(adv_estimator, "value", adv_estimator))
 
 
+def _ours(sig: inspect.Signature, args, kwargs) -> dict[str, Any] | None:
+    """A dispatcher call's arguments (defaults applied) when its estimator is a Mosaic one, else None."""
+    bound = sig.bind(*args, **kwargs)
+    bound.apply_defaults()
+    return bound.arguments if _name(bound.arguments["adv_estimator"]) in ESTIMATOR_NAMES else None
+
+
 def _wrap_compute_advantage(orig):
     sig = inspect.signature(orig)
 
     @functools.wraps(orig)
     def compute_advantage(*args, **kwargs):
-        bound = sig.bind(*args, **kwargs)
-        bound.apply_defaults()
-        a = bound.arguments
-        name = _name(a["adv_estimator"])
-        if name not in ESTIMATOR_NAMES:
+        if (a := _ours(sig, args, kwargs)) is None:
             return orig(*args, **kwargs)
+        name = _name(a["adv_estimator"])
         data = a["data"]
         if "response_mask" not in data.batch.keys():
             from verl.trainer.ppo.ray_trainer import compute_response_mask
@@ -125,11 +129,7 @@ def _wrap_multi_traj(orig):
 
     @functools.wraps(orig)
     def compute_advantage_for_multi_trajectories(*args, **kwargs):
-        bound = sig.bind(*args, **kwargs)
-        bound.apply_defaults()
-        a = bound.arguments
-        name = _name(a["adv_estimator"])
-        if name not in ESTIMATOR_NAMES:
+        if (a := _ours(sig, args, kwargs)) is None:
             return orig(*args, **kwargs)
         data, keys = a["data"], list(a["batch_keys"])
         missing = [c for c in COLUMNS if c not in data.non_tensor_batch]
