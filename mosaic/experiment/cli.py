@@ -44,10 +44,17 @@ def _run(args) -> int:
         print(f"mosaic experiment: {exc}", file=sys.stderr)
         return EXIT_USAGE
     work = _work_dir(args, grid)
-    print_plan(grid, plan(grid, work), work, args.jobs)
+    arms = None
+    if args.arms:
+        arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+        if unknown := [a for a in arms if a not in grid.arms]:
+            print(f"mosaic experiment: --arms: no arm {', '.join(map(repr, unknown))} in {grid.name} "
+                  f"(its arms: {', '.join(grid.arms)})", file=sys.stderr)  # fmt: skip
+            return EXIT_USAGE
+    print_plan(grid, plan(grid, work, arms=arms), work, args.jobs)
     if args.dry_run:
         return 0
-    failed = run_grid(grid, work, jobs=args.jobs)
+    failed = run_grid(grid, work, jobs=args.jobs, arms=arms)
     if failed:
         print(f"mosaic experiment: {failed} unit(s) failed; rerun the same command to retry them", file=sys.stderr)
         return 1
@@ -95,6 +102,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("rest", nargs="*", help="for 'report': the grid's work dir")
     p.add_argument("--jobs", type=int, default=1, help="units run at once (each gets cores / jobs threads)")
     p.add_argument("--dry-run", action="store_true", help="print the plan and its estimated cost, run nothing")
+    p.add_argument("--arms", metavar="A,B", help="only these arms' runs (and the warm start): finish part of a grid first")
     p.add_argument("--work", help="work dir (default runs/experiments/<grid name>)")
     p.add_argument("--report", metavar="DIR", help="after the grid, write its report to DIR")
     p.add_argument("--out", help="for 'report': where report.md, results.json and plots go (default reports/<grid>)")

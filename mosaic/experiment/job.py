@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -39,6 +40,21 @@ def _train(cfg: Config, d: Path) -> None:
     }, indent=1))
 
 
+STALE = ("done.json", "metrics.jsonl", "summary.md", "reused.json", "samples.jsonl", "evals", "plots", "tb")
+
+
+def _clear_lost_run(d: Path) -> None:
+    """A finished run whose checkpoints are gone is trained again: its old metrics and evaluations
+    describe weights that no longer exist, so they go before the new run writes its own."""
+    for name in STALE:
+        p = d / name
+        if p.is_dir():
+            shutil.rmtree(p)
+        elif p.exists():
+            p.unlink()
+    print(f"[mosaic] {d.name}: checkpoints missing; old results cleared, training again", flush=True)
+
+
 def _evaluate(ecfg: Config, model_dir: Path, e: EvalSpec, out: Path) -> None:
     cfg = dataclasses.replace(ecfg, data=dataclasses.replace(ecfg.data, seed=e.data_seed, n_eval_tasks=e.n_tasks))
     device = setup.resolve_device(cfg)
@@ -63,6 +79,8 @@ def main(path: str) -> int:
     d = Path(job["dir"])
     cfg = loads_config(job["config_yaml"])
     ecfg = loads_config(job["eval_config_yaml"])
+    if job.get("retrain"):
+        _clear_lost_run(d)
     if job["train"]:
         _train(cfg, d)
     if job["warm_start"]:

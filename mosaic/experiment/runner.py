@@ -24,6 +24,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -70,6 +71,9 @@ class Unit:
     """For a finished run: keys whose value in the run's saved ``config.yaml`` differs from today's resolution."""
     reuse_from: Path | None = None
     """A finished run of the same config in another grid's work dir (``reuse:``), copied instead of trained."""
+    retrain: bool = False
+    """A finished run whose weights are gone (checkpoints are not committed) but which still has evaluations
+    to do: it is trained again from scratch and every evaluation is redone on the new weights."""
 
     @property
     def todo(self) -> bool:
@@ -126,9 +130,10 @@ def reusable(grid: Grid, r: RunSpec, text: str) -> Path | None:
     return None
 
 
-def plan(grid: Grid, work: Path, *, rename: bool = False) -> list[Unit]:
+def plan(grid: Grid, work: Path, *, rename: bool = False, arms: Sequence[str] | None = None) -> list[Unit]:
     """Every unit of the grid with what is left to do (warm-start evaluations first); ``rename`` takes
-    over run dirs made under an older key (:func:`adopt`), else they are only reported."""
+    over run dirs made under an older key (:func:`adopt`), else they are only reported. ``arms`` keeps
+    only those arms' runs (and the warm start), to finish part of a grid first."""
     units, seen = [], set()
     eval_yaml = {s: dump_config(load_config(grid.preset, overrides=grid.eval_overrides(s))) for s in grid.settings}
     for setting in grid.settings:
@@ -150,8 +155,14 @@ def plan(grid: Grid, work: Path, *, rename: bool = False) -> list[Unit]:
             (d / REUSED).write_text(json.dumps({"from": str(src)}, indent=1))
             done = True
         drift = tuple(_drift((d / "config.yaml").read_text(), text)) if done and (d / "config.yaml").exists() else ()
-        units.append(Unit(r.name, d, not done and src is None, [e for e in grid.evals if not _eval_done(d, e)],
-                          text, eval_yaml[r.setting], r, drift, src))  # fmt: skip
+        evals = [e for e in grid.evals if not _eval_done(d, e)]
+        retrain = done and bool(evals) and not any(d.glob("checkpoints/ckpt-*/model"))
+        if retrain:  # old evaluations belong to the lost weights: redo them all on the retrained ones
+            evals, drift = list(grid.evals), ()
+        units.append(Unit(r.name, d, (not done and src is None) or retrain, evals, text, eval_yaml[r.setting], r,
+                          drift, src, retrain))  # fmt: skip
+    if arms is not None:
+        units = [u for u in units if u.run is None or u.run.arm in arms]
     return units
 
 
@@ -202,13 +213,18 @@ def print_plan(grid: Grid, units: list[Unit], work: Path, jobs: int, out=None) -
         c = unit_cost(u, costs)
         total += c
         state = "done" if not u.todo and u.reuse_from is None else ("train+" if u.train else "") + f"{len(u.evals)} evals"
-        if u.train and (u.dir / "checkpoints").is_dir():
+        if u.retrain:
+            state = f"retrain+{len(u.evals)} evals"
+        elif u.train and (u.dir / "checkpoints").is_dir():
             state += " (resumes)"
         if u.reuse_from is not None:
             state = f"copy+{len(u.evals)} evals"
         print(f"  {u.name:<48} {state:<22} ~{c / 60:5.1f} min", file=out)
         if u.reuse_from is not None:
             print(f"    trained already in {u.reuse_from} (same config): copied, not retrained", file=out)
+        if u.retrain:
+            print("    finished before, but its checkpoints are not here and evaluations are missing: trained again",
+                  file=out)  # fmt: skip
         if u.drift:
             print(f"    warning: finished under another resolved config (a default changed?): {'; '.join(u.drift)}",
                   file=out)  # fmt: skip
@@ -225,7 +241,7 @@ def _launch(u: Unit, threads: int) -> tuple[Unit, int, float]:
     u.dir.mkdir(parents=True, exist_ok=True)
     job = {"name": u.name, "dir": str(u.dir), "train": u.train, "config_yaml": u.config_yaml,
            "eval_config_yaml": u.eval_config_yaml, "evals": [asdict(e) | {"key": e.key()} for e in u.evals],
-           "warm_start": u.run is None}  # fmt: skip
+           "warm_start": u.run is None, "retrain": u.retrain}  # fmt: skip
     (u.dir / "job.json").write_text(json.dumps(job, indent=1))
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), MOSAIC_THREADS=str(threads))
     t0 = time.perf_counter()
@@ -235,15 +251,16 @@ def _launch(u: Unit, threads: int) -> tuple[Unit, int, float]:
     return u, rc, time.perf_counter() - t0
 
 
-def run_grid(grid: Grid, work: Path, *, jobs: int = 1, out=None) -> int:
-    """Run every unit left to do, ``jobs`` at once; returns the number of failed units."""
+def run_grid(grid: Grid, work: Path, *, jobs: int = 1, out=None, arms: Sequence[str] | None = None) -> int:
+    """Run every unit left to do (of ``arms`` only, when given), ``jobs`` at once; returns the number of
+    failed units."""
     out = out or sys.stdout
     work.mkdir(parents=True, exist_ok=True)
     if grid.path is not None:
         shutil.copyfile(grid.path, work / "grid.yaml")
     else:
         (work / "grid.yaml").write_text(yaml.safe_dump({"name": grid.name}))
-    units = [u for u in plan(grid, work, rename=True) if u.todo]
+    units = [u for u in plan(grid, work, rename=True, arms=arms) if u.todo]
     if not units:
         print(f"grid {grid.name}: everything is done", file=out)
         return 0

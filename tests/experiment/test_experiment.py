@@ -185,6 +185,7 @@ def test_a_run_made_under_an_older_key_is_taken_over(tmp_path):
     saved["train"]["run_dir"] = str(old)
     (old / "config.yaml").write_text(yaml.safe_dump(saved))
     (old / DONE).write_text("{}")
+    (old / "checkpoints/ckpt-2/model").mkdir(parents=True)  # its weights are here: evaluate, not retrain
     units = {u.name: u for u in plan(g, tmp_path)}
     assert not units[r.name].train and units[r.name].dir == old  # reported, not renamed, in a plan
     plan(g, tmp_path, rename=True)
@@ -231,3 +232,54 @@ def test_a_run_finished_in_another_grid_is_copied_not_retrained(tmp_path, capsys
     assert all(u.reuse_from is None for u in plan(other, tmp_path / "third"))
     with pytest.raises(GridError, match="reuse"):
         parse_grid({**QUICK_GRID, "reuse": "somewhere"})
+
+
+def test_a_finished_run_without_its_weights_is_retrained_when_evaluations_are_missing(tmp_path, capsys):
+    """Checkpoints are not committed: in a fresh clone a finished run with evaluations still to do has no
+    model to evaluate, so it is trained again and all its evaluations are redone on the new weights."""
+    from mosaic.experiment.job import _clear_lost_run
+    from mosaic.experiment.runner import DONE, plan, print_plan, run_dir
+    from mosaic.train.config import dump_config
+
+    g = parse_grid(QUICK_GRID)
+    lost, complete, kept = g.runs[0], g.runs[1], g.runs[2]
+    for r in (lost, complete, kept):
+        d = run_dir(tmp_path, r)
+        (d / "evals").mkdir(parents=True)
+        (d / "config.yaml").write_text(dump_config(r.config))
+        (d / DONE).write_text('{"step_s": 1.0, "rollouts_per_step": 4}')
+        (d / "metrics.jsonl").write_text('{"step": 1}\n')
+    for r in (complete,):  # every evaluation done: nothing to do although its weights are gone
+        for e in g.evals:
+            (run_dir(tmp_path, r) / "evals" / f"{e.name}.json").write_text(json.dumps({"key": e.key()}))
+    first = g.evals[0]
+    (run_dir(tmp_path, lost) / "evals" / f"{first.name}.json").write_text(json.dumps({"key": first.key()}))
+    (run_dir(tmp_path, kept) / "checkpoints/ckpt-3/model").mkdir(parents=True)  # weights here: evaluate only
+    units = {u.run.key: u for u in plan(g, tmp_path) if u.run}
+    assert units[lost.key].train and units[lost.key].retrain
+    assert [e.name for e in units[lost.key].evals] == [e.name for e in g.evals]  # the done one is redone too
+    assert not units[complete.key].todo
+    assert not units[kept.key].train and not units[kept.key].retrain and units[kept.key].evals
+    print_plan(g, list(units.values()), tmp_path, 1)
+    out = capsys.readouterr().out
+    assert f"retrain+{len(g.evals)} evals" in out and "trained again" in out
+    d = run_dir(tmp_path, lost)
+    _clear_lost_run(d)
+    assert not (d / DONE).exists() and not (d / "metrics.jsonl").exists() and not (d / "evals").exists()
+    assert (d / "config.yaml").exists()
+
+
+def test_arms_runs_part_of_a_grid_first(tmp_path):
+    from mosaic.experiment.runner import plan
+
+    path = tmp_path / "g.yaml"
+    path.write_text(yaml.safe_dump(QUICK_GRID))
+    g = load_grid(path)
+    keep = sorted(g.arms)[0]
+    units = plan(g, tmp_path / "work", arms=[keep])
+    assert {u.run.arm for u in units if u.run} == {keep} and any(u.run is None for u in units)
+    r = _mosaic("experiment", str(path), "--work", str(tmp_path / "work"), "--dry-run", "--arms", keep)
+    assert r.returncode == 0 and f"{keep}-base-s0" in r.stdout
+    assert all(f"{a}-base-s" not in r.stdout for a in g.arms if a != keep)
+    r = _mosaic("experiment", str(path), "--work", str(tmp_path / "work"), "--dry-run", "--arms", "nope")
+    assert r.returncode == 2 and "no arm 'nope'" in r.stderr
