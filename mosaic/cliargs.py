@@ -25,7 +25,11 @@ class OneLineParser(argparse.ArgumentParser):
     """An argument parser whose errors are one line, ``<prog>: <message>``, and exit status 2."""
 
     def error(self, message: str) -> NoReturn:
-        print(f"{self.prog}: {' '.join(message.split())}", file=sys.stderr)
+        message = " ".join(message.split())
+        if "invalid choice: '" in message and "=" in message.split("invalid choice: '", 1)[1].split("'")[0]:
+            # `mosaic data data.seed=3`: overrides belong to a sub-command
+            message += "; section.field=value overrides go after the sub-command (e.g. mosaic data generate data.seed=3)"
+        print(f"{self.prog}: {message}", file=sys.stderr)
         sys.exit(EXIT_USAGE)
 
     def parse_known_args(self, args=None, namespace=None):
@@ -46,7 +50,11 @@ class OneLineParser(argparse.ArgumentParser):
             ns.overrides = ns.overrides + kv
             extras = [x for x in extras if x not in kv]
         if extras:
-            print(f"{prog}: unrecognized arguments: {' '.join(extras)}", file=sys.stderr)
+            hint = ""
+            if "--set" in extras or any(x.startswith("--set=") for x in extras):
+                hint = ("; --set KEY=VALUE is gone from this verb: write section.field=value (YAML values) after "
+                        "the flags, e.g. harness.context_budget=600 (--help-config lists every key)")
+            print(f"{prog}: unrecognized arguments: {' '.join(extras)}{hint}", file=sys.stderr)
             sys.exit(EXIT_USAGE)
         return ns
 

@@ -119,3 +119,23 @@ def test_eval_says_which_model_before_evaluating(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "evaluating " in out and "tiny-base: the warm start of model.source=base (no checkpoint in " \
         f"train.run_dir={tmp_path / 'none'}" in out
+
+
+def test_data_lists_its_keys_without_a_sub_command_and_points_overrides_to_one(capsys):
+    assert main(["data", "--help-config"]) == 0
+    out = capsys.readouterr().out
+    assert "  data.seed = 0\n      Seed of the worlds and question samplers" in out and "harness." not in out
+    assert main(["data", "--print-config", "--preset", "paper"]) == 0
+    assert "preset: paper" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exc:
+        main(["data", "data.seed=3"])
+    assert exc.value.code == 2 and "go after the sub-command (e.g. mosaic data generate data.seed=3)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("verb", (["train"], ["eval"], ["sft"]), ids=" ".join)
+def test_set_on_verbs_that_never_had_it_points_to_the_new_grammar(verb, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main([*verb, "--set", "harness.context_budget=600"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "unrecognized arguments: --set" in err
+    assert "write section.field=value (YAML values) after the flags" in err

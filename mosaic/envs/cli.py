@@ -308,11 +308,39 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _data_group(args, parser) -> int:
+    """``mosaic data`` without a sub-command: its config keys (``--help-config`` / ``--print-config``),
+    else the help."""
+    if not (args.help_config or args.print_config):
+        parser.print_help()
+        return 0
+    import yaml
+
+    from mosaic.train.config import ConfigError, describe_config, load_config  # lazy: torch
+
+    try:
+        cfg = load_config(preset=args.preset)
+    except ConfigError as exc:
+        print(f"mosaic data: config error: {exc}", file=sys.stderr)
+        return 2
+    if args.help_config:
+        print(describe_config(cfg, ("data",)))
+    else:
+        import dataclasses
+
+        print(yaml.safe_dump({"data": dataclasses.asdict(cfg.data)}, sort_keys=False), end="")
+    return 0
+
+
 def register(subparsers) -> None:
     data = subparsers.add_parser("data", help="the offline deep-search data: generate, show, search, "
                                                "score, export, calibrate")
     sub = data.add_subparsers(dest="data_command", metavar="SUBCOMMAND")
-    data.set_defaults(func=lambda a: (data.print_help(), 0)[1])
+    data.add_argument("--preset", help="base preset for --help-config / --print-config: cpu (default), smollm2, paper")
+    data.add_argument("--help-config", action="store_true",
+                      help="print the data section's keys (what every sub-command takes as data.field=value), then exit")
+    data.add_argument("--print-config", action="store_true", help="print the resolved data section, then exit")
+    data.set_defaults(func=lambda a: _data_group(a, data))
 
     p = sub.add_parser("generate", help="generate (or load) a split and print its summary")
     _add_split_args(p, "train")
