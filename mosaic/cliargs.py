@@ -28,7 +28,10 @@ class OneLineParser(argparse.ArgumentParser):
         message = " ".join(message.split())
         if "invalid choice: '" in message and "=" in message.split("invalid choice: '", 1)[1].split("'")[0]:
             # `mosaic data data.seed=3`: overrides belong to a sub-command
-            message += "; section.field=value overrides go after the sub-command (e.g. mosaic data generate data.seed=3)"
+            item = message.split("invalid choice: '", 1)[1].split("'")[0]
+            verb = "data generate" if self.prog.endswith(" data") else "train"
+            message += (f"; section.field=value overrides go after the sub-command "
+                        f"(e.g. {self.prog.split()[0]} {verb} {item})")
         print(f"{self.prog}: {message}", file=sys.stderr)
         sys.exit(EXIT_USAGE)
 
@@ -54,6 +57,9 @@ class OneLineParser(argparse.ArgumentParser):
             if "--set" in extras or any(x.startswith("--set=") for x in extras):
                 hint = ("; --set KEY=VALUE is gone from this verb: write section.field=value (YAML values) after "
                         "the flags, e.g. harness.context_budget=600 (--help-config lists every key)")
+            elif "--seed" in extras or any(x.startswith("--seed=") for x in extras):
+                hint = ("; seeds are config keys here: train.seed=N (training) or data.seed=N (which world), "
+                        "after the flags (--help-config lists every key)")
             print(f"{prog}: unrecognized arguments: {' '.join(extras)}{hint}", file=sys.stderr)
             sys.exit(EXIT_USAGE)
         return ns

@@ -139,3 +139,22 @@ def test_set_on_verbs_that_never_had_it_points_to_the_new_grammar(verb, capsys):
     err = capsys.readouterr().err
     assert exc.value.code == 2 and "unrecognized arguments: --set" in err
     assert "write section.field=value (YAML values) after the flags" in err
+
+
+def test_old_flags_and_empty_keys_get_a_hint_naming_the_grammar(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--seed", "3"])
+    assert exc.value.code == 2 and "train.seed=N (training) or data.seed=N" in capsys.readouterr().err
+    assert main(["train", "=5", "--print-config"]) == 2
+    assert "an override needs a key: section.field=value" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["harness.context_budget=600", "train"])
+    assert "(e.g. mosaic train harness.context_budget=600)" in capsys.readouterr().err
+
+
+def test_proxy_export_lists_its_rules(capsys):
+    assert main(["proxy", "export", "--help-config"]) == 0
+    out = capsys.readouterr().out
+    assert "rules.min_match_chars = 16\n    shortest returned text" in out
+    assert main(["proxy", "export", "--out", "x.jsonl"]) == 2
+    assert "required: --records" in capsys.readouterr().err

@@ -29,7 +29,7 @@ import math
 import os
 import sys
 import warnings
-from dataclasses import fields
+from dataclasses import MISSING, fields
 from pathlib import Path
 
 from mosaic.agent.tokenizer import load_tokenizer
@@ -135,8 +135,10 @@ def register(subparsers) -> None:
     s.set_defaults(func=_guarded(_cmd_serve))
 
     e = sub.add_parser("export", help="rebuild session graphs from records and write trajectories")
-    e.add_argument("--records", required=True, help="records directory (or a records .jsonl file)")
-    e.add_argument("--out", required=True, help="output file: .jsonl or .parquet (written whole, then renamed)")
+    e.add_argument("--records", help="records directory (or a records .jsonl file); required")
+    e.add_argument("--out", help="output file: .jsonl or .parquet (written whole, then renamed); required")
+    e.add_argument("--help-config", action="store_true",
+                   help="print every rules.KEY with its default and meaning, then exit")
     e.add_argument("--force", action="store_true", help="replace --out if it exists (else: exit 2)")
     e.add_argument("--tokenizer", default=None, metavar="DIR",
                    help="re-tokenize calls recorded without token ids (marked retokenized)")
@@ -265,7 +267,27 @@ def export(records: str, out: str, *, tokenizer: str | None = None, rules=None, 
             "warnings": [str(w.message) for w in caught], "out": out}
 
 
+def rules_help() -> str:
+    """Every ``rules.KEY`` with its default and its line of :class:`ReconstructionRules`' docstring."""
+    import re
+
+    doc = ReconstructionRules.__doc__ or ""
+    out = []
+    for f in fields(ReconstructionRules):
+        m = re.search(rf"^\s+{f.name}: (.*?)(?=^\s+\w+: |\Z)", doc, re.S | re.M)
+        text = " ".join(m.group(1).split()) if m else ""
+        default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
+        out.append(f"rules.{f.name} = {list(default) if isinstance(default, tuple) else default!r}\n    {text}")
+    return "\n".join(out)
+
+
 def _cmd_export(args) -> int:
+    if args.help_config:
+        print(rules_help())
+        return 0
+    missing = [flag for flag, v in (("--records", args.records), ("--out", args.out)) if not v]
+    if missing:
+        raise UsageError(f"the following arguments are required: {', '.join(missing)}")
     _check_export_args(args)
     rules = parse_rules(args.rule + args.overrides)
     try:

@@ -220,7 +220,9 @@ def _table(grid: Grid, data: dict, evals: list[str], label: str) -> dict:
     by_setting: dict[str, list[np.ndarray]] = {}
     for k, x in mats.items():
         by_setting.setdefault(arms[k]["setting"], []).append(x)
-    cand = [v for v in by_setting.values() if len(v) >= 2 and all(x.shape[0] >= 2 for x in v)]
+    # arms with at least two seeds (an arm still at one seed has no seed-to-seed variance to offer)
+    seeded = [[x for x in v if x.shape[0] >= 2] for v in by_setting.values()]
+    cand = [v for v in seeded if len(v) >= 2]
     if cand:
         power = asdict(detectable_difference(max(cand, key=len)))
     return {"label": label, "evals": evals, "arms": arms, "pairs": pairs, "power": power}

@@ -178,11 +178,13 @@ def config_keys() -> list[str]:
 
 
 def _unknown(key: str) -> str:
+    if not key.strip():
+        return "an override needs a key: section.field=value (`mosaic train --help-config` lists every key)"
     keys = config_keys()
     # The right field in the wrong section (e.g. harness.temperature → rollout.temperature) first.
     moved = [k for k in keys if k.rsplit(".", 1)[-1] == key.rsplit(".", 1)[-1] and k != key]
     near = moved[:1] or difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
-    hint = f" (did you mean '{near[0]}'?)" if near else " (see `config_keys()` / docs for the list)"
+    hint = f" (did you mean '{near[0]}'?)" if near else " (`mosaic train --help-config` lists every key)"
     return f"unknown config key '{key}'{hint}"
 
 

@@ -29,6 +29,7 @@ def register(sub) -> None:
 
 
 def _run(args) -> int:
+    from mosaic.cliargs import output_error
     from mosaic.view.data import ViewError, load_view
     from mosaic.view.page import write_page
 
@@ -37,13 +38,17 @@ def _run(args) -> int:
         print("mosaic view: --max-trajectories must be >= 1", file=sys.stderr)
         return 2
     out = Path(args.out) if args.out else (path / "view.html" if path.is_dir() else path.with_suffix(".html"))
+    why = output_error("--out" if args.out else "the page", out, is_dir=False)
+    if why:
+        print(f"mosaic view: {why}", file=sys.stderr)
+        return 2
     t0 = time.perf_counter()
     try:
         view = load_view(path, tokenizer=args.tokenizer, max_trajectories=args.max_trajectories)
+        write_page(view, out)
     except (ViewError, OSError) as exc:
         print(f"mosaic view: {exc}", file=sys.stderr)
         return 2
-    write_page(view, out)
     n = len(view["samples"])
     if not n:
         print(f"mosaic view: {path} holds no trajectories (trained with train.rollout_samples=0?); the page shows "

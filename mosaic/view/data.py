@@ -28,14 +28,29 @@ class ViewError(ValueError):
 
 
 def _jsonl(path: Path) -> Iterable[tuple[int, dict]]:
-    with open(path) as fh:
-        for n, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                yield n, json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line cut by a kill (the last one): the trainer's own readers skip it too
+    """The JSON-object lines of ``path``. A cut last line (a killed writer) is skipped, as the trainer's
+    own readers do; a line that is not a JSON object anywhere else, or bytes that are not UTF-8, is a
+    :class:`ViewError` naming the line."""
+    try:
+        lines = path.read_bytes().split(b"\n")
+    except IsADirectoryError:
+        raise ViewError(f"{path}: is a directory, not a JSONL file") from None
+    last = max((i for i, ln in enumerate(lines) if ln.strip()), default=-1)
+    for i, raw in enumerate(lines):
+        if not raw.strip():
+            continue
+        n = i + 1
+        try:
+            rec = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError:
+            raise ViewError(f"{path}:{n}: not UTF-8 text (expected a JSONL file of samples or trajectories)") from None
+        except (json.JSONDecodeError, RecursionError):
+            if i == last and not raw.endswith(b"}"):
+                continue  # a line cut by a kill (the last one): skipped like the trainer's readers do
+            raise ViewError(f"{path}:{n}: not a JSON line (expected a JSONL file of samples or trajectories)") from None
+        if not isinstance(rec, dict):
+            raise ViewError(f"{path}:{n}: a JSON {type(rec).__name__}, not an object (expected samples or trajectories)")
+        yield n, rec
 
 
 def read_samples(path: str | Path) -> list[dict]:

@@ -118,3 +118,26 @@ def test_a_tokenizer_prints_the_ids_when_no_vocab_is_beside_the_file(tmp_path):
     tok = load_tokenizer(model_dir)
     some = trajs[0].sessions[0].completion_ids[0]
     assert view["pieces"][str(some)] == tok.decode([some])
+
+
+@pytest.mark.parametrize("content, said", [
+    (b"\xff\xfe\x00garbage", "not UTF-8 text"),
+    (b"[1, 2]\n42\n", "a JSON list, not an object"),
+    (b"hello world\nnot json\n", "g.x:1: not a JSON line"),
+    (b'{"schema": "mosaic.sample"}\n{"broken\n{"schema": "mosaic.sample"}\n', "g.x:2: not a JSON line"),
+], ids=["binary", "not-objects", "text", "corrupt-middle-line"])
+def test_a_file_that_is_not_samples_is_one_line_naming_it(tmp_path, capsys, content, said):
+    f = tmp_path / "g.x"
+    f.write_bytes(content)
+    assert main(["view", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert said in err and "Traceback" not in err and err.count("\n") == 1
+
+
+def test_a_bad_output_path_fails_before_any_work(tmp_path, capsys):
+    d, _ = _run_dir(tmp_path)
+    (tmp_path / "afile").write_text("")
+    assert main(["view", str(d), "-o", str(tmp_path / "afile" / "x.html")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+    assert main(["view", str(d), "-o", str(tmp_path)]) == 2
+    assert "it is a directory" in capsys.readouterr().err
