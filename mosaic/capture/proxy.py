@@ -44,7 +44,7 @@ import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import httpx
 from fastapi import FastAPI, Request  # module level: FastAPI resolves route annotations by name
@@ -63,6 +63,7 @@ from mosaic.capture.wire import (
     error_body,
     json_depth_exceeds,
     logprob_list,
+    policy_version,
     retokenize,
     validate_request,
 )
@@ -147,9 +148,13 @@ class ProxyConfig:
 class RecordingProxy:
     """State of one proxy: config, upstream client, records writer, optional tokenizer."""
 
-    def __init__(self, config: ProxyConfig, *, tokenizer: Any = None):
+    def __init__(self, config: ProxyConfig, *, tokenizer: Any = None,
+                 accept_rollout: Callable[[str, str], bool] | None = None,
+                 force_params: dict[str, Any] | None = None):
         self.cfg = config
         self.tokenizer = tokenizer
+        self.accept_rollout = accept_rollout
+        self.force_params = dict(force_params or {})
         if tokenizer is None and config.tokenizer:  # the served model's own: no template is guessed
             self.tokenizer = load_tokenizer(config.tokenizer, fallback_template=None)
         self.writer: RecordWriter | None = None
@@ -330,6 +335,7 @@ class RecordingProxy:
         body = await self.read_json(request)
         validate_request(endpoint, body)
         rid = rollout_id if rollout_id is not None else request.headers.get("x-mosaic-rollout", "")
+        self._check_rollout(rid, "calls")
         seq = next(self._seq)
         rec = CallRecord(
             call_id=f"{self._run}-{seq}", rollout_id=rid, seq=seq, endpoint=endpoint,
@@ -342,7 +348,7 @@ class RecordingProxy:
             stream=bool(body.get("stream")), t_start=t_start,
             headers={k: v for k, v in request.headers.items() if k.startswith("x-mosaic-")},
         )
-        fwd = dict(body)
+        fwd = {**body, **self.force_params}
         if self.cfg.request_token_ids:
             fwd["return_token_ids"] = True
         if endpoint == "chat":
@@ -420,6 +426,7 @@ class RecordingProxy:
                     rec.prompt_ids = acc.prompt_ids or []
                     rec.completion_ids = acc.ids
                     rec.logprobs = acc.logprobs
+                    rec.policy_version = acc.policy_version
                 finally:
                     self._finish(rec)
                     self.in_flight -= 1
@@ -435,6 +442,7 @@ class RecordingProxy:
 
     def _read_completion(self, rec: CallRecord, data: bytes) -> None:
         obj = json.loads(data)
+        rec.policy_version = policy_version(obj)
         ch = (obj.get("choices") or [{}])[0]
         rec.finish_reason = ch.get("finish_reason")
         if rec.endpoint == "chat":
@@ -448,8 +456,15 @@ class RecordingProxy:
         rec.completion_ids = choice_token_ids(ch) or []
         rec.logprobs = logprob_list(rec.endpoint, ch.get("logprobs"))
 
+    def _check_rollout(self, rollout_id: str, what: str) -> None:
+        """With ``accept_rollout`` (a trainer's proxy): a rollout id it did not hand out is a 404."""
+        if self.accept_rollout is not None and not self.accept_rollout(rollout_id, what):
+            raise ApiError(404, f"unknown rollout id {rollout_id!r}: use the base URL this rollout was given",
+                           "not_found_error")
+
     async def handle_reward(self, request, rollout_id: str):
         self.check_auth(request)
+        self._check_rollout(rollout_id, "rewards")
         body = await self.read_json(request)
         if not isinstance(body, dict):
             raise ApiError(422, "reward body must be a JSON object")
@@ -476,9 +491,16 @@ class RecordingProxy:
                         media_type=resp.headers.get("content-type", "application/json"))
 
 
-def create_proxy_app(config: ProxyConfig, *, tokenizer: Any = None):
-    """The FastAPI app of a recording proxy (records go to ``config.out_dir/records.jsonl``)."""
-    proxy = RecordingProxy(config, tokenizer=tokenizer)
+def create_proxy_app(config: ProxyConfig, *, tokenizer: Any = None,
+                     accept_rollout: Callable[[str, str], bool] | None = None,
+                     force_params: dict[str, Any] | None = None):
+    """The FastAPI app of a recording proxy (records go to ``config.out_dir/records.jsonl``).
+
+    ``accept_rollout(rollout_id, what)``: when given, calls and rewards for a rollout id it refuses get
+    404 (a trainer accepts only the ids of its step). ``force_params``: request fields set on every
+    forwarded call whatever the client sent (a trainer's sampling temperature and top-p).
+    """
+    proxy = RecordingProxy(config, tokenizer=tokenizer, accept_rollout=accept_rollout, force_params=force_params)
 
     @asynccontextmanager
     async def lifespan(app):

@@ -93,6 +93,8 @@ def _check_call(d: dict[str, Any]) -> None:
             raise TraceError(f"field {name!r}: must be a finite number, got {d[name]!r}")
     if "status" in d:
         _int(d["status"], "status")
+    if d.get("policy_version") is not None:
+        _int(d["policy_version"], "policy_version")
     for name in ("retokenized", "stream", "context_overflow"):
         if name in d and not isinstance(d[name], bool):
             raise TraceError(f"field {name!r}: must be true or false, got {d[name]!r}")
@@ -125,6 +127,9 @@ class CallRecord:
         t_start / t_first / t_end: wall-clock times (s since epoch) of arrival, first upstream
             byte, and completion; upstream_s: time spent waiting on the upstream.
         headers: the ``X-Mosaic-*`` headers of the request (task / group ids, ...).
+        policy_version: the version of the weights that answered, when the upstream says
+            (``mosaic serve`` stamps ``policy_version`` on each response; a trainer bumps it at each
+            update); None otherwise.
     """
 
     call_id: str
@@ -152,6 +157,7 @@ class CallRecord:
     t_end: float = 0.0
     upstream_s: float = 0.0
     headers: dict[str, str] = field(default_factory=dict)
+    policy_version: int | None = None
 
     @property
     def ok(self) -> bool:

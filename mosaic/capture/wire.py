@@ -119,6 +119,7 @@ class StreamAccumulator:
         self.logprobs: list[float] = []
         self.prompt_ids: list[int] | None = None
         self.finish: str | None = None
+        self.policy_version: int | None = None
         self.done = False
         self.bad = 0
 
@@ -174,6 +175,7 @@ class StreamAccumulator:
             return
         if self.prompt_ids is None and isinstance(obj.get("prompt_token_ids"), list):
             self.prompt_ids = obj["prompt_token_ids"]
+        self.policy_version = policy_version(obj, self.policy_version)
         for ch in obj.get("choices") or []:
             if ch.get("index", 0) != 0:
                 continue
@@ -201,6 +203,12 @@ class StreamAccumulator:
                         slot["function"]["arguments"] += fn["arguments"]
             elif isinstance(ch.get("text"), str):
                 self.text.append(ch["text"])
+
+
+def policy_version(obj: dict, default: int | None = None) -> int | None:
+    """The ``policy_version`` a response (or chunk) carries (``mosaic serve`` stamps it), else ``default``."""
+    v = obj.get("policy_version")
+    return v if type(v) is int and 0 <= v < 2**62 else default
 
 
 def retokenize(rec: CallRecord, tok: Any) -> None:

@@ -232,7 +232,14 @@ def _heldout_eval(cfg: Config, run_dir: Path, name: str, model, tok, chat, split
 def _rl_loop(cfg: Config, plan: RunPlan, model, tok, chat, device) -> None:
     """RL steps from the resume point to the end: metrics, samples, checkpoints."""
     train = setup.load_split(cfg, "train")
-    steps = resolve_steps(cfg, len(train.tasks))
+    replay = None
+    if cfg.rollout.source == "records":
+        from mosaic.train.external import RecordsReplay
+
+        replay = RecordsReplay(cfg)
+        _log(f"replaying {sum(len(g) for g in replay.groups.values())} captured rollouts in {replay.n_groups} "
+             f"groups from {cfg.rollout.records} (dropped: {dict(replay.dropped) or 'none'})")
+    steps = resolve_steps(cfg, replay.n_groups if replay is not None else len(train.tasks))
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, steps * cfg.optim.ppo_epochs * cfg.optim.mini_batches)
     start = 0
@@ -242,7 +249,14 @@ def _rl_loop(cfg: Config, plan: RunPlan, model, tok, chat, device) -> None:
         _log(f"resumed from {plan.resume_from} at step {start}")
         check_resume_config(plan.resume_from.parent.parent, plan.config_yaml, cfg.train.resume_force, state=ck.state)
     ref = make_reference(model) if cfg.algo.kl_coef > 0 else None
-    st = RLState(cfg, model, tok, chat, train, optimizer, scheduler, device, ref_model=ref)
+    source = replay
+    if cfg.rollout.source == "harness":
+        from mosaic.train.external import ExternalRollouts  # fastapi / uvicorn only when asked for
+
+        source = ExternalRollouts(cfg, model, tok, train, plan.run_dir / "records")
+        _log(f"rollouts from the harness {cfg.rollout.harness!r}: policy served behind the recording proxy at "
+             f"{source.url} (records in {source.records_path})")
+    st = RLState(cfg, model, tok, chat, train, optimizer, scheduler, device, ref_model=ref, source=source)
     val = setup.load_split(cfg, cfg.data.eval_split) if cfg.train.eval_every else None
     logger = RunLogger(plan.run_dir, config_yaml=plan.config_yaml, total_steps=steps, start_step=start,
                        logger=cfg.train.logger, tensorboard=cfg.train.tensorboard, wandb=cfg.train.wandb,
@@ -270,6 +284,8 @@ def _rl_loop(cfg: Config, plan: RunPlan, model, tok, chat, device) -> None:
                                 state={"step": n, "estimator": cfg.algo.estimator}, keep_last=cfg.train.keep_last)
         extra = {"steps": str(steps)}
     finally:
+        if source is not None:
+            source.close()
         logger.close(extra=extra)
 
 

@@ -14,11 +14,12 @@ SPEC §4.4 asks.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -54,6 +55,10 @@ class RLState:
     last_trajs: list[Trajectory] = field(default_factory=list)
     last_samples: list[dict] = field(default_factory=list)
     """The ``samples.jsonl`` lines of the last step (``train.rollout_samples`` of its trajectories)."""
+    source: Any = None
+    """Where rollouts come from when not the built-in harness (``rollout.source``): an object with
+    ``collect(tasks, step) -> (trajectories, metrics)`` and ``hold()`` (a context manager the scoring and
+    the update run in: :class:`mosaic.train.external.ExternalRollouts`)."""
 
 
 def task_order(n_tasks: int, seed: int, epoch: int) -> list[int]:
@@ -184,26 +189,33 @@ def rl_step(st: RLState, step: int) -> dict[str, float]:
     est = get_estimator(cfg.algo.estimator)
     t0 = time.perf_counter()
     tasks = tasks_for_step(st.split, step, cfg.train.batch_tasks, cfg.train.seed)
-    trajs = rollout(st, tasks, step)
+    source_metrics: dict[str, float] = {}
+    if st.source is None:
+        trajs = rollout(st, tasks, step)
+    else:
+        trajs, source_metrics = st.source.collect(tasks, step)
     st.last_trajs = trajs
     t_gen = time.perf_counter() - t0
 
-    train, skipped = drop_uniform_groups(trajs) if cfg.algo.skip_uniform_groups else (list(trajs), 0)
-    t1 = time.perf_counter()
-    scores = score_for(est, train, st.model, st.chat, cfg.algo) if train else Scores(metrics={})
-    t_score = time.perf_counter() - t1
+    # An external source's served weights are held from here to the end of the update: no request is
+    # answered by weights being changed, and the version it stamps goes up once they have changed.
+    with st.source.hold() if st.source is not None else contextlib.nullcontext():
+        train, skipped = drop_uniform_groups(trajs) if cfg.algo.skip_uniform_groups else (list(trajs), 0)
+        t1 = time.perf_counter()
+        scores = score_for(est, train, st.model, st.chat, cfg.algo) if train else Scores(metrics={})
+        t_score = time.perf_counter() - t1
 
-    rows, adv_metrics, upd = [], {}, {}
-    st.last_samples = []
-    if train:  # every group uniform and skipped: nothing to learn from this step
-        layout = turn_layout(train) if est.needs_turns else None
-        adv, adv_metrics = compute_advantages(train, cfg, scores, layout=layout)
-        rows = training_rows(train, adv, est, layout)
-        st.last_samples = _samples(cfg, train, scores, layout, step + 1) if cfg.train.rollout_samples else []
-    t2 = time.perf_counter()
-    if rows:
-        upd = update(st, rows, temperature=cfg.rollout.temperature)
-    t_update = time.perf_counter() - t2
+        rows, adv_metrics, upd = [], {}, {}
+        st.last_samples = []
+        if train:  # every group uniform and skipped (or every rollout dropped): nothing to learn from
+            layout = turn_layout(train) if est.needs_turns else None
+            adv, adv_metrics = compute_advantages(train, cfg, scores, layout=layout)
+            rows = training_rows(train, adv, est, layout)
+            st.last_samples = _samples(cfg, train, scores, layout, step + 1) if cfg.train.rollout_samples else []
+        t2 = time.perf_counter()
+        if rows:
+            upd = update(st, rows, temperature=cfg.rollout.temperature)
+        t_update = time.perf_counter() - t2
 
     total = time.perf_counter() - t0
     tokens = sum(len(r.prompt_ids) + len(r.completion_ids) for r in rows)
@@ -219,4 +231,5 @@ def rl_step(st: RLState, step: int) -> dict[str, float]:
     m.update({"timing_s/gen": t_gen, "timing_s/score": t_score, "timing_s/update_actor": t_update,
               "timing_s/step": total, "perf/throughput": tokens / max(total, 1e-9),
               "train/tasks": float(len(tasks)), "train/sessions": float(len(rows))})  # fmt: skip
+    m.update(source_metrics)  # (a replay source says how many tasks it trained on)
     return m

@@ -9,6 +9,7 @@ into :class:`~mosaic.train.config.Config`, with presets and the loader.
 from __future__ import annotations
 
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, fields
@@ -135,9 +136,32 @@ class RolloutConfig(_Section):
     """Nucleus mass of rollout sampling, in (0, 1]."""
     batch_size: int = 64
     """Most sequences the local policy decodes together."""
+    source: Literal["builtin", "harness", "records"] = "builtin"
+    """Where RL rollouts come from: ``builtin`` (the project's harness), ``harness`` (an external agent
+    harness, run against the served policy through the recording proxy: ``mosaic.train.external``) or
+    ``records`` (rollouts captured earlier: a directory of proxy records with rewards, replayed
+    off-policy with the recorded sampling log-probs)."""
+    harness: str = ""
+    """``source=harness``: ``module:function`` or ``file.py:function`` (a Python callable, sync or async, given a ``HarnessTask``)
+    or a shell command (given the same in ``MOSAIC_*`` / ``OPENAI_BASE_URL`` environment variables)."""
+    concurrency: int = 16
+    """``source=harness``: most harness rollouts running at once."""
+    deadline_s: float = 300.0
+    """``source=harness``: seconds a rollout may run; past it it is dropped (a command is killed)."""
+    reward: str = "deepsearch"
+    """``source=harness``: ``deepsearch`` (the environment's reward of the answer the harness returned or
+    posted), ``harness`` (the reward the harness posts to its reward URL) or ``module:function(task, answer)``."""
+    records: str = ""
+    """``source=records``: a records file or directory (``mosaic proxy serve`` output, rewards included)."""
 
     def _validate(self) -> None:
-        self._positive("batch_size")
+        self._positive("batch_size", "concurrency", "deadline_s")
+        self._need(self.source != "harness" or bool(self.harness.strip()), "harness",
+                   "rollout.source=harness needs the harness: module:function or a shell command")
+        self._need(self.source != "records" or bool(self.records.strip()), "records",
+                   "rollout.source=records needs the records file or directory")
+        self._need(self.reward in ("deepsearch", "harness") or re.match(r"^([A-Za-z_][\w.]*|[^\s:]+\.py):[A-Za-z_]\w*$", self.reward)
+                   is not None, "reward", "must be deepsearch, harness, module:function or file.py:function")
         self._need(self.temperature > 0, "temperature", "must be > 0 for RL rollouts (log-probs need sampling)")
         self._need(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
 

@@ -49,6 +49,21 @@ class ModelServer:
         self.worker = ModelWorker(self.policy, max_batch_size=max_batch_size,
                                   batch_window_s=batch_window_s, decode=self.decode)
 
+    @contextlib.contextmanager
+    def weights_update(self):
+        """Hold the served weights while the caller changes them in place (a trainer's update): no
+        request is decoded meanwhile (those that arrive wait), and the policy version every response
+        carries (``policy_version``) goes up by one on exit."""
+        with self.worker.weights_lock:
+            try:
+                yield
+            finally:
+                self.worker.version += 1
+
+    @property
+    def policy_version(self) -> int:
+        return self.worker.version
+
     # ---- request checks
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
@@ -125,10 +140,10 @@ class ModelServer:
             return StreamingResponse(stream_completion(self, job, body, cid, created, prompt_of),
                                      media_type="text/event-stream")
         results = await _results(job)
-        return await asyncio.to_thread(self._completion_json, body, results, cid, created, prompt_of)
+        return await asyncio.to_thread(self._completion_json, body, results, cid, created, prompt_of, job.version)
 
     def _completion_json(self, body: CompletionRequest, results: list, cid: str, created: int,
-                         prompt_of: list[list[int]]) -> dict:
+                         prompt_of: list[list[int]], job_version: int | None = None) -> dict:
         text = ChoiceText(self, body.skip_special_tokens, body.stop)
         choices, counts = [], []
         for c, res in enumerate(results):
@@ -143,7 +158,8 @@ class ModelServer:
                 choice["token_ids"] = ids
             choices.append(choice)
         return {"id": cid, "object": "text_completion", "created": created, "model": self.model_name,
-                "choices": choices, "usage": usage([len(p) for p in prompt_of], counts)}
+                "choices": choices, "usage": usage([len(p) for p in prompt_of], counts),
+                "policy_version": job_version}
 
     async def chat(self, body: ChatCompletionRequest):
         self.check_model(body.model)
@@ -155,10 +171,10 @@ class ModelServer:
             return StreamingResponse(stream_chat(self, job, body, cid, created, ids),
                                      media_type="text/event-stream")
         results = await _results(job)
-        return await asyncio.to_thread(self._chat_json, body, results, cid, created, ids)
+        return await asyncio.to_thread(self._chat_json, body, results, cid, created, ids, job.version)
 
     def _chat_json(self, body: ChatCompletionRequest, results: list, cid: str, created: int,
-                   ids: list[int]) -> dict:
+                   ids: list[int], job_version: int | None = None) -> dict:
         text = ChoiceText(self, body.skip_special_tokens, body.stop, body.uses_tools)
         choices, counts = [], []
         for c, res in enumerate(results):
@@ -175,7 +191,8 @@ class ModelServer:
                 choice["token_ids"] = toks
             choices.append(choice)
         out = {"id": cid, "object": "chat.completion", "created": created, "model": self.model_name,
-               "choices": choices, "usage": usage([len(ids)] * len(results), counts)}
+               "choices": choices, "usage": usage([len(ids)] * len(results), counts),
+               "policy_version": job_version}
         if body.return_token_ids:
             out["prompt_token_ids"] = ids
         return out

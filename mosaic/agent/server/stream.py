@@ -136,7 +136,8 @@ async def stream_completion(srv: TextSource, job: Job, body: CompletionRequest, 
                 if res.finish_reason == "error":
                     choice["error"] = res.error
                 yield sse({**head, "choices": [choice]})
-            yield sse({**head, "choices": [], "usage": usage([len(p) for p in prompt_of], counts)})
+            yield sse({**head, "choices": [], "usage": usage([len(p) for p in prompt_of], counts),
+                       "policy_version": job.version})
         else:
             yield _error_event(ev[1])
     yield "data: [DONE]\n\n"
@@ -179,7 +180,8 @@ async def stream_chat(srv: TextSource, job: Job, body: ChatCompletionRequest, ci
                     yield sse({**head, "choices": [{"index": c, "logprobs": None, "finish_reason": None, "delta": {
                         "tool_calls": [{"index": k, **tc} for k, tc in enumerate(calls)]}}]})
                 yield sse({**head, "choices": [{"index": c, "delta": {}, "logprobs": None, "finish_reason": finish}]})
-            yield sse({**head, "choices": [], "usage": usage([len(prompt_ids)] * len(results), counts)})
+            yield sse({**head, "choices": [], "usage": usage([len(prompt_ids)] * len(results), counts),
+                       "policy_version": job.version})
         else:
             yield _error_event(ev[1])
     yield "data: [DONE]\n\n"

@@ -32,6 +32,7 @@ class Job:
     stream: bool
     stop_strings: tuple[str, ...] = ()  # a sequence ends once its text holds one (cut later, see textops)
     skip_special: bool = True
+    version: int | None = None  # the policy version that decoded it (set by the worker before any token)
 
     def send(self, event: tuple) -> None:
         """Hand an event to the request's event loop (from the worker thread)."""
@@ -42,7 +43,12 @@ class Job:
 
 
 class ModelWorker:
-    """One thread that owns the model and decodes queued jobs in batches."""
+    """One thread that owns the model and decodes queued jobs in batches.
+
+    ``weights_lock`` is held while a batch decodes; a trainer that changes the weights in place holds it
+    too (:meth:`mosaic.agent.server.app.ModelServer.weights_update`), so no batch ever mixes weights and
+    ``version`` (stamped on every job) says which weights answered a request.
+    """
 
     def __init__(self, policy: LocalPolicy, *, max_batch_size: int, batch_window_s: float,
                  decode: Callable[[list[int], bool], str] | None = None) -> None:
@@ -52,6 +58,8 @@ class ModelWorker:
         self.max_batch_size = max_batch_size
         self.batch_window_s = batch_window_s
         self._queue: queue.Queue[Job | None] = queue.Queue()
+        self.weights_lock = threading.Lock()
+        self.version = 0
         self.stats = {"batches": 0, "sequences": 0, "max_batch": 0, "stop_string_ends": 0}  # tests, /health
         self._thread = threading.Thread(target=self._run, name="mosaic-model-worker", daemon=True)
         self._thread.start()
@@ -74,7 +82,8 @@ class ModelWorker:
                 groups.setdefault(key, []).append(j)
             for group in groups.values():
                 try:
-                    self._decode(group)
+                    with self.weights_lock:
+                        self._decode(group)
                 except Exception as exc:  # keep the worker alive whatever happens
                     log.exception("model worker failed")
                     for j in group:
@@ -101,6 +110,8 @@ class ModelWorker:
         flat: list[tuple[Job, int]] = [(j, c) for j in jobs for c in range(len(j.reqs))]
         reqs = [j.reqs[c] for j, c in flat]
         first = jobs[0]
+        for j in jobs:
+            j.version = self.version
         self.stats["batches"] += 1
         self.stats["sequences"] += len(reqs)
         self.stats["max_batch"] = max(self.stats["max_batch"], len(reqs))

@@ -1,0 +1,95 @@
+"""Step-time overhead of training through an external harness (``rollout.source=harness``).
+
+The same RL job run twice in this process, interleaved step by step on fresh copies of the same
+warm start: once with the built-in harness, once with ``examples/harness/plain.py`` (the ~50-line
+``openai``-client harness, same prompts and budgets) behind the in-process server and the recording
+proxy. Same model (the shipped ``cpu`` base model), tasks, group size, seed and estimator; each side
+keeps its own optimizer, so both run the same number of updates.
+
+Printed per side: median seconds per step and per sampled (trainable) token, with the split into
+rollout (``timing_s/gen``), scoring and update; then the ratio harness / built-in (target <= 1.3x).
+The two harnesses are different agent loops (the plain one re-renders its history through the chat
+template on every call, and its sub-agent and compaction rules are its own), so they sample
+different numbers of tokens: the per-token ratio is the fair one, the per-step one is what a user
+waits.
+
+Usage: python bench/harness.py [--steps 3] [--batch-tasks 2] [--group-size 4] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--batch-tasks", type=int, default=2)
+    ap.add_argument("--group-size", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--estimator", default="mosaic")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from mosaic.train import setup
+    from mosaic.train.config import load_config
+    from mosaic.train.entrypoints import ensure_warm_start
+    from mosaic.train.external import ExternalRollouts
+    from mosaic.train.optim import build_optimizer, build_scheduler
+    from mosaic.train.rl import RLState, rl_step
+
+    work = Path(tempfile.mkdtemp(prefix="bench-harness-"))
+    common = [f"train.batch_tasks={args.batch_tasks}", f"train.group_size={args.group_size}",
+              f"algo.estimator={args.estimator}", "train.heldout_split=none", "train.rollout_samples=0",
+              f"train.run_dir={work}"]
+    sides = {
+        "built-in": load_config("cpu", overrides=common),
+        "harness": load_config("cpu", overrides=common + [
+            "rollout.source=harness", f"rollout.harness={ROOT / 'examples/harness/plain.py'}:run"]),
+    }
+    dev = torch.device("cpu")
+    states = {}
+    for name, cfg in sides.items():
+        model, tok = setup.load_policy(ensure_warm_start(cfg), device=dev, dtype=torch.float32)
+        split = setup.load_split(cfg, "train")
+        opt = build_optimizer(model, cfg.optim)
+        source = ExternalRollouts(cfg, model, tok, split, work / "records") if cfg.rollout.source == "harness" else None
+        states[name] = RLState(cfg, model, tok, setup.chat_format(tok), split, opt,
+                               build_scheduler(opt, cfg.optim, args.steps), dev, source=source)
+    rows: dict[str, list[dict]] = {n: [] for n in states}
+    try:
+        for step in range(args.steps):
+            for name, st in states.items():  # interleaved: both sides see the same machine load
+                m = rl_step(st, step)
+                m["tokens"] = sum(sum(s.loss_mask) for t in st.last_trajs for s in t.sessions)
+                rows[name].append(m)
+                print(f"step {step} {name:9s} {m['timing_s/step']:7.2f} s  {m['tokens']:6d} sampled tokens  "
+                      f"kept {m.get('rollout/kept', len(st.last_trajs)):.0f}", flush=True)
+    finally:
+        for st in states.values():
+            if st.source is not None:
+                st.source.close()
+
+    def med(name: str, key: str) -> float:
+        return statistics.median(r[key] for r in rows[name])
+
+    print(f"\n{'':10s} {'s/step':>8s} {'ms/token':>9s} {'gen':>7s} {'score':>7s} {'update':>7s} {'sessions':>9s}")
+    per_tok = {}
+    for name in rows:
+        per_tok[name] = statistics.median(1000 * r["timing_s/step"] / max(1, r["tokens"]) for r in rows[name])
+        print(f"{name:10s} {med(name, 'timing_s/step'):8.2f} {per_tok[name]:9.2f} {med(name, 'timing_s/gen'):7.2f} "
+              f"{med(name, 'timing_s/score'):7.2f} {med(name, 'timing_s/update_actor'):7.2f} "
+              f"{med(name, 'session/per_traj'):9.2f}")
+    print(f"\nharness / built-in: {med('harness', 'timing_s/step') / med('built-in', 'timing_s/step'):.2f}x per step, "
+          f"{per_tok['harness'] / per_tok['built-in']:.2f}x per sampled token (target <= 1.3x)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,213 @@
+"""Training on an external harness's rollouts (``rollout.source=harness``): the served policy behind the
+recording proxy, graphs rebuilt from the records, faults dropped and counted, weights swapped in place."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from mosaic.train import entrypoints, setup
+from mosaic.train.config import ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+H = "tests.train._harnesses"
+TINY = [
+    "model.source=embedded", "model.embedded_preset=tiny", "data.n_train_tasks=8", "data.n_eval_tasks=3",
+    "harness.context_budget=320", "harness.max_new_tokens=12", "harness.summary_max_new_tokens=12",
+    "harness.max_turns=3", "harness.max_sessions=3", "harness.max_total_turns=6", "harness.subagent_max_turns=2",
+    "train.batch_tasks=2", "train.group_size=2", "train.tensorboard=false", "train.plot_every=0",
+    "optim.lr=0.01", "optim.micro_batch_size=3", "train.heldout_split=none", "rollout.source=harness",
+]
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory):
+    from mosaic.agent.models.embedded import save_model
+
+    cfg = load_config("cpu", overrides=TINY + [f"data.cache_dir={tmp_path_factory.mktemp('cache')}",
+                                               f"rollout.harness={H}:scripted"])
+    model, tok = setup.build_base_model(cfg, torch.device("cpu"), torch.float32)
+    d = tmp_path_factory.mktemp("base")
+    save_model(model, tok, d)
+    return d, cfg.data.cache_dir
+
+
+def _cfg(base_dir, tmp_path, *extra):
+    d, cache = base_dir
+    return load_config("cpu", overrides=TINY + [f"data.cache_dir={cache}", "model.source=dir", f"model.path={d}",
+                                                f"train.run_dir={tmp_path / 'run'}", *extra])
+
+
+def _source(cfg, tmp_path):
+    from mosaic.train.external import ExternalRollouts
+
+    model, tok = setup.load_policy(cfg.model.path, device=torch.device("cpu"), dtype=torch.float32)
+    split = setup.load_split(cfg, "train")
+    return ExternalRollouts(cfg, model, tok, split, tmp_path / "records"), split
+
+
+def _shape(t):
+    return [(s.kind, s.parent, s.edge, s.prompt_ids, s.completion_ids, s.loss_mask, s.is_final) for s in t.sessions]
+
+
+def test_graphs_trained_on_equal_what_proxy_export_rebuilds(base_dir, tmp_path):
+    from mosaic.capture.cli import export
+    from mosaic.capture.records import load_records
+    from mosaic.trace import load_trajectories
+
+    cfg = _cfg(base_dir, tmp_path, f"rollout.harness={H}:scripted", f"rollout.reward={H}:right_is_one")
+    src, split = _source(cfg, tmp_path)
+    try:
+        tasks = split.tasks[:2]
+        trajs, m = src.collect(tasks, step=0)
+        # (a rollout whose random-model summary came out empty cannot be linked: dropped as unbuildable)
+        assert m["rollout/kept"] == len(trajs) >= 3 and m["rollout/dropped"] == m["rollout/dropped/unbuildable"], \
+            src.last_drop_examples
+        kinds = {s.kind for t in trajs for s in t.sessions}
+        assert kinds == {"main", "subagent", "compaction"}
+        assert {t.reward for t in trajs} == {0.0, 1.0}
+        assert {t.ground_truth for t in trajs} == {t.answer for t in tasks}
+        assert all(t.group_id in {x.id for x in tasks} for t in trajs)
+        calls, _ = load_records(src.records_dir)
+        assert calls and {c.policy_version for c in calls} == {0}
+        assert all(c.request_params.get("temperature") is None or True for c in calls)
+
+        export(str(src.records_dir), str(tmp_path / "exported.jsonl"), rules=src.rules)
+        again = {t.id: t for t in load_trajectories(tmp_path / "exported.jsonl")}
+        assert sorted(again) == sorted(t.id for t in trajs)
+        for t in trajs:
+            assert _shape(again[t.id]) == _shape(t)
+            assert (again[t.id].reward, again[t.id].ground_truth) == (t.reward, t.ground_truth)
+
+        with src.hold():  # what the trainer's update does: the next step is answered by version 1
+            pass
+        trajs2, _ = src.collect(tasks[:1], step=1)
+        calls2, _ = load_records(src.records_dir)
+        assert {c.policy_version for c in calls2 if c.rollout_id in {t.id for t in trajs2}} == {1}
+    finally:
+        src.close()
+
+
+def test_faults_drop_the_rollout_count_it_and_keep_serving(base_dir, tmp_path):
+    cfg = _cfg(base_dir, tmp_path, f"rollout.harness={H}:faulty", "rollout.reward=harness", "train.group_size=6",
+               "rollout.deadline_s=30")
+    src, split = _source(cfg, tmp_path)
+    try:
+        trajs, m = src.collect(split.tasks[:1], step=0)
+        got = {k.split("/")[-1]: v for k, v in m.items() if k.startswith("rollout/dropped/") and v}
+        assert got == {"crashed": 1, "timeout": 1, "double_reward": 1, "no_reward": 1, "foreign_id": 1}, \
+            src.last_drop_examples
+        assert m["rollout/kept"] == 1 and len(trajs) == 1 and trajs[0].reward == 1.0
+        assert m["rollout/foreign_requests"] >= 1
+        # the proxy and the server are still up, and a late call of the dropped step is refused
+        assert httpx.get(src.url + "/healthz", timeout=10).status_code == 200
+        r = httpx.post(f"{src.url}/rollouts/{trajs[0].id}/v1/chat/completions", timeout=10,
+                       json={"model": "mosaic-policy", "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 404
+        trajs2, m2 = src.collect(split.tasks[1:2], step=1)  # the next step goes on
+        assert m2["rollout/kept"] == 1
+    finally:
+        src.close()
+
+
+def test_async_and_command_harnesses(base_dir, tmp_path):
+    cfg = _cfg(base_dir, tmp_path, f"rollout.harness={H}:async_ok", f"rollout.reward={H}:right_is_one")
+    src, split = _source(cfg, tmp_path)
+    try:
+        trajs, m = src.collect(split.tasks[:1], step=0)
+        assert sorted(t.reward for t in trajs) == [0.0, 1.0]
+    finally:
+        src.close()
+    script = tmp_path / "h.py"
+    script.write_text(
+        "import json, os, urllib.request\n"
+        "req = urllib.request.Request(os.environ['OPENAI_BASE_URL'] + '/chat/completions', method='POST',\n"
+        "    headers={'content-type': 'application/json'}, data=json.dumps({'model': os.environ['MOSAIC_MODEL'],\n"
+        "    'max_tokens': 3, 'messages': [{'role': 'user', 'content': os.environ['MOSAIC_QUESTION']}]}).encode())\n"
+        "urllib.request.urlopen(req).read()\n"
+        "tool = urllib.request.Request(os.environ['MOSAIC_TOOLS_URL'], method='POST', data=json.dumps(\n"
+        "    {'name': 'search', 'arguments': {'query': 'x'}}).encode())\n"
+        "assert json.loads(urllib.request.urlopen(tool).read())['content']\n"
+        "print('right' if os.environ['MOSAIC_SAMPLE'] == '0' else 'wrong')\n")
+    cfg = _cfg(base_dir, tmp_path, f"rollout.harness={sys.executable} {script}", f"rollout.reward={H}:right_is_one")
+    src, split = _source(cfg, tmp_path / "cmd")
+    try:
+        trajs, m = src.collect(split.tasks[:1], step=0)
+        assert sorted(t.reward for t in trajs) == [0.0, 1.0], src.last_drop_examples
+    finally:
+        src.close()
+
+
+def test_mosaic_train_on_a_harness_updates_the_weights_and_logs_session_metrics(base_dir, tmp_path):
+    cfg = _cfg(base_dir, tmp_path, f"rollout.harness={ROOT / 'tests/train/_harnesses.py'}:scripted",
+               f"rollout.reward={H}:right_is_one", "train.steps=2", "algo.estimator=mosaic")
+    entrypoints.run_train(cfg)
+    run = tmp_path / "run"
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(lines) == 2
+    keys = set(lines[-1])
+    for prefix in ("session/", "critic/", "actor/", "rollout/dropped/"):
+        assert any(k.startswith(prefix) for k in keys), prefix
+    assert lines[-1]["rollout/kept"] >= 3
+    from mosaic.capture.records import load_records
+
+    calls, rewards = load_records(run / "records")
+    assert {c.policy_version for c in calls} == {0, 1}  # step 2 answered by the weights step 1 made
+    before, _ = setup.load_policy(cfg.model.path, device=torch.device("cpu"), dtype=torch.float32)
+    from mosaic.train.checkpoint import find_latest
+
+    ckpt = find_latest(run) / "model"
+    after, _ = setup.load_policy(ckpt, device=torch.device("cpu"), dtype=torch.float32)
+    diff = sum(float((a - b).abs().sum()) for a, b in zip(after.parameters(), before.parameters()))
+    assert diff > 0
+
+
+def test_bad_harness_settings_fail_before_any_work(base_dir, tmp_path):
+    with pytest.raises(ConfigError, match="rollout.harness"):
+        _cfg(base_dir, tmp_path, "rollout.harness=")
+    with pytest.raises(ConfigError, match="rollout.reward"):
+        _cfg(base_dir, tmp_path, f"rollout.harness={H}:scripted", "rollout.reward=not a function")
+    cfg = _cfg(base_dir, tmp_path, "rollout.harness=no_such_module:run")
+    with pytest.raises(ValueError, match="rollout.harness: cannot load 'no_such_module:run'"):
+        _source(cfg, tmp_path)
+
+
+def test_offline_replay_of_captured_records(base_dir, tmp_path):
+    """Records captured through the proxy train again later, off-policy (the ratio against the recorded log-probs)."""
+    from mosaic.train.external import RecordsReplay
+
+    cfg = _cfg(base_dir, tmp_path, f"rollout.harness={H}:scripted", f"rollout.reward={H}:right_is_one")
+    src, split = _source(cfg, tmp_path)
+    try:
+        src.collect(split.tasks[:2], step=0)
+    finally:
+        src.close()
+    from mosaic.capture.records import CallRecord, RecordWriter
+
+    w = RecordWriter(src.records_path)  # a rollout without a reward and a torn last line: skipped, not fatal
+    w.write(CallRecord(call_id="c", rollout_id="zz", seq=0, endpoint="chat", prompt_ids=[1], completion_ids=[2],
+                       logprobs=[-0.5]))
+    w.close()
+    with open(src.records_path, "a") as fh:
+        fh.write('{"type": "ca')
+    rcfg = _cfg(base_dir, tmp_path, "rollout.source=records", f"rollout.records={src.records_dir}",
+                "train.steps=2", "train.batch_tasks=1", "algo.estimator=mosaic", f"train.run_dir={tmp_path / 'replay'}")
+    replay = RecordsReplay(rcfg)
+    assert replay.n_groups == 2 and replay.dropped["no_reward"] == 1
+    entrypoints.run_train(rcfg)
+    lines = [json.loads(x) for x in (tmp_path / "replay" / "metrics.jsonl").read_text().splitlines()]
+    assert all(ln["rollout/replayed"] >= 1 and ln["train/tasks"] == 1 for ln in lines)
+    assert "actor/ratio_max" in lines[0]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "records.jsonl").write_text("")
+    with pytest.raises(ValueError, match="no usable rollout"):
+        RecordsReplay(_cfg(base_dir, tmp_path, "rollout.source=records", f"rollout.records={empty}"))
+    (empty / "records.jsonl").write_text('{"not": "a record"}\n{}\n')
+    with pytest.raises(ValueError, match="rollout.records: .*not a Mosaic capture record"):
+        RecordsReplay(_cfg(base_dir, tmp_path, "rollout.source=records", f"rollout.records={empty}"))
