@@ -427,7 +427,7 @@ def detectable_difference(arms: list[np.ndarray], *, alpha: float = 0.05, power:
     v_seed = float(np.mean(seed_vars)) if seed_vars else 0.0
     diffs = [arms[i].mean(0) - arms[j].mean(0) for i in range(len(arms)) for j in range(i + 1, len(arms))]
     v_q = float(np.mean([np.var(d, ddof=1) for d in diffs])) if diffs else 0.0
-    s, q = arms[0].shape
+    s, q = max(x.shape[0] for x in arms), arms[0].shape[1]  # the grid as it will be: its most-seeded arm
 
     def mde(n_s: int, n_q: int) -> float:
         return z * math.sqrt(2 * v_seed / n_s + v_q / n_q)
