@@ -50,3 +50,17 @@ def tokenizer():
 @pytest.fixture(scope="session")
 def model():
     return tiny_model()
+
+
+def save_tiny_base(tmp_path_factory, overrides: list[str]):
+    """A random tiny embedded model + the project tokenizer, built from the CPU preset with ``overrides``
+    (which name ``model.embedded_preset``) and saved as a model directory; returns ``(dir, cache_dir)``."""
+    from mosaic.agent.models.embedded import save_model
+    from mosaic.train import setup
+    from mosaic.train.config import load_config
+
+    cfg = load_config("cpu", overrides=overrides + [f"data.cache_dir={tmp_path_factory.mktemp('cache')}"])
+    model, tok = setup.build_base_model(cfg, torch.device("cpu"), torch.float32)
+    d = tmp_path_factory.mktemp("base")
+    save_model(model, tok, d)
+    return d, cfg.data.cache_dir

@@ -14,6 +14,8 @@ import torch
 from mosaic.train import entrypoints, setup
 from mosaic.train.config import ConfigError, load_config
 
+from .conftest import save_tiny_base
+
 ROOT = Path(__file__).resolve().parents[2]
 H = "tests.train._harnesses"
 TINY = [
@@ -27,14 +29,7 @@ TINY = [
 
 @pytest.fixture(scope="module")
 def base_dir(tmp_path_factory):
-    from mosaic.agent.models.embedded import save_model
-
-    cfg = load_config("cpu", overrides=TINY + [f"data.cache_dir={tmp_path_factory.mktemp('cache')}",
-                                               f"rollout.harness={H}:scripted"])
-    model, tok = setup.build_base_model(cfg, torch.device("cpu"), torch.float32)
-    d = tmp_path_factory.mktemp("base")
-    save_model(model, tok, d)
-    return d, cfg.data.cache_dir
+    return save_tiny_base(tmp_path_factory, TINY + [f"rollout.harness={H}:scripted"])
 
 
 def _cfg(base_dir, tmp_path, *extra):

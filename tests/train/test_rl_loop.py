@@ -12,6 +12,8 @@ from mosaic.core.estimators import ESTIMATORS
 from mosaic.train import entrypoints, rl, setup
 from mosaic.train.config import load_config
 
+from .conftest import save_tiny_base
+
 # Small enough that an untrained model's rollouts stay cheap (every cap is low).
 TINY = [
     "model.source=embedded",
@@ -37,13 +39,7 @@ TINY = [
 @pytest.fixture(scope="module")
 def base_dir(tmp_path_factory):
     """A random tiny embedded model + project tokenizer saved as a model directory."""
-    from mosaic.agent.models.embedded import save_model
-
-    cfg = load_config("cpu", overrides=TINY + [f"data.cache_dir={tmp_path_factory.mktemp('cache')}"])
-    model, tok = setup.build_base_model(cfg, torch.device("cpu"), torch.float32)
-    d = tmp_path_factory.mktemp("base")
-    save_model(model, tok, d)
-    return d, cfg.data.cache_dir
+    return save_tiny_base(tmp_path_factory, TINY)
 
 
 def _cfg(base_dir, tmp_path, *extra):
