@@ -59,6 +59,7 @@ from mosaic.capture.sessions import DEFAULT_COMPACTION_PATTERNS, ReconstructionR
 from mosaic.envs.rewards import score_answer
 from mosaic.trace import Trajectory
 from mosaic.trace.graph import TraceError
+from mosaic.train.sections import CALLABLE_SPEC
 
 __all__ = ["HarnessTask", "ExternalRollouts", "DROP_REASONS", "load_callable", "is_callable_spec"]
 
@@ -66,13 +67,13 @@ DROP_REASONS = ("crashed", "timeout", "no_reward", "double_reward", "no_calls", 
                 "unbuildable")
 """Why a rollout is left out of a step (``rollout/dropped/<reason>``)."""
 
-_CALLABLE = re.compile(r"^([A-Za-z_][\w.]*|[^\s:]+\.py):[A-Za-z_]\w*$")
+
 _TRAINER = "mosaic-trainer"  # meta["by"] of the reward records the trainer writes
 
 
 def is_callable_spec(spec: str) -> bool:
     """``module:function`` or ``path/to/file.py:function`` (a Python callable) rather than a shell command."""
-    return bool(_CALLABLE.match(spec.strip()))
+    return bool(CALLABLE_SPEC.match(spec.strip()))
 
 
 def load_callable(spec: str, what: str) -> Callable:
@@ -155,6 +156,13 @@ class _Outcome:
     detail: str = ""
 
 
+def reconstruction_rules(hcfg: HarnessConfig) -> ReconstructionRules:
+    """The capture rules plus the harness section's compaction instruction (rule 4), and its success threshold."""
+    return ReconstructionRules(
+        compaction_patterns=DEFAULT_COMPACTION_PATTERNS + (re.escape(hcfg.compaction_prompt[:60]),),
+        success_threshold=hcfg.success_threshold)
+
+
 def unscorable(traj: Trajectory) -> str | None:
     """Why the gain scorer could not score ``traj`` (a non-final session without both states, e.g. a
     compaction whose successor was never found, or no ground truth); None when it can."""
@@ -213,9 +221,7 @@ class ExternalRollouts:
         self.reward_fn = None
         if self.rc.reward not in ("deepsearch", "harness"):
             self.reward_fn = load_callable(self.rc.reward, "rollout.reward")
-        self.rules = ReconstructionRules(
-            compaction_patterns=DEFAULT_COMPACTION_PATTERNS + (re.escape(self.hcfg.compaction_prompt[:60]),),
-            success_threshold=self.hcfg.success_threshold)
+        self.rules = reconstruction_rules(self.hcfg)
         app = create_app(model, tokenizer, model_name=model_name, device=str(next(model.parameters()).device),
                          max_batch_size=self.rc.batch_size, default_max_tokens=self.hcfg.max_new_tokens)
         self.server = app.state.server
@@ -495,9 +501,7 @@ class RecordsReplay:
 
         self.cfg = cfg
         hcfg: HarnessConfig = cfg.harness
-        self.rules = ReconstructionRules(
-            compaction_patterns=DEFAULT_COMPACTION_PATTERNS + (re.escape(hcfg.compaction_prompt[:60]),),
-            success_threshold=hcfg.success_threshold)
+        self.rules = reconstruction_rules(hcfg)
         path = Path(cfg.rollout.records)
         if not path.exists():
             raise FileNotFoundError(f"rollout.records: {path} does not exist")

@@ -27,6 +27,10 @@ LOGGERS = ("console", "tensorboard", "wandb")
 """Entries of ``train.logger`` (verl's ``trainer.logger`` names)."""
 
 
+CALLABLE_SPEC = re.compile(r"^([A-Za-z_][\w.]*|[^\s:]+\.py):[A-Za-z_]\w*$")
+"""``module:function`` or ``path/to/file.py:function``: a Python callable named in the config."""
+
+
 class ConfigError(ValueError):
     """An invalid configuration; the message names the dotted key and says why."""
 
@@ -160,7 +164,7 @@ class RolloutConfig(_Section):
                    "rollout.source=harness needs the harness: module:function or a shell command")
         self._need(self.source != "records" or bool(self.records.strip()), "records",
                    "rollout.source=records needs the records file or directory")
-        self._need(self.reward in ("deepsearch", "harness") or re.match(r"^([A-Za-z_][\w.]*|[^\s:]+\.py):[A-Za-z_]\w*$", self.reward)
+        self._need(self.reward in ("deepsearch", "harness") or CALLABLE_SPEC.match(self.reward)
                    is not None, "reward", "must be deepsearch, harness, module:function or file.py:function")
         self._need(self.temperature > 0, "temperature", "must be > 0 for RL rollouts (log-probs need sampling)")
         self._need(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
