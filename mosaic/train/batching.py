@@ -175,6 +175,21 @@ def collate(rows: Sequence[TrainingRow | PackedRow], indices: Sequence[int], *, 
     )
 
 
+def _plain_head(model):
+    """The output layer when the logits are exactly ``head(decoder(...).last_hidden_state)`` (Llama, Qwen2/3,
+    SmolLM2; not models that scale or soft-cap their logits); None otherwise (the full model is called)."""
+    cfg = getattr(model, "config", None)
+    if cfg is None or not hasattr(model, "get_decoder") or not hasattr(model, "get_output_embeddings"):
+        return None
+    if getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logit_scale", None) or \
+            getattr(cfg, "model_type", "") not in _PLAIN_HEAD_MODELS:  # fmt: skip
+        return None
+    return model.get_output_embeddings()
+
+
+_PLAIN_HEAD_MODELS = frozenset({"llama", "qwen2", "qwen3", "mistral"})
+
+
 def completion_logprobs(
     model, batch: RowBatch, *, temperature: float = 1.0, with_entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -184,13 +199,19 @@ def completion_logprobs(
     ratio compares like with like). Returns ``(logprobs, entropy or None)``;
     padding positions hold 0.
     """
-    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
-    logits = out.logits  # (R, Lmax, V)
     r, lc = batch.completion_ids.shape
+    dev = batch.input_ids.device
     # Position of the logit that predicts completion token k: prompt_len - 1 + k.
-    offs = torch.arange(lc, device=logits.device)
-    pos = (batch.prompt_lens.unsqueeze(1) - 1 + offs).clamp(max=logits.shape[1] - 1)  # (R, Lc)
-    sel = logits.gather(1, pos.unsqueeze(-1).expand(r, lc, logits.shape[-1]))  # (R, Lc, V)
+    offs = torch.arange(lc, device=dev)
+    pos = (batch.prompt_lens.unsqueeze(1) - 1 + offs).clamp(max=batch.input_ids.shape[1] - 1)  # (R, Lc)
+    head = _plain_head(model)
+    if head is not None:  # the output layer only where a completion token is predicted (not the prompt's rows)
+        hid = model.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                                  use_cache=False).last_hidden_state  # (R, Lmax, H)
+        sel = head(hid.gather(1, pos.unsqueeze(-1).expand(r, lc, hid.shape[-1])))  # (R, Lc, V)
+    else:
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
+        sel = logits.gather(1, pos.unsqueeze(-1).expand(r, lc, logits.shape[-1]))  # (R, Lc, V)
     if temperature != 1.0:
         sel = sel / temperature
     logp_all = F.log_softmax(sel.float(), dim=-1)

@@ -190,7 +190,7 @@ class LocalPolicy:
         self._cached_tokens = 0
         self._weights_version = self._version()
         self.cache_stats = {"hits": 0, "misses": 0, "reused_tokens": 0, "prefilled_tokens": 0,
-                            "evictions": 0, "invalidations": 0}
+                            "evictions": 0, "invalidations": 0, "shared_prefill_rows": 0}
 
     # ---------------------------------------------------------------- protocol
     def generate(self, requests: Sequence[GenRequest]) -> list[GenResult]:
@@ -251,6 +251,29 @@ class LocalPolicy:
         entry = self._cache.pop(session_key, None)
         if entry is not None:
             self._cached_tokens -= len(entry.ids)
+
+    def cached_prefix(self, session_key: str) -> tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]] | None:
+        """``(ids, kv)`` the session's cache holds under the current weights (``kv[layer] = (K, V)``, each
+        (H_kv, len(ids), D)), or None (no cache, evicted, or the weights changed since). Read-only: the
+        tensors are shared with the cache."""
+        self._check_weights()
+        entry = self._cache.get(session_key)
+        return None if entry is None else (entry.ids, entry.kv)
+
+    def keep_prefix(self, session_key: str, ids: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Cache ``kv`` (encoded under the current weights) as the session's prefix ``ids``, replacing what
+        it held (a scorer that extended a session's cache gives it back this way)."""
+        if self.config.prefix_cache and kv and kv[0][0].shape[1] == len(ids):
+            self._check_weights()
+            self._store(session_key, list(ids), kv)
+
+    def handoff(self, session_key: str, new_key: str) -> None:
+        """Move a session's cache to a new session whose prompt extends its context (a compaction turn is
+        prompted with the whole main session it summarises): its prefill then starts from the cache."""
+        entry = self._cache.pop(session_key, None)
+        if entry is not None:
+            self._cached_tokens -= len(entry.ids)
+            self._store(new_key, entry.ids, entry.kv)
 
     def clear_cache(self) -> None:
         """Drop every cached prefix (done automatically when the weights change in place)."""
@@ -357,6 +380,30 @@ class LocalPolicy:
         next_pos = torch.tensor([len(r.prompt_ids) for r in reqs], device=self.device)
         return out.logits[:, -1, :], cache, mask, next_pos
 
+    def _prefill_shared(self, reqs: list[GenRequest], prefixes: list[tuple[_Entry, int] | None]):
+        """:meth:`_prefill`, with identical uncached prompts (a group's G samples of one task open with the same
+        prompt) prefilled once and their rows copied (the sampler still draws each row on its own)."""
+        first: dict[tuple[int, ...], int] = {}
+        uniq: list[int] = []
+        where: list[int] = []
+        for b, (r, pre) in enumerate(zip(reqs, prefixes)):
+            k = None if pre else tuple(r.prompt_ids)
+            if k is not None and k in first:
+                where.append(first[k])
+                continue
+            if k is not None:
+                first[k] = len(uniq)
+            where.append(len(uniq))
+            uniq.append(b)
+        if len(uniq) == len(reqs):
+            return self._prefill(reqs, prefixes)
+        logits, cache, mask, _ = self._prefill([reqs[b] for b in uniq], [prefixes[b] for b in uniq])
+        idx = torch.tensor(where, device=self.device)
+        cache.batch_select_indices(idx)
+        self.cache_stats["shared_prefill_rows"] += len(reqs) - len(uniq)
+        next_pos = torch.tensor([len(r.prompt_ids) for r in reqs], device=self.device)
+        return logits[idx], cache, mask[idx], next_pos
+
     @staticmethod
     def _extract(cache: DynamicCache, mask: torch.Tensor, active: list[int], rows: list[int],
                  into: dict[int, list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
@@ -374,7 +421,7 @@ class LocalPolicy:
         B = len(reqs)
         keep_kv = self.config.prefix_cache
         prefixes = prefixes or [None] * B
-        logits, cache, mask, next_pos = self._prefill(reqs, prefixes)
+        logits, cache, mask, next_pos = self._prefill_shared(reqs, prefixes)
 
         max_new = torch.tensor([self._max_new(r) for r in reqs], device=self.device)
         rows = torch.arange(B, device=self.device)  # original row of each active row
