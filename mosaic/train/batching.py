@@ -87,7 +87,7 @@ def pack_rows(rows: Sequence[TrainingRow], indices: Sequence[int] | None = None)
 
     Longest rows first; a row nobody can absorb becomes its own packed row. The
     trained tokens, their log-probs and advantages are unchanged, so the loss is
-    the same — only fewer tokens go through the model.
+    the same — only fewer tokens go through the model (nor does any token after a row's last trained one).
     """
     indices = list(range(len(rows))) if indices is None else list(indices)
     by_traj: dict[int, list[int]] = {}
@@ -101,7 +101,7 @@ def pack_rows(rows: Sequence[TrainingRow], indices: Sequence[int] | None = None)
             if not any(p.absorb(rows[i], i) for p in packed):
                 packed.append(PackedRow.of(rows[i], i))
         out += packed
-    return out
+    return [_trim(p) for p in out]
 
 
 @dataclass
@@ -138,9 +138,19 @@ class RowBatch:
         return torch.where(self.token_rows >= 0, w, torch.zeros_like(w))
 
 
+def _trim(r: PackedRow) -> PackedRow:
+    """``r`` without the tokens after its last trained one (a tool response appended before a session ended,
+    say): with causal attention they change no trained token's log-prob, so the forward skips them."""
+    last = max((k for k, m in enumerate(r.loss_mask) if m), default=-1) + 1
+    if last == len(r.completion_ids):
+        return r
+    return PackedRow(r.prompt_ids, r.completion_ids[:last], r.loss_mask[:last], r.logprobs[:last],
+                     r.token_advantages[:last], r.token_rows[:last], r.traj_index)  # fmt: skip
+
+
 def collate(rows: Sequence[TrainingRow | PackedRow], indices: Sequence[int], *, pad_id: int) -> RowBatch:
     """Pad rows ``indices`` of ``rows`` (plain session rows or packed rows) into a :class:`RowBatch`."""
-    sel = [r if isinstance(r, PackedRow) else PackedRow.of(r, i) for i, r in ((i, rows[i]) for i in indices)]
+    sel = [_trim(r if isinstance(r, PackedRow) else PackedRow.of(r, i)) for i, r in ((i, rows[i]) for i in indices)]
     lmax = max(len(r.prompt_ids) + len(r.completion_ids) for r in sel)
     lc = max(max(len(r.completion_ids) for r in sel), 1)
     n = len(sel)

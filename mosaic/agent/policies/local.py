@@ -60,6 +60,22 @@ def _step_in_chunk(on_step, idx: list[int], rows: list[int], toks: list[int], lp
     where = {i: r for r, i in enumerate(idx)}
     return [where[i] for i in ended if i in where]
 
+def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    """Length of the longest common prefix of ``a`` and ``b``, at most ``limit`` (binary search over slice
+    comparisons, which run in C)."""
+    hi = min(len(a), len(b), limit)
+    if a[:hi] == b[:hi]:
+        return hi
+    lo = 0  # a[:lo] == b[:lo] holds; a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
 # on_step(indices, tokens, logprobs) -> indices to end now (they finish as "stop"), or None
 StepCallback = Callable[[list[int], list[int], list[float]], Iterable[int] | None]
 
@@ -98,6 +114,12 @@ class LocalPolicyConfig:
     harness extends a session's context turn by turn); ``release`` frees it."""
     prefix_cache_tokens: int = 1 << 20
     """Most tokens kept across all cached sessions (least recently used evicted first)."""
+    shared_prefix: bool = False
+    """Look a prompt up among *every* cached sequence (the longest common prefix wins, at least
+    ``shared_prefix_min`` tokens) instead of its own session's: for a server, whose requests carry no
+    session (each HTTP call re-sends the whole context). Entries are kept, not consumed, so the G samples of
+    one prompt all start from it."""
+    shared_prefix_min: int = 16
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -297,6 +319,8 @@ class LocalPolicy:
         """(entry, reusable length) when the session's cached ids prefix this prompt."""
         if not self.config.prefix_cache:
             return None
+        if self.config.shared_prefix:
+            return self._lookup_shared(req.prompt_ids)
         entry = self._cache.pop(req.session_key, None)  # re-inserted fresh after this turn
         if entry is None:
             self.cache_stats["misses"] += 1
@@ -308,6 +332,22 @@ class LocalPolicy:
             return None
         self.cache_stats["hits"] += 1
         return entry, n
+
+    def _lookup_shared(self, prompt: list[int]) -> tuple[_Entry, int] | None:
+        """The cached sequence sharing the longest prefix with ``prompt`` (at most all but its last token)."""
+        limit = len(prompt) - 1
+        best: tuple[_Entry, int] | None = None
+        best_key = None
+        for key, entry in self._cache.items():
+            n = _common_prefix(entry.ids, prompt, limit)
+            if n >= self.config.shared_prefix_min and (best is None or n > best[1]):
+                best, best_key = (entry, n), key
+        if best is None:
+            self.cache_stats["misses"] += 1
+            return None
+        self._cache.move_to_end(best_key)  # recently used
+        self.cache_stats["hits"] += 1
+        return best
 
     def _store(self, key: str, ids: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         if len(ids) > self.config.prefix_cache_tokens:
