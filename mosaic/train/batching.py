@@ -185,7 +185,7 @@ def collate(rows: Sequence[TrainingRow | PackedRow], indices: Sequence[int], *, 
     )
 
 
-def _plain_head(model):
+def plain_head(model):
     """The output layer when the logits are exactly ``head(decoder(...).last_hidden_state)`` (Llama, Qwen2/3,
     SmolLM2; not models that scale or soft-cap their logits); None otherwise (the full model is called)."""
     cfg = getattr(model, "config", None)
@@ -214,7 +214,7 @@ def completion_logprobs(
     # Position of the logit that predicts completion token k: prompt_len - 1 + k.
     offs = torch.arange(lc, device=dev)
     pos = (batch.prompt_lens.unsqueeze(1) - 1 + offs).clamp(max=batch.input_ids.shape[1] - 1)  # (R, Lc)
-    head = _plain_head(model)
+    head = plain_head(model)
     if head is not None:  # the output layer only where a completion token is predicted (not the prompt's rows)
         hid = model.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                                   use_cache=False).last_hidden_state  # (R, Lmax, H)
