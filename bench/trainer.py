@@ -4,7 +4,9 @@ The job (both sides): the shipped embedded model and its tokenizer (the CPU pres
 deep-search training questions per step as the same chat prompt (system + question, the exact ids our
 harness feeds: TRL gets their text, which its tokenizer call turns back into the same ids — checked),
 G samples each at temperature T, at most N new tokens, reward = exact match of the ``<answer>``, GRPO
-advantages, one PPO epoch, one optimizer step per generation batch (AdamW, same lr), no KL, fp32.
+advantages, one PPO epoch, one optimizer step per generation batch (AdamW, same lr), no KL, fp32, the
+whole batch in one forward/backward (TRL's ``per_device_train_batch_size`` = ours ``optim.micro_batch_size``
+= B x G).
 
 - **ours**: ``mosaic.train.rl.rl_step`` — the trainer ``mosaic train`` runs — in single-session mode with
   one turn (``harness.mode=single harness.max_turns=1``, ``algo.estimator=grpo``);
@@ -117,7 +119,7 @@ def main() -> None:
         "harness.mode=single", "harness.max_turns=1", f"harness.max_new_tokens={N}", "harness.context_budget=2048",
         "algo.estimator=grpo", "algo.kl_coef=0", f"rollout.temperature={args.temperature}", "rollout.top_p=1.0",
         f"train.batch_tasks={B}", f"train.group_size={G}", f"optim.lr={args.lr}", "optim.warmup_steps=0",
-        "optim.ppo_epochs=1", "optim.mini_batches=1", f"train.steps={total}",
+        "optim.ppo_epochs=1", "optim.mini_batches=1", f"optim.micro_batch_size={B * G}", f"train.steps={total}",
     ])
     cfg, tok, chat = ours.cfg, ours.tokenizer, ours.chat
     # The same prompts: the tasks of our steps 0..total-1, as the exact text of the ids our harness feeds.
