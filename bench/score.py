@@ -12,6 +12,12 @@ On the same synthetic multi-session rollouts (2-4 sessions, several turns,
 - ``train step``          forward + backward + AdamW step over the same rows with ``mosaic.core.loss.policy_loss``.
 
 Targets: session/cached <= 1/3 of turn/igpo and <= 10 % of the training step.
+
+Then the real thing (``--real-steps N``, default 3; 0 skips it): N steps of the main job (``mosaic train`` on
+its CPU preset: real rollouts of the shipped model under compaction, Mosaic estimator) with the gains scored
+live off the rollout policy's KV cache (``algo.score_live=true``, the default) and after the rollout
+(``false``: the cached scorer re-encodes every session), runs interleaved; prints ``timing_s/score`` as a
+share of ``timing_s/step`` for both (target for the live path: <= 3 %).
 Prints figures; asserts nothing about time (benchmarks are not tests).
 
     python bench/score.py                       # random Qwen2 with the embedded `cpu` preset shape
@@ -213,10 +219,18 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--clock", choices=["auto", "cpu", "wall"], default="auto",
                     help="auto: process CPU time on CPU, wall time on CUDA")
+    ap.add_argument("--real-steps", type=int, default=3, help="main-job steps per run for the real-step share (0: skip)")
+    ap.add_argument("--real-repeats", type=int, default=2, help="runs per scoring mode, interleaved")
+    ap.add_argument("--real-only", action="store_true", help="only the real-step measurement")
+    ap.add_argument("--train-override", action="append", default=[], metavar="KEY=VALUE",
+                    help="extra `mosaic train` override for the real steps (repeatable)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch CPU threads (1: stable figures on a shared machine; ratios are what matter)")
     args = ap.parse_args()
 
+    if args.real_only:
+        real_steps(args.real_steps, args.real_repeats, args.train_override)
+        return
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     global CLOCK
@@ -287,6 +301,44 @@ def main() -> None:
         print(f"session/cached vs train step:  {100 * sc / step_t:6.2f} %  (target <= 10 %)")
         print(f"fused with the old-log-prob pass PPO needs anyway: extra {marginal:.3f} s = "
               f"{100 * marginal / step_t:.2f} % of the train step")
+    if args.real_steps > 0:
+        real_steps(args.real_steps, args.real_repeats, args.train_override)
+
+
+def real_steps(steps: int, repeats: int, extra: list[str]) -> None:
+    """Run the main job's first ``steps`` RL steps with the gains scored live and after the rollout."""
+    import json
+    import subprocess
+    import tempfile
+
+    root = Path(__file__).resolve().parent.parent
+    rows: dict[str, list[dict]] = {"live": [], "after": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(repeats):
+            for mode in (("live", "after") if r % 2 == 0 else ("after", "live")):
+                run = Path(tmp) / f"{mode}-{r}"
+                cmd = [sys.executable, "-m", "mosaic.cli", "train", f"train.steps={steps}", "train.heldout_split=none",
+                       "train.save_every=0", "train.plot_every=0", "train.tensorboard=false", "train.rollout_samples=0",
+                       f"algo.score_live={'true' if mode == 'live' else 'false'}", f"train.run_dir={run}", *extra]
+                subprocess.run(cmd, cwd=root, check=True, stdout=subprocess.DEVNULL)
+                for line in (run / "metrics.jsonl").read_text().splitlines():
+                    m = json.loads(line)
+                    if "timing_s/step" in m:
+                        rows[mode].append(m)
+    print()
+    print(f"main job (`mosaic train` CPU preset {' '.join(extra)}), {steps} steps x {repeats} runs per mode, "
+          f"medians per step (wall time):")
+    print(f"{'gains scored':<14}{'step s':>9}{'gen s':>8}{'score s':>9}{'update s':>10}{'score share':>13}"
+          f"{'live states':>13}{'missed':>8}")
+    for mode, ms in rows.items():
+        med = {k: statistics.median(m.get(k, 0.0) for m in ms) for k in
+               ("timing_s/step", "timing_s/gen", "timing_s/score", "timing_s/update_actor")}
+        share = statistics.median(m["timing_s/score"] / m["timing_s/step"] for m in ms)
+        live = sum(m.get("score/live_states", 0.0) for m in ms)
+        missed = sum(m.get("score/live_missed", 0.0) for m in ms)
+        print(f"{mode:<14}{med['timing_s/step']:>9.2f}{med['timing_s/gen']:>8.2f}{med['timing_s/score']:>9.3f}"
+              f"{med['timing_s/update_actor']:>10.2f}{100 * share:>12.2f}%{live:>13.0f}{missed:>8.0f}")
+    print("target: the live path's score share <= 3 %")
 
 
 if __name__ == "__main__":

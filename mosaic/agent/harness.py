@@ -46,7 +46,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
 from tqdm.auto import tqdm
 
@@ -108,14 +108,33 @@ class _Run:
     tool_calls: Counter = field(default_factory=Counter)
 
 
+class StateScorer(Protocol):
+    """What the harness tells a live gain scorer (:class:`mosaic.train.scorer.LiveScorer`)."""
+
+    def session_closed(self, traj: Trajectory, session: Session, session_key: str, cuts: list[int], *,
+                       next_key: str | None = None) -> None:
+        """``session`` (of ``traj``) has closed; ``cuts`` are the lengths of the states that lie in it
+        (prefixes of its tokens); the policy still holds its cache under ``session_key``; ``next_key``: the
+        session that takes its cache over (a compaction, whose prompt extends its context)."""
+        ...
+
+    def flush(self) -> None:
+        """A round of turns is over (called before the next round's requests are sent)."""
+        ...
+
+
 class Harness:
     """Runs trajectories of ``policy`` on ``env``'s tasks; see the module docstring."""
 
-    def __init__(self, policy: Policy, chat: ChatFormat, env, config: HarnessConfig | None = None):
+    def __init__(self, policy: Policy, chat: ChatFormat, env, config: HarnessConfig | None = None, *,
+                 state_scorer: StateScorer | None = None):
+        """``state_scorer``: told, as each main session closes and before its cache is released, the
+        states (SPEC §4.4) that lie in that session, so it can probe them off the policy's live cache."""
         self.policy = policy
         self.chat = chat
         self.env = env
         self.config = config or HarnessConfig()
+        self.state_scorer = state_scorer
 
     # ------------------------------------------------------------------ public
     def run(self, tasks: Sequence, group_size: int = 1, seed: int = 0, *,
@@ -171,6 +190,8 @@ class Harness:
                     else:
                         still.append(run)
                 pending = still
+                if self.state_scorer is not None:
+                    self.state_scorer.flush()
         finally:
             if bar is not None:
                 bar.close()
@@ -194,7 +215,9 @@ class Harness:
         live.turn_start = boundary
         return live
 
-    def _close(self, run: _Run, live: _Live, reason: str) -> None:
+    def _close(self, run: _Run, live: _Live, reason: str, *, ends: bool = False, handoff: str | None = None) -> None:
+        """End ``live``. ``ends``: it ends the trajectory (its own end state is never probed); ``handoff``: the
+        session key of a new session whose prompt extends this one's context (it takes over the cache)."""
         s = live.session
         s.end_reason = reason
         # A session cut off while a turn was pending ends after a generation header: its end state
@@ -202,8 +225,31 @@ class Harness:
         end = live.length if live.at_boundary else live.turn_start
         if s.kind == "main":
             s.state_after = StateRef(session=s.id, upto=None if end == live.length else end)
+        if self.state_scorer is not None:
+            cuts = self._hosted_cuts(run.traj, s, ends) if s.kind == "main" else []
+            self.state_scorer.session_closed(run.traj, s, live.key, cuts, next_key=handoff)
         run.stack.remove(live)
-        self.policy.release(live.key)
+        give = getattr(self.policy, "handoff", None)
+        if handoff is not None and give is not None:
+            give(live.key, handoff)
+        else:
+            self.policy.release(live.key)
+
+    @staticmethod
+    def _hosted_cuts(traj: Trajectory, host: Session, ends: bool) -> list[int]:
+        """Lengths of the states (SPEC §4.4) that are prefixes of ``host``: its own start and end, the fork and
+        merge points of its subagents, the compaction that ends it. All are known when it closes (its
+        subagents closed before it). A session that ends the trajectory is final: its own states are unused
+        (its start is still probed when the compaction before it ends there)."""
+        cuts: set[int] = set()
+        for s in traj.sessions:
+            for ref in (s.state_before, s.state_after):
+                if ref is None or (s is host and ends):  # (a compaction's end = its start: still counted)
+                    continue
+                key = traj.state_key(ref)
+                if key[0] == "session" and key[1] == host.id and key[2] >= 1:
+                    cuts.add(key[2])
+        return sorted(cuts)
 
     def _append(self, run: _Run, live: _Live, ids: list[int], mask: list[bool] | None = None,
                 logprobs: list[float] | None = None) -> None:
@@ -219,7 +265,7 @@ class Harness:
         for live in reversed(list(run.stack)):
             if live.session.kind == "subagent":  # aborted: its result never reached the parent
                 live.session.state_after = StateRef(session=live.session.parent, upto=live.fork_boundary)
-            self._close(run, live, reason if live is top else "aborted")
+            self._close(run, live, reason if live is top else "aborted", ends=True)
         run.traj.end_reason = reason
         run.traj.reward = float(reward)
         run.traj.success = reward >= self.config.success_threshold
@@ -284,11 +330,12 @@ class Harness:
         return GenRequest(live.key, s.prompt_ids + s.completion_ids, max_new, meta, context_budget=budget)
 
     def _start_compaction(self, run: _Run, main: _Live) -> _Live:
-        self._close(run, main, "compaction")
         prompt = main.session.tokens() + self.chat.user_delta(self.config.compaction_prompt) + list(
             self.chat.generation_header_ids)
         live = self._new_session(run, "compaction", prompt, main.session.id, "continues", 0, main.question)
         live.session.state_before = StateRef(session=main.session.id, upto=None)
+        # Its prompt extends the main session's context: it takes over the main session's cache.
+        self._close(run, main, "compaction", handoff=live.key)
         live.turn_start = len(prompt) - len(self.chat.generation_header_ids)
         run.counters["compactions"] += 1
         return live

@@ -32,6 +32,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--default-max-tokens", type=int, default=256,
                    help="max_tokens when a request gives none")
     p.add_argument("--max-body-mb", type=float, default=32.0, help="largest request body accepted (413 above)")
+    p.add_argument("--prefix-cache-tokens", type=int, default=65536,
+                   help="tokens of KV cache kept across requests and reused by the longest common prefix with a "
+                        "new prompt (0: off)")
     p.add_argument("--api-key-env", default=None, metavar="VAR",
                    help="environment variable holding the bearer token clients must send (default: open)")
     p.set_defaults(func=_run)
@@ -45,6 +48,8 @@ def _args_error(args: argparse.Namespace) -> str | None:
     for flag, value in (("--max-batch-size", args.max_batch_size), ("--default-max-tokens", args.default_max_tokens)):
         if value < 1:
             return f"{flag} must be >= 1, got {value}"
+    if args.prefix_cache_tokens < 0:
+        return f"--prefix-cache-tokens must be >= 0, got {args.prefix_cache_tokens}"
     if not (math.isfinite(args.max_body_mb) and args.max_body_mb > 0):
         return f"--max-body-mb must be a finite number > 0, got {args.max_body_mb}"
     if args.api_key_env is not None and not os.environ.get(args.api_key_env):
@@ -70,7 +75,8 @@ def _run(args: argparse.Namespace) -> int:
     app = create_app(model, tokenizer, model_name=args.name or args.model, device=args.device,
                      max_batch_size=args.max_batch_size, default_max_tokens=args.default_max_tokens,
                      api_key=os.environ[args.api_key_env] if args.api_key_env else None,
-                     max_body_bytes=max(1, int(args.max_body_mb * 1024 * 1024)))
+                     max_body_bytes=max(1, int(args.max_body_mb * 1024 * 1024)),
+                     prefix_cache_tokens=args.prefix_cache_tokens)
     run_server(app, host=args.host, port=args.port, log_level="info",
                announce=f"mosaic serve: {args.name or args.model} listening on {{url}}")
     return 0

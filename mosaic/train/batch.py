@@ -118,11 +118,14 @@ def training_rows(trajs: Sequence[Trajectory], adv: torch.Tensor, est: Estimator
     return rows
 
 
-def score_for(est: Estimator, trajs: Sequence[Trajectory], model, chat, algo: AlgoConfig) -> Scores:
-    """Score what ``est`` needs with ``model`` (the rollout policy, before the update; SPEC §4.4, §4.7)."""
+def score_for(est: Estimator, trajs: Sequence[Trajectory], model, chat, algo: AlgoConfig, *,
+              known: Sequence | None = None) -> Scores:
+    """Score what ``est`` needs with ``model`` (the rollout policy, before the update; SPEC §4.4, §4.7);
+    ``known``: states already scored live (:class:`~mosaic.train.scorer.LiveScorer`)."""
     out = Scores(metrics={})
     if est.needs_gains:
-        res = score_gains(trajs, model, chat.answer_probe, method=algo.scorer, max_batch_tokens=algo.score_batch_tokens)
+        res = score_gains(trajs, model, chat.answer_probe, method=algo.scorer, max_batch_tokens=algo.score_batch_tokens,
+                          known=known)  # fmt: skip
         out.gains, out.is_final = res.gains, res.is_final
         out.metrics.update(res.stats.as_metrics())
     if "turn_gains" in est.needs:

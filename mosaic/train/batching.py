@@ -87,7 +87,7 @@ def pack_rows(rows: Sequence[TrainingRow], indices: Sequence[int] | None = None)
 
     Longest rows first; a row nobody can absorb becomes its own packed row. The
     trained tokens, their log-probs and advantages are unchanged, so the loss is
-    the same — only fewer tokens go through the model.
+    the same — only fewer tokens go through the model (nor does any token after a row's last trained one).
     """
     indices = list(range(len(rows))) if indices is None else list(indices)
     by_traj: dict[int, list[int]] = {}
@@ -101,7 +101,7 @@ def pack_rows(rows: Sequence[TrainingRow], indices: Sequence[int] | None = None)
             if not any(p.absorb(rows[i], i) for p in packed):
                 packed.append(PackedRow.of(rows[i], i))
         out += packed
-    return out
+    return [_trim(p) for p in out]
 
 
 @dataclass
@@ -138,9 +138,19 @@ class RowBatch:
         return torch.where(self.token_rows >= 0, w, torch.zeros_like(w))
 
 
+def _trim(r: PackedRow) -> PackedRow:
+    """``r`` without the tokens after its last trained one (a tool response appended before a session ended,
+    say): with causal attention they change no trained token's log-prob, so the forward skips them."""
+    last = max((k for k, m in enumerate(r.loss_mask) if m), default=-1) + 1
+    if last == len(r.completion_ids):
+        return r
+    return PackedRow(r.prompt_ids, r.completion_ids[:last], r.loss_mask[:last], r.logprobs[:last],
+                     r.token_advantages[:last], r.token_rows[:last], r.traj_index)  # fmt: skip
+
+
 def collate(rows: Sequence[TrainingRow | PackedRow], indices: Sequence[int], *, pad_id: int) -> RowBatch:
     """Pad rows ``indices`` of ``rows`` (plain session rows or packed rows) into a :class:`RowBatch`."""
-    sel = [r if isinstance(r, PackedRow) else PackedRow.of(r, i) for i, r in ((i, rows[i]) for i in indices)]
+    sel = [_trim(r if isinstance(r, PackedRow) else PackedRow.of(r, i)) for i, r in ((i, rows[i]) for i in indices)]
     lmax = max(len(r.prompt_ids) + len(r.completion_ids) for r in sel)
     lc = max(max(len(r.completion_ids) for r in sel), 1)
     n = len(sel)
@@ -175,6 +185,21 @@ def collate(rows: Sequence[TrainingRow | PackedRow], indices: Sequence[int], *, 
     )
 
 
+def plain_head(model):
+    """The output layer when the logits are exactly ``head(decoder(...).last_hidden_state)`` (Llama, Qwen2/3,
+    SmolLM2; not models that scale or soft-cap their logits); None otherwise (the full model is called)."""
+    cfg = getattr(model, "config", None)
+    if cfg is None or not hasattr(model, "get_decoder") or not hasattr(model, "get_output_embeddings"):
+        return None
+    if getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logit_scale", None) or \
+            getattr(cfg, "model_type", "") not in _PLAIN_HEAD_MODELS:  # fmt: skip
+        return None
+    return model.get_output_embeddings()
+
+
+_PLAIN_HEAD_MODELS = frozenset({"llama", "qwen2", "qwen3", "mistral"})
+
+
 def completion_logprobs(
     model, batch: RowBatch, *, temperature: float = 1.0, with_entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -184,13 +209,19 @@ def completion_logprobs(
     ratio compares like with like). Returns ``(logprobs, entropy or None)``;
     padding positions hold 0.
     """
-    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
-    logits = out.logits  # (R, Lmax, V)
     r, lc = batch.completion_ids.shape
+    dev = batch.input_ids.device
     # Position of the logit that predicts completion token k: prompt_len - 1 + k.
-    offs = torch.arange(lc, device=logits.device)
-    pos = (batch.prompt_lens.unsqueeze(1) - 1 + offs).clamp(max=logits.shape[1] - 1)  # (R, Lc)
-    sel = logits.gather(1, pos.unsqueeze(-1).expand(r, lc, logits.shape[-1]))  # (R, Lc, V)
+    offs = torch.arange(lc, device=dev)
+    pos = (batch.prompt_lens.unsqueeze(1) - 1 + offs).clamp(max=batch.input_ids.shape[1] - 1)  # (R, Lc)
+    head = plain_head(model)
+    if head is not None:  # the output layer only where a completion token is predicted (not the prompt's rows)
+        hid = model.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                                  use_cache=False).last_hidden_state  # (R, Lmax, H)
+        sel = head(hid.gather(1, pos.unsqueeze(-1).expand(r, lc, hid.shape[-1])))  # (R, Lc, V)
+    else:
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
+        sel = logits.gather(1, pos.unsqueeze(-1).expand(r, lc, logits.shape[-1]))  # (R, Lc, V)
     if temperature != 1.0:
         sel = sel / temperature
     logp_all = F.log_softmax(sel.float(), dim=-1)

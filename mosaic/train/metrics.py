@@ -8,7 +8,11 @@ Names used across the trainer (console, JSONL, TensorBoard, wandb, plots):
 | ``critic/success/mean`` | share of successful trajectories |
 | ``actor/pg_loss``, ``actor/entropy``, ``actor/grad_norm``, ``actor/lr`` | update (from the loss) |
 | ``timing_s/gen``, ``timing_s/score``, ``timing_s/update_actor``, ``timing_s/step`` | wall seconds (``score``:
-the information-gain probes, which verl does not have) |
+the information-gain probes, which verl does not have, including those run live during the rollout, which
+``gen`` then leaves out) |
+| ``timing_s/score_live``, ``score/live_states``, ``score/live_missed`` | the probes run off the rollout's own
+KV cache: seconds, states scored, states it could not reach (scored after the rollout instead) |
+| ``score/probes``, ``score/unique_states``, ``score/tokens_encoded`` | gain-scorer work, both passes |
 | ``perf/throughput`` | tokens (prompt + completion of every row) per second of step time |
 | ``session/per_traj`` | sessions per trajectory (mean) |
 | ``session/count/<kind>`` | sessions of a kind per trajectory (mean) |

@@ -15,11 +15,13 @@ from typing import Sequence
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from mosaic.agent.chat import Probe
+from mosaic.train.batching import plain_head as _plain_head
 from mosaic.trace.graph import Session
 
-__all__ = ["Host", "ScoreStats", "run_cached", "run_reference", "recompute_logprobs_reference", "eval_mode"]
+__all__ = ["Host", "ScoreStats", "run_cached", "run_from_caches", "extend_cache", "run_reference", "recompute_logprobs_reference", "eval_mode"]
 
 
 @dataclass
@@ -165,51 +167,132 @@ def run_cached(model, hosts: list[Host], stats: ScoreStats, *, max_batch_tokens:
         del out
         t1 = time.perf_counter()
         stats.host_seconds += t1 - t0
-        # Probes of this batch: (row, host, cut), sorted by cut length.
-        jobs = [(r, j, c) for r, j in enumerate(batch) for c in hosts[j].cuts]
-        plen = [c - 1 + 1 + len(hosts[j].probe[0]) for (_, j, c) in jobs]
-        porder = sorted(range(len(jobs)), key=lambda q: -plen[q])
-        for pb in _pack(plen, porder, max_batch_tokens, max_batch_size):
-            sel = [jobs[q] for q in pb]
-            n = len(sel)
-            pre = torch.tensor([c - 1 for (_, _, c) in sel])  # cached prefix lengths
-            seqs = [[hosts[j].tokens[c - 1]] + hosts[j].probe[0] for (_, j, c) in sel]
-            Cm, Pm = int(pre.max()), max(len(s) for s in seqs)
-            rows = torch.tensor([r for (r, _, _) in sel], device=dev)
-            # Left-pad the cached prefixes: slot k of row i holds position k - (Cm - pre_i).
-            pos = torch.arange(Cm)[None, :] - (Cm - pre)[:, None]  # (n, Cm)
-            valid = pos >= 0
-            gidx = pos.clamp(min=0).to(dev)
-            cache_data = []
-            for K, V in kv:
-                Kb, Vb = K[rows], V[rows]  # (n, Hkv, Lmax, D)
-                g = gidx[:, None, :, None].expand(-1, Kb.shape[1], -1, Kb.shape[3])
-                cache_data.append((Kb.gather(2, g), Vb.gather(2, g)))
-
-            cache = DynamicCache(ddp_cache_data=cache_data)
-            pid = torch.zeros(n, Pm, dtype=torch.long)
-            patt = torch.zeros(n, Cm + Pm, dtype=torch.long)
-            patt[:, :Cm] = valid.long()
-            for i, s in enumerate(seqs):
-                pid[i, : len(s)] = torch.tensor(s)
-                patt[i, Cm : Cm + len(s)] = 1
-            posid = pre[:, None] + torch.arange(Pm)[None, :]  # true positions of the probe tokens
-            logits = model(input_ids=pid.to(dev), attention_mask=patt.to(dev), position_ids=posid.to(dev),
-                           past_key_values=cache, use_cache=True).logits  # (n, Pm, V)  # fmt: skip
-            stats.forward_calls += 1
-            stats.num_probes += n
-            ptoks = sum(len(s) for s in seqs)
-            stats.tokens_encoded += ptoks
-            stats.probe_tokens += ptoks
-            for i, (_, j, c) in enumerate(sel):
-                a, b = hosts[j].probe[1]
-                # seqs[i][t + 1] is predicted by logits[i, t]; y is seqs[i][1 + a : 1 + b].
-                tgt = pid[i, 1 + a : 1 + b].to(dev)
-                L[j][c] = float(_answer_loglik(logits[i, a:b], tgt))
-            del cache, cache_data, logits
-        del kv
+        rows_kv = [[(K[r], V[r]) for K, V in kv] for r in range(len(batch))]
+        _probe_batch(model, rows_kv, [(r, j) for r, j in enumerate(batch)], hosts, L, stats,
+                     max_batch_tokens=max_batch_tokens, max_batch_size=max_batch_size)
+        del kv, rows_kv
         stats.probe_seconds += time.perf_counter() - t1
     return L, logprobs
+
+
+class _FilledLayer(DynamicLayer):
+    """A cache layer over preallocated buffers (``(B, H, capacity, D)``) holding ``n`` positions: an update
+    writes the new positions in place instead of concatenating (which would copy the whole cache)."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, n: int) -> None:
+        super().__init__()
+        self.dtype, self.device = keys.dtype, keys.device
+        self._kb, self._vb = keys, values
+        self.keys, self.values = keys[..., :n, :], values[..., :n, :]
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        n, new = self.keys.shape[-2], key_states.shape[-2]
+        if n + new > self._kb.shape[-2]:
+            return super().update(key_states, value_states, *args, **kwargs)
+        self._kb[..., n : n + new, :] = key_states
+        self._vb[..., n : n + new, :] = value_states
+        self.keys, self.values = self._kb[..., : n + new, :], self._vb[..., : n + new, :]
+        return self.keys, self.values
+
+
+RowKV = list[tuple[torch.Tensor, torch.Tensor]]
+"""One sequence's KV cache: per layer ``(K, V)``, each (Hkv, T, D)."""
+
+
+@torch.inference_mode()
+def extend_cache(model, tokens: list[int], past: RowKV, upto: int, stats: ScoreStats) -> RowKV:
+    """``past`` (encoding ``tokens[:n]``) extended to encode ``tokens[:upto]`` (one forward over the tail;
+    ``past`` itself is not modified; cropped when it already holds more)."""
+    n = min(int(past[0][0].shape[1]), upto)
+    if n >= upto:
+        return [(K[:, :upto], V[:, :upto]) for K, V in past]
+    dev = _model_device(model)
+    cache = DynamicCache(ddp_cache_data=[(K[None, :, :n], V[None, :, :n]) for K, V in past])
+    ids = torch.tensor([tokens[n:upto]], device=dev)
+    pos = torch.arange(n, upto, device=dev)[None, :]
+    out = model.get_decoder()(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True)
+    stats.forward_calls += 1
+    stats.tokens_encoded += upto - n
+    return [(layer.keys[0], layer.values[0]) for layer in out.past_key_values.layers]
+
+
+@torch.inference_mode()
+def run_from_caches(model, hosts: list[Host], caches: list[RowKV], stats: ScoreStats, *,
+                    max_batch_tokens: int = 16384, max_batch_size: int = 64) -> list[dict[int, float]]:  # fmt: skip
+    """Probe every host's cuts off a KV cache the rollout policy already holds (the live path): ``caches[j]``
+    encodes at least ``max(hosts[j].cuts) - 1`` tokens of ``hosts[j].tokens`` under the same weights (see
+    :func:`extend_cache`). Only the probes run, batched across hosts, as in :func:`run_cached`."""
+    t0 = time.perf_counter()
+    L: list[dict[int, float]] = [dict() for _ in hosts]
+    _probe_batch(model, caches, [(j, j) for j in range(len(hosts))], hosts, L, stats,
+                 max_batch_tokens=max_batch_tokens, max_batch_size=max_batch_size)  # fmt: skip
+    stats.probe_seconds += time.perf_counter() - t0
+    return L
+
+
+def _probe_batch(model, rows_kv: Sequence[RowKV], members: list[tuple[int, int]], hosts: list[Host],
+                 L: list[dict[int, float]], stats: ScoreStats, *, max_batch_tokens: int, max_batch_size: int) -> None:
+    """Run the probes of every ``(row, host)`` in ``members`` against ``rows_kv[row]`` (holding at least
+    ``cut - 1`` positions of ``hosts[host].tokens``); writes ``L[host][cut]``."""
+    dev = _model_device(model)
+    # Probes: (row, host, cut), sorted by cut length.
+    jobs = [(r, j, c) for (r, j) in members for c in hosts[j].cuts]
+    # Each probe runs up to the end of its answer span: what follows (the closing tags) changes no logit
+    # that scores the answer.
+    plen = [c - 1 + 1 + hosts[j].probe[1][1] for (_, j, c) in jobs]
+    porder = sorted(range(len(jobs)), key=lambda q: -plen[q])
+    n_layers = len(rows_kv[0]) if rows_kv else 0
+    for pb in _pack(plen, porder, max_batch_tokens, max_batch_size):
+        sel = [jobs[q] for q in pb]
+        n = len(sel)
+        pre = torch.tensor([c - 1 for (_, _, c) in sel])  # cached prefix lengths
+        seqs = [[hosts[j].tokens[c - 1]] + hosts[j].probe[0][: hosts[j].probe[1][1]] for (_, j, c) in sel]
+        Cm, Pm = int(pre.max()), max(len(s) for s in seqs)
+        # Left-pad the cached prefixes: slot k of row i holds position k - (Cm - pre_i).
+        valid = (torch.arange(Cm)[None, :] - (Cm - pre)[:, None]) >= 0  # (n, Cm)
+        cache = DynamicCache()
+        cache.layers = []
+        for layer in range(n_layers):
+            K0, V0 = rows_kv[sel[0][0]][layer]
+            # room for the probe tokens too: the forward appends them in place (no copy of the whole cache)
+            Kb = K0.new_zeros((n, K0.shape[0], Cm + Pm, K0.shape[2]))
+            Vb = V0.new_zeros((n, V0.shape[0], Cm + Pm, V0.shape[2]))
+            for i, (r, _, c) in enumerate(sel):
+                if c > 1:
+                    Kb[i, :, Cm - (c - 1) : Cm] = rows_kv[r][layer][0][:, : c - 1]
+                    Vb[i, :, Cm - (c - 1) : Cm] = rows_kv[r][layer][1][:, : c - 1]
+            cache.layers.append(_FilledLayer(Kb, Vb, Cm))
+        pid = torch.zeros(n, Pm, dtype=torch.long)
+        patt = torch.zeros(n, Cm + Pm, dtype=torch.long)
+        patt[:, :Cm] = valid.long()
+        for i, s in enumerate(seqs):
+            pid[i, : len(s)] = torch.tensor(s)
+            patt[i, Cm : Cm + len(s)] = 1
+        posid = pre[:, None] + torch.arange(Pm)[None, :]  # true positions of the probe tokens
+        kw = dict(input_ids=pid.to(dev), attention_mask=patt.to(dev), position_ids=posid.to(dev),
+                  past_key_values=cache, use_cache=True)
+        spans = [hosts[j].probe[1] for (_, j, _) in sel]
+        head = _plain_head(model)
+        if head is not None:  # the output layer only where an answer token is predicted
+            hid = model.get_decoder()(**kw).last_hidden_state  # (n, Pm, H)
+            logits = head(torch.cat([hid[i, a:b] for i, (a, b) in enumerate(spans)]))  # (sum spans, V)
+        else:
+            out = model(**kw).logits  # (n, Pm, V)
+            logits = torch.cat([out[i, a:b] for i, (a, b) in enumerate(spans)])
+        stats.forward_calls += 1
+        stats.num_probes += n
+        ptoks = sum(len(s) for s in seqs)
+        stats.tokens_encoded += ptoks
+        stats.probe_tokens += ptoks
+        k = 0
+        for i, (_, j, c) in enumerate(sel):
+            a, b = spans[i]
+            # seqs[i][t + 1] is predicted by position t; y is seqs[i][1 + a : 1 + b].
+            tgt = pid[i, 1 + a : 1 + b].to(dev)
+            L[j][c] = float(_answer_loglik(logits[k : k + b - a], tgt))
+            k += b - a
+        del cache, logits
 
 
 # --------------------------------------------------------------------------------------

@@ -36,6 +36,7 @@ from mosaic.train.batching import collate, completion_logprobs, micro_batches, p
 from mosaic.train.config import Config
 from mosaic.train.metrics import rollout_metrics
 from mosaic.train.samples import all_estimator_advantages, sample_records
+from mosaic.train.scorer import LiveScorer
 from mosaic.train.setup import sampling_policy
 
 
@@ -93,10 +94,23 @@ def make_reference(model: PreTrainedModel) -> PreTrainedModel:
 
 
 def rollout(st: RLState, tasks: Sequence, step: int) -> list[Trajectory]:
+    """The step's trajectories (B tasks x G samples through the built-in harness)."""
+    return _rollout(st, tasks, step, live=False)[0]
+
+
+def rollout_scored(st: RLState, tasks: Sequence, step: int) -> tuple[list[Trajectory], LiveScorer]:
+    """:func:`rollout`, with the session states scored off the rollout policy's cache as sessions close."""
+    trajs, live = _rollout(st, tasks, step, live=True)
+    assert live is not None
+    return trajs, live
+
+
+def _rollout(st: RLState, tasks: Sequence, step: int, *, live: bool) -> tuple[list[Trajectory], LiveScorer | None]:
     cfg = st.cfg
     policy = sampling_policy(cfg, st.model, st.tokenizer, seed=cfg.train.seed * 1_000_003 + step)
-    harness = Harness(policy, st.chat, DeepSearchEnv(st.split), cfg.harness)
-    return harness.run(tasks, group_size=cfg.train.group_size, seed=cfg.train.seed + step, step=step)
+    scorer = LiveScorer(policy, st.chat.answer_probe, max_batch_tokens=cfg.algo.score_batch_tokens) if live else None
+    harness = Harness(policy, st.chat, DeepSearchEnv(st.split), cfg.harness, state_scorer=scorer)
+    return harness.run(tasks, group_size=cfg.train.group_size, seed=cfg.train.seed + step, step=step), scorer
 
 
 def _accumulate_gradients(st: RLState, packed, w_rows: torch.Tensor, *, temperature: float) -> dict[str, float]:
@@ -183,6 +197,9 @@ def _samples(cfg: Config, trajs: list[Trajectory], scores, layout, step: int) ->
                           gains=scores.gains, turn_gains=scores.turn_gains, layout=layout)  # fmt: skip
 
 
+_ADDITIVE = frozenset({"score/probes", "score/unique_states", "score/tokens_encoded"})
+
+
 def rl_step(st: RLState, step: int) -> dict[str, float]:
     """Run training step ``step`` (0-based) and return its metrics."""
     cfg = st.cfg
@@ -190,8 +207,12 @@ def rl_step(st: RLState, step: int) -> dict[str, float]:
     t0 = time.perf_counter()
     tasks = tasks_for_step(st.split, step, cfg.train.batch_tasks, cfg.train.seed)
     source_metrics: dict[str, float] = {}
+    live = None
     if st.source is None:
-        trajs = rollout(st, tasks, step)
+        if est.needs_gains and cfg.algo.scorer == "cached" and cfg.algo.score_live:
+            trajs, live = rollout_scored(st, tasks, step)
+        else:
+            trajs = rollout(st, tasks, step)
     else:
         trajs, source_metrics = st.source.collect(tasks, step)
     st.last_trajs = trajs
@@ -202,8 +223,14 @@ def rl_step(st: RLState, step: int) -> dict[str, float]:
     with st.source.hold() if st.source is not None else contextlib.nullcontext():
         train, skipped = drop_uniform_groups(trajs) if cfg.algo.skip_uniform_groups else (list(trajs), 0)
         t1 = time.perf_counter()
-        scores = score_for(est, train, st.model, st.chat, cfg.algo) if train else Scores(metrics={})
+        known = live.known(train) if live is not None else None
+        scores = score_for(est, train, st.model, st.chat, cfg.algo, known=known) if train else Scores(metrics={})
         t_score = time.perf_counter() - t1
+        if live is not None:  # probes run during the rollout count as scoring, not generation
+            t_gen -= live.stats.seconds
+            t_score += live.stats.seconds
+            for k, v in live.metrics().items():  # probe counts: both passes together
+                scores.metrics[k] = scores.metrics.get(k, 0.0) + v if k in _ADDITIVE else v
 
         rows, adv_metrics, upd = [], {}, {}
         st.last_samples = []

@@ -44,16 +44,17 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Literal, Sequence
+from typing import Literal, Mapping, Sequence
 
 import torch
 
 from mosaic.agent.chat import Probe, ProbeFn
 from mosaic.trace.graph import Session, StateRef, Trajectory
 from mosaic.trace.rows import turn_boundaries, turn_spans
-from mosaic.train.probes import Host, ScoreStats, eval_mode, run_cached, run_reference
+from mosaic.train.probes import (Host, ScoreStats, eval_mode, extend_cache, run_cached, run_from_caches,
+                                 run_reference)
 
-__all__ = ["ScoreResult", "TurnScoreResult", "score_gains", "score_reference", "score_turns"]
+__all__ = ["LiveScorer", "ScoreResult", "TurnScoreResult", "score_gains", "score_reference", "score_turns"]
 
 @dataclass
 class ScoreResult:
@@ -108,8 +109,10 @@ def _host_tokens(traj: Trajectory, key: tuple) -> list[int]:
     return list(traj.states[key[1]]) if key[0] == "state" else traj.sessions[key[1]].tokens()
 
 
-def _plan(trajs: Sequence[Trajectory], probe_fn: ProbeFn, return_logprobs: bool):
-    """Hosts to encode, and for every session the (host index, cut) of its two states."""
+def _plan(trajs: Sequence[Trajectory], probe_fn: ProbeFn, return_logprobs: bool,
+          known: Sequence[Mapping[tuple[int, int], float] | None] | None = None):
+    """Hosts to encode, and for every session the (host index, cut) of its two states — or
+    ``(None, L)`` for a state whose ``L`` is already ``known`` (per trajectory: ``(session id, cut) -> L``)."""
     hosts: list[Host] = []
     host_of: dict[tuple, int] = {}  # (traj, host key) -> index in hosts
     sess_states: list[tuple[tuple[int, int], tuple[int, int]] | None] = []
@@ -143,12 +146,16 @@ def _plan(trajs: Sequence[Trajectory], probe_fn: ProbeFn, return_logprobs: bool)
                 key, cut = _state_host(t, ref)
                 if cut < 1:
                     raise ValueError(f"trajectory {t.id!r} session {s.id}: empty state {ref} cannot be probed")
+                stats.num_state_refs += 1
+                have = known[i] if known is not None and known[i] else None
+                if have and key[0] == "session" and (key[1], cut) in have:
+                    pair.append((None, have[(key[1], cut)]))
+                    continue
                 h = host(i, key)
                 hosts[h].probe = _probe_for(t, probe_fn, probes)
                 if cut not in hosts[h].cuts:
                     hosts[h].cuts.append(cut)
                 pair.append((h, cut))
-                stats.num_state_refs += 1
             sess_states.append((pair[0], pair[1]))
     for h in hosts:
         h.cuts.sort()
@@ -169,8 +176,9 @@ def _assemble(trajs, hosts, L, sess_states, stats, logprobs, sess_logprob_host) 
     for k, st in enumerate(sess_states):
         if st is None:
             continue
-        (hb, cb), (ha, ca) = st
-        before[k], after[k] = L[hb][cb], L[ha][ca]
+        (hb, cb), (ha, ca) = st  # (host, cut), or (None, L) for a state scored live
+        before[k] = cb if hb is None else L[hb][cb]
+        after[k] = ca if ha is None else L[ha][ca]
     final = torch.tensor([st is None for st in sess_states], dtype=torch.bool)
     gains = torch.where(final, torch.zeros(S), after - before).to(torch.float32)
     old = None
@@ -190,6 +198,7 @@ def score_gains(
     temperature: float = 1.0,
     max_batch_tokens: int = 16384,
     max_batch_size: int = 64,
+    known: Sequence[Mapping[tuple[int, int], float] | None] | None = None,
 ) -> ScoreResult:
     """Session gains of a batch of trajectories (SPEC §4.4).
 
@@ -206,6 +215,8 @@ def score_gains(
         temperature: divides the logits for ``old_logprobs`` (use the sampling
             temperature); ``L`` always uses temperature 1.
         max_batch_tokens / max_batch_size: padded-batch budget.
+        known: per trajectory, ``(session id, cut) -> L`` already scored with the same weights (by
+            :class:`LiveScorer` during the rollout); those states are not probed again.
 
     Returns:
         :class:`ScoreResult`, session axis in :func:`mosaic.trace.flatten` order.
@@ -217,7 +228,9 @@ def score_gains(
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     t0 = time.perf_counter()
-    hosts, sess_states, sess_lp_host, stats = _plan(trajs, probe_fn, return_logprobs)
+    if known is not None and len(known) != len(trajs):
+        raise ValueError(f"known: {len(known)} entries for {len(trajs)} trajectories")
+    hosts, sess_states, sess_lp_host, stats = _plan(trajs, probe_fn, return_logprobs, known)
     logprobs = None
     with eval_mode(model):
         if method == "cached":
@@ -227,6 +240,106 @@ def score_gains(
             L = run_reference(model, hosts, stats)
     stats.seconds = time.perf_counter() - t0
     return _assemble(trajs, hosts, L, sess_states, stats, logprobs, sess_lp_host)
+
+
+class LiveScorer:
+    """Session states scored off the rollout policy's live KV cache (SPEC §4.4: the rollout policy).
+
+    Every state the scorer needs is a prefix of a main session (its prompt, its end, its subagents' fork
+    and merge points), and the policy encoded those tokens while it generated. The harness
+    (:class:`~mosaic.agent.harness.Harness` ``state_scorer=``) calls :meth:`session_closed` as each session
+    ends, before its cache is released, and :meth:`flush` after every round of turns; the probes of all
+    sessions closed in a round then run in one batched pass against their caches — only the probes' few
+    tokens each. A main session that ends in a compaction is probed when that compaction ends: the
+    compaction's prompt is the main session's whole context, and its cache (taken over from the main
+    session, then prefilled by the compaction turn) covers the main session's end, which the main
+    session's own cache lacks (the tool response appended after its last turn). A state whose tokens
+    are not all cached (a cache evicted, or a session cut right after a merge) gets its tail encoded on
+    top of the cache first. :meth:`known` then feeds :func:`score_gains`, which probes only what is missing
+    (counted in ``score/live_missed``).
+
+    The policy must expose ``cached_prefix(key)`` (:class:`~mosaic.agent.policies.local.LocalPolicy`);
+    its model is the one scored.
+    """
+
+    def __init__(self, policy, probe_fn: ProbeFn, *, max_batch_tokens: int = 16384, max_batch_size: int = 64) -> None:
+        self.policy = policy
+        self.model = policy.model
+        self.probe_fn = probe_fn
+        self.max_batch_tokens, self.max_batch_size = max_batch_tokens, max_batch_size
+        self.stats = ScoreStats()
+        self.values: dict[str, dict[tuple[int, int], float]] = {}
+        self.missed = 0
+        self._probes: dict[str, Probe] = {}
+        self._deferred: dict[str, list[tuple[int, list[int]]]] = {}  # next session key -> [(session id, cuts)]
+        self._pending: list[tuple[str, int, Host, list]] = []  # (traj id, session id, host, cache)
+
+    def session_closed(self, traj: Trajectory, session: Session, session_key: str, cuts: list[int], *,
+                       next_key: str | None = None) -> None:
+        """``session`` of ``traj`` has ended; ``cuts``: lengths of the states that are prefixes of its tokens;
+        ``next_key``: the session that takes over its cache (a compaction whose prompt extends it)."""
+        todo = [(session.id, list(cuts))] if cuts else []
+        todo += self._deferred.pop(session_key, [])
+        if not todo or traj.ground_truth is None:
+            return
+        t0 = time.perf_counter()
+        held = self.policy.cached_prefix(session_key)
+        tokens = session.tokens()
+        if held is not None and tokens[: len(held[0])] != held[0]:
+            held = None  # (never expected: the cache always holds a prefix of the session)
+        probe = _probe_for(traj, self.probe_fn, self._probes)
+        for sid, cs in todo:
+            host_tokens = traj.sessions[sid].tokens()
+            if sid != session.id and tokens[: len(host_tokens)] != host_tokens:
+                self.missed += len(cs)  # (the compaction prompt always starts with the main session's tokens)
+                continue
+            n_cached = 0 if held is None else len(held[0])
+            if next_key is not None and sid == session.id and max(cs) - 1 > n_cached:
+                self._deferred.setdefault(next_key, []).append((sid, cs))  # its compaction will hold it all
+                continue
+            if held is None or not held[0]:
+                self.missed += len(cs)
+                continue
+            kv = held[1]
+            if max(cs) - 1 > n_cached:  # rare: the tail after the last turn is not cached yet
+                kv = extend_cache(self.model, host_tokens, kv, max(cs) - 1, self.stats)
+            self._pending.append((traj.id, sid, Host(tokens=host_tokens[: max(cs)], cuts=cs, probe=probe), kv))
+        self.stats.seconds += time.perf_counter() - t0
+
+    def flush(self) -> None:
+        """Probe every state of the sessions closed since the last flush (one batched pass)."""
+        if not self._pending:
+            return
+        t0 = time.perf_counter()
+        pending, self._pending = self._pending, []
+        was = self.model.training
+        self.model.eval()
+        try:
+            L = run_from_caches(self.model, [h for _, _, h, _ in pending], [kv for *_, kv in pending], self.stats,
+                                max_batch_tokens=self.max_batch_tokens, max_batch_size=self.max_batch_size)
+        finally:
+            self.model.train(was)
+        for (tid, sid, _, _), vals in zip(pending, L):
+            mine = self.values.setdefault(tid, {})
+            for c, v in vals.items():
+                mine[(sid, c)] = v
+            self.stats.num_unique_states += len(vals)
+        self.stats.seconds += time.perf_counter() - t0
+
+    def known(self, trajs: Sequence[Trajectory]) -> list[dict[tuple[int, int], float] | None]:
+        """Per trajectory (in ``trajs`` order), the states scored live: ``known=`` of :func:`score_gains`."""
+        self.flush()
+        self.missed += sum(len(cs) for v in self._deferred.values() for _, cs in v)  # a compaction never closed
+        self._deferred.clear()
+        return [self.values.get(t.id) for t in trajs]
+
+    def metrics(self) -> dict[str, float]:
+        """Its cost and coverage; ``score/probes``, ``score/unique_states`` and ``score/tokens_encoded`` add to
+        those of the pass after the rollout."""
+        st = self.stats
+        return {"timing_s/score_live": st.seconds, "score/live_states": float(st.num_unique_states),
+                "score/live_missed": float(self.missed), "score/probes": float(st.num_probes),
+                "score/unique_states": float(st.num_unique_states), "score/tokens_encoded": float(st.tokens_encoded)}
 
 
 def score_reference(trajs: Sequence[Trajectory], model, probe_fn: ProbeFn) -> ScoreResult:

@@ -197,6 +197,10 @@ class AlgoConfig(_Section):
     """Session kinds counted in ``n_i`` (§4.3); None = all kinds."""
     scorer: Literal["cached", "reference"] = "cached"
     """Gain scorer: KV-cache probes (fast) or from-scratch re-encoding (slow reference)."""
+    score_live: bool = True
+    """With the built-in harness and ``scorer=cached``: probe each main session's states off the rollout
+    policy's own KV cache as the session closes (only the probe tokens are run); states it missed are
+    scored after the rollout as usual. False: everything is scored after the rollout."""
     score_batch_tokens: int = 16384
     """Padded-token budget of one scorer forward pass."""
     clip_low: float = 0.2

@@ -192,3 +192,45 @@ def test_prefix_cache_release_eviction_and_weight_change(model_tok, prompts):
     nxt = [_next_turn(r, x, []) for r, x in zip(_reqs(prompts[:2], 4), out)]
     pol.generate(nxt)
     assert pol.cache_stats["invalidations"] == 1
+
+
+def test_shared_prefix_cache_finds_the_longest_prefix_across_sessions(model_tok, prompts):
+    """A server's requests carry no session: each turn comes under a new key with the whole context. The
+    shared cache finds the previous turn's entry by content; results equal a cache-free policy's."""
+    from mosaic.agent.policies.local import _common_prefix
+
+    assert _common_prefix([1, 2, 3, 4], [1, 2, 9], 10) == 2 and _common_prefix([1, 2], [1, 2, 3], 1) == 1
+    assert _common_prefix([5], [6], 3) == 0 and _common_prefix(list(range(50)), list(range(50)), 49) == 49
+    model, tok = model_tok
+    shared = LocalPolicy(model, tok, LocalPolicyConfig(temperature=0, shared_prefix=True, shared_prefix_min=4))
+    fresh = LocalPolicy(model, tok, LocalPolicyConfig(temperature=0, prefix_cache=False))
+    tool = tok("<|im_end|>\n<|im_start|>tool\nresult: Oranthi<|im_end|>\n<|im_start|>assistant\n",
+               add_special_tokens=False)["input_ids"]
+    reqs = [GenRequest(f"call-{i}", p, 6) for i, p in enumerate(prompts[1:4])]
+    for turn in range(3):
+        a, b = shared.generate(reqs), fresh.generate(reqs)
+        for x, y in zip(a, b):
+            assert x.token_ids == y.token_ids
+            assert x.logprobs == pytest.approx(y.logprobs, abs=1e-4)
+        reqs = [GenRequest(f"call-{turn}-{i}", r.prompt_ids + x.token_ids + tool, 6)
+                for i, (r, x) in enumerate(zip(reqs, a))]  # a fresh key every call, like HTTP requests
+    st = shared.cache_stats
+    assert st["hits"] >= 6 and st["reused_tokens"] > st["prefilled_tokens"]
+    assert shared._cached_tokens <= shared.config.prefix_cache_tokens
+
+
+def test_identical_prompts_are_prefilled_once(model_tok, prompts):
+    """G samples of one prompt share its prefill; each row still samples on its own (same results as
+    prefilling every row, for the same generator state)."""
+    model, tok = model_tok
+    reqs = [GenRequest(f"g{k}", prompts[1], 8) for k in range(4)] + [GenRequest("other", prompts[0], 8)]
+    a = LocalPolicy(model, tok, LocalPolicyConfig(temperature=1.0, seed=7, prefix_cache=False))
+    out = a.generate(reqs)
+    assert a.cache_stats["shared_prefill_rows"] == 3
+    assert len({tuple(r.token_ids) for r in out[:4]}) > 1  # independent draws
+    b = LocalPolicy(model, tok, LocalPolicyConfig(temperature=1.0, seed=7, prefix_cache=False))
+    b._prefill_shared = b._prefill  # no sharing
+    ref = b.generate(reqs)
+    for x, y in zip(out, ref):
+        assert x.token_ids == y.token_ids
+        assert x.logprobs == pytest.approx(y.logprobs, abs=1e-4)

@@ -162,6 +162,38 @@ def test_mosaic_train_on_a_harness_updates_the_weights_and_logs_session_metrics(
     assert diff > 0
 
 
+def test_the_plain_example_harness_trains_and_a_killed_run_resumes(base_dir, tmp_path, monkeypatch):
+    """examples/harness/plain.py itself (the README's command, on the tiny model): a step trains on its
+    rollouts and logs per-session metrics; a run killed after its checkpoint resumes there, with no
+    half-step (metrics for each step once, the final weights differ from the resumed-from ones)."""
+    cfg = _cfg(base_dir, tmp_path, f"rollout.harness={ROOT / 'examples/harness/plain.py'}:run", "train.steps=2",
+               "train.save_every=1", "algo.estimator=mosaic", "rollout.deadline_s=120")
+    from mosaic.train.external import ExternalRollouts
+
+    real = ExternalRollouts.collect
+
+    def dies_in_step_two(self, tasks, step):
+        out = real(self, tasks, step)
+        if step == 1:
+            raise KeyboardInterrupt  # killed mid-step: after its rollouts, before its update
+        return out
+
+    monkeypatch.setattr(ExternalRollouts, "collect", dies_in_step_two)
+    with pytest.raises(KeyboardInterrupt):
+        entrypoints.run_train(cfg)
+    run = tmp_path / "run"
+    first = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(first) == 1 and any(k.startswith("session/") for k in first[0])
+    assert first[0]["rollout/kept"] >= 1
+    monkeypatch.setattr(ExternalRollouts, "collect", real)
+    entrypoints.run_train(cfg)  # resume=auto
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [ln["step"] for ln in lines] == [1, 2]
+    from mosaic.train.checkpoint import find_latest
+
+    assert find_latest(run).name == "ckpt-2"
+
+
 def test_bad_harness_settings_fail_before_any_work(base_dir, tmp_path):
     with pytest.raises(ConfigError, match="rollout.harness"):
         _cfg(base_dir, tmp_path, "rollout.harness=")

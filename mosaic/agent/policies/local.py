@@ -60,6 +60,22 @@ def _step_in_chunk(on_step, idx: list[int], rows: list[int], toks: list[int], lp
     where = {i: r for r, i in enumerate(idx)}
     return [where[i] for i in ended if i in where]
 
+def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    """Length of the longest common prefix of ``a`` and ``b``, at most ``limit`` (binary search over slice
+    comparisons, which run in C)."""
+    hi = min(len(a), len(b), limit)
+    if a[:hi] == b[:hi]:
+        return hi
+    lo = 0  # a[:lo] == b[:lo] holds; a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
 # on_step(indices, tokens, logprobs) -> indices to end now (they finish as "stop"), or None
 StepCallback = Callable[[list[int], list[int], list[float]], Iterable[int] | None]
 
@@ -98,6 +114,12 @@ class LocalPolicyConfig:
     harness extends a session's context turn by turn); ``release`` frees it."""
     prefix_cache_tokens: int = 1 << 20
     """Most tokens kept across all cached sessions (least recently used evicted first)."""
+    shared_prefix: bool = False
+    """Look a prompt up among *every* cached sequence (the longest common prefix wins, at least
+    ``shared_prefix_min`` tokens) instead of its own session's: for a server, whose requests carry no
+    session (each HTTP call re-sends the whole context). Entries are kept, not consumed, so the G samples of
+    one prompt all start from it."""
+    shared_prefix_min: int = 16
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -190,7 +212,7 @@ class LocalPolicy:
         self._cached_tokens = 0
         self._weights_version = self._version()
         self.cache_stats = {"hits": 0, "misses": 0, "reused_tokens": 0, "prefilled_tokens": 0,
-                            "evictions": 0, "invalidations": 0}
+                            "evictions": 0, "invalidations": 0, "shared_prefill_rows": 0}
 
     # ---------------------------------------------------------------- protocol
     def generate(self, requests: Sequence[GenRequest]) -> list[GenResult]:
@@ -252,6 +274,29 @@ class LocalPolicy:
         if entry is not None:
             self._cached_tokens -= len(entry.ids)
 
+    def cached_prefix(self, session_key: str) -> tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]] | None:
+        """``(ids, kv)`` the session's cache holds under the current weights (``kv[layer] = (K, V)``, each
+        (H_kv, len(ids), D)), or None (no cache, evicted, or the weights changed since). Read-only: the
+        tensors are shared with the cache."""
+        self._check_weights()
+        entry = self._cache.get(session_key)
+        return None if entry is None else (entry.ids, entry.kv)
+
+    def keep_prefix(self, session_key: str, ids: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Cache ``kv`` (encoded under the current weights) as the session's prefix ``ids``, replacing what
+        it held (a scorer that extended a session's cache gives it back this way)."""
+        if self.config.prefix_cache and kv and kv[0][0].shape[1] == len(ids):
+            self._check_weights()
+            self._store(session_key, list(ids), kv)
+
+    def handoff(self, session_key: str, new_key: str) -> None:
+        """Move a session's cache to a new session whose prompt extends its context (a compaction turn is
+        prompted with the whole main session it summarises): its prefill then starts from the cache."""
+        entry = self._cache.pop(session_key, None)
+        if entry is not None:
+            self._cached_tokens -= len(entry.ids)
+            self._store(new_key, entry.ids, entry.kv)
+
     def clear_cache(self) -> None:
         """Drop every cached prefix (done automatically when the weights change in place)."""
         self._cache.clear()
@@ -274,6 +319,8 @@ class LocalPolicy:
         """(entry, reusable length) when the session's cached ids prefix this prompt."""
         if not self.config.prefix_cache:
             return None
+        if self.config.shared_prefix:
+            return self._lookup_shared(req.prompt_ids)
         entry = self._cache.pop(req.session_key, None)  # re-inserted fresh after this turn
         if entry is None:
             self.cache_stats["misses"] += 1
@@ -285,6 +332,22 @@ class LocalPolicy:
             return None
         self.cache_stats["hits"] += 1
         return entry, n
+
+    def _lookup_shared(self, prompt: list[int]) -> tuple[_Entry, int] | None:
+        """The cached sequence sharing the longest prefix with ``prompt`` (at most all but its last token)."""
+        limit = len(prompt) - 1
+        best: tuple[_Entry, int] | None = None
+        best_key = None
+        for key, entry in self._cache.items():
+            n = _common_prefix(entry.ids, prompt, limit)
+            if n >= self.config.shared_prefix_min and (best is None or n > best[1]):
+                best, best_key = (entry, n), key
+        if best is None:
+            self.cache_stats["misses"] += 1
+            return None
+        self._cache.move_to_end(best_key)  # recently used
+        self.cache_stats["hits"] += 1
+        return best
 
     def _store(self, key: str, ids: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         if len(ids) > self.config.prefix_cache_tokens:
@@ -357,6 +420,30 @@ class LocalPolicy:
         next_pos = torch.tensor([len(r.prompt_ids) for r in reqs], device=self.device)
         return out.logits[:, -1, :], cache, mask, next_pos
 
+    def _prefill_shared(self, reqs: list[GenRequest], prefixes: list[tuple[_Entry, int] | None]):
+        """:meth:`_prefill`, with identical uncached prompts (a group's G samples of one task open with the same
+        prompt) prefilled once and their rows copied (the sampler still draws each row on its own)."""
+        first: dict[tuple[int, ...], int] = {}
+        uniq: list[int] = []
+        where: list[int] = []
+        for b, (r, pre) in enumerate(zip(reqs, prefixes)):
+            k = None if pre else tuple(r.prompt_ids)
+            if k is not None and k in first:
+                where.append(first[k])
+                continue
+            if k is not None:
+                first[k] = len(uniq)
+            where.append(len(uniq))
+            uniq.append(b)
+        if len(uniq) == len(reqs):
+            return self._prefill(reqs, prefixes)
+        logits, cache, mask, _ = self._prefill([reqs[b] for b in uniq], [prefixes[b] for b in uniq])
+        idx = torch.tensor(where, device=self.device)
+        cache.batch_select_indices(idx)
+        self.cache_stats["shared_prefill_rows"] += len(reqs) - len(uniq)
+        next_pos = torch.tensor([len(r.prompt_ids) for r in reqs], device=self.device)
+        return logits[idx], cache, mask[idx], next_pos
+
     @staticmethod
     def _extract(cache: DynamicCache, mask: torch.Tensor, active: list[int], rows: list[int],
                  into: dict[int, list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
@@ -374,7 +461,7 @@ class LocalPolicy:
         B = len(reqs)
         keep_kv = self.config.prefix_cache
         prefixes = prefixes or [None] * B
-        logits, cache, mask, next_pos = self._prefill(reqs, prefixes)
+        logits, cache, mask, next_pos = self._prefill_shared(reqs, prefixes)
 
         max_new = torch.tensor([self._max_new(r) for r in reqs], device=self.device)
         rows = torch.arange(B, device=self.device)  # original row of each active row

@@ -37,13 +37,15 @@ class ModelServer:
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *,
                  model_name: str, device: str | None, max_batch_size: int, batch_window_s: float,
-                 default_max_tokens: int) -> None:
+                 default_max_tokens: int, prefix_cache_tokens: int = 0) -> None:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.default_max_tokens = default_max_tokens
-        self.policy = LocalPolicy(model, tokenizer, LocalPolicyConfig(max_batch_size=max_batch_size,
-                                                                      prefix_cache=False),
-                                  device=device)
+        # Requests carry no session: the KV cache is looked up by content (the longest cached prefix of the
+        # prompt: a harness re-sends each turn's whole context), dropped whenever the weights change.
+        pc = LocalPolicyConfig(max_batch_size=max_batch_size, prefix_cache=prefix_cache_tokens > 0,
+                               prefix_cache_tokens=max(prefix_cache_tokens, 0), shared_prefix=True)
+        self.policy = LocalPolicy(model, tokenizer, pc, device=device)
         self.vocab = model.get_input_embeddings().num_embeddings
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
         self.worker = ModelWorker(self.policy, max_batch_size=max_batch_size,
@@ -314,7 +316,7 @@ async def _results(job: Job) -> list:
 def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *,
                model_name: str = "mosaic-local", device: str | None = None, max_batch_size: int = 64,
                batch_window_s: float = 0.002, default_max_tokens: int = 16, api_key: str | None = None,
-               max_body_bytes: int = 32 * 1024 * 1024) -> FastAPI:
+               max_body_bytes: int = 32 * 1024 * 1024, prefix_cache_tokens: int = 65536) -> FastAPI:
     """The FastAPI app serving ``model``; run it with :func:`mosaic.serving.run_server` (foreground) or
     :class:`mosaic.serving.ServerThread` (in-process).
 
@@ -322,12 +324,14 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *,
     ``default_max_tokens``: used when a request gives no ``max_tokens`` (OpenAI's default is 16).
     ``api_key``: bearer token every route but ``/health`` requires (None: open).
     ``max_body_bytes``: largest request body accepted (413 above).
+    ``prefix_cache_tokens``: tokens of KV cache kept across requests, found by the longest common prefix
+    with a new prompt (0: none); dropped whenever the weights change.
     """
     if max_body_bytes < 1:
         raise ValueError(f"max_body_bytes: {max_body_bytes} must be positive")
     srv = ModelServer(model, tokenizer, model_name=model_name, device=device,
                       max_batch_size=max_batch_size, batch_window_s=batch_window_s,
-                      default_max_tokens=default_max_tokens)
+                      default_max_tokens=default_max_tokens, prefix_cache_tokens=prefix_cache_tokens)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
