@@ -29,6 +29,8 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=20)
     ap.add_argument("--threads", type=int, default=0)
     args = ap.parse_args()
+    if args.steps < 1 or args.top < 1:
+        ap.error("--steps and --top must be >= 1")
 
     import torch
     from torch.profiler import ProfilerActivity, profile

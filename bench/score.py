@@ -221,13 +221,16 @@ def main() -> None:
                     help="auto: process CPU time on CPU, wall time on CUDA")
     ap.add_argument("--real-steps", type=int, default=3, help="main-job steps per run for the real-step share (0: skip)")
     ap.add_argument("--real-repeats", type=int, default=2, help="runs per scoring mode, interleaved")
-    ap.add_argument("--real-only", action="store_true", help="only the real-step measurement")
+    ap.add_argument("--real-only", action="store_true",
+                    help="only the real-step measurement (subprocesses of `mosaic train`: --threads does not apply)")
     ap.add_argument("--train-override", action="append", default=[], metavar="KEY=VALUE",
                     help="extra `mosaic train` override for the real steps (repeatable)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch CPU threads (1: stable figures on a shared machine; ratios are what matter)")
     args = ap.parse_args()
 
+    if args.real_steps < 0 or (args.real_steps and args.real_repeats < 1) or (args.real_only and not args.real_steps):
+        ap.error("--real-steps must be >= 0 (and >= 1 with --real-only), --real-repeats >= 1")
     if args.real_only:
         real_steps(args.real_steps, args.real_repeats, args.train_override)
         return

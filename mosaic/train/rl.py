@@ -211,6 +211,7 @@ def rl_step(st: RLState, step: int) -> dict[str, float]:
     if st.source is None:
         if est.needs_gains and cfg.algo.scorer == "cached" and cfg.algo.score_live:
             trajs, live = rollout_scored(st, tasks, step)
+            live.flush()  # (the harness flushes after every round: normally nothing is left)
         else:
             trajs = rollout(st, tasks, step)
     else:

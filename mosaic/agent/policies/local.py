@@ -282,13 +282,6 @@ class LocalPolicy:
         entry = self._cache.get(session_key)
         return None if entry is None else (entry.ids, entry.kv)
 
-    def keep_prefix(self, session_key: str, ids: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Cache ``kv`` (encoded under the current weights) as the session's prefix ``ids``, replacing what
-        it held (a scorer that extended a session's cache gives it back this way)."""
-        if self.config.prefix_cache and kv and kv[0][0].shape[1] == len(ids):
-            self._check_weights()
-            self._store(session_key, list(ids), kv)
-
     def handoff(self, session_key: str, new_key: str) -> None:
         """Move a session's cache to a new session whose prompt extends its context (a compaction turn is
         prompted with the whole main session it summarises): its prefill then starts from the cache."""

@@ -37,7 +37,7 @@ class ModelServer:
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *,
                  model_name: str, device: str | None, max_batch_size: int, batch_window_s: float,
-                 default_max_tokens: int, prefix_cache_tokens: int = 0) -> None:
+                 default_max_tokens: int, prefix_cache_tokens: int = 65536) -> None:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.default_max_tokens = default_max_tokens
@@ -60,6 +60,7 @@ class ModelServer:
             try:
                 yield
             finally:
+                self.policy.clear_cache()  # (the policy also notices in-place updates; a swap may not be one)
                 self.worker.version += 1
 
     @property
