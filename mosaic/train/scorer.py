@@ -312,13 +312,9 @@ class LiveScorer:
             return
         t0 = time.perf_counter()
         pending, self._pending = self._pending, []
-        was = self.model.training
-        self.model.eval()
-        try:
+        with eval_mode(self.model):
             L = run_from_caches(self.model, [h for _, _, h, _ in pending], [kv for *_, kv in pending], self.stats,
                                 max_batch_tokens=self.max_batch_tokens, max_batch_size=self.max_batch_size)
-        finally:
-            self.model.train(was)
         for (tid, sid, _, _), vals in zip(pending, L):
             mine = self.values.setdefault(tid, {})
             for c, v in vals.items():
