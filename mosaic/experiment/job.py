@@ -55,7 +55,7 @@ def _clear_lost_run(d: Path) -> None:
     print(f"[mosaic] {d.name}: checkpoints missing; old results cleared, training again", flush=True)
 
 
-def _evaluate(ecfg: Config, model_dir: Path, e: EvalSpec, out: Path) -> None:
+def _evaluate(ecfg: Config, model_dir: Path, e: EvalSpec, out: Path, ecfg_yaml: str) -> None:
     cfg = dataclasses.replace(ecfg, data=dataclasses.replace(ecfg.data, seed=e.data_seed, n_eval_tasks=e.n_tasks))
     device = setup.resolve_device(cfg)
     model, tok = setup.load_policy(model_dir, device=device, dtype=setup.resolve_dtype(cfg, device))
@@ -66,7 +66,8 @@ def _evaluate(ecfg: Config, model_dir: Path, e: EvalSpec, out: Path) -> None:
                  seed=e.seed, out=out / f"{e.name}.jsonl", progress=False)  # fmt: skip
     meta = {"key": e.key(), "eval": e.__dict__, "model": str(model_dir), "accuracy": r.accuracy, "lo": r.lo,
             "hi": r.hi, "n_questions": r.n_questions, "trajectories": e.n_tasks * e.samples,
-            "seconds": time.perf_counter() - t0, "metrics": r.metrics}  # fmt: skip
+            "seconds": time.perf_counter() - t0, "metrics": r.metrics,
+            "eval_config": ecfg_yaml}  # fmt: skip  (the grid's evaluation config: harness, sampling)
     (out / f"{e.name}.json").write_text(json.dumps(meta, indent=1))
     print(f"[mosaic] {e.name}: {r.line(e.name)}", flush=True)
 
@@ -93,7 +94,7 @@ def main(path: str) -> int:
     (d / "evals").mkdir(parents=True, exist_ok=True)
     for e in job["evals"]:
         e = {k: v for k, v in e.items() if k != "key"}
-        _evaluate(ecfg, model_dir, EvalSpec(**e), d / "evals")
+        _evaluate(ecfg, model_dir, EvalSpec(**e), d / "evals", job["eval_config_yaml"])
     return 0
 
 

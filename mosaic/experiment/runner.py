@@ -80,14 +80,37 @@ class Unit:
         return self.train or bool(self.evals)
 
 
-def _eval_done(d: Path, e: EvalSpec) -> bool:
+def _eval_done(d: Path, e: EvalSpec, eval_yaml: str | None = None) -> bool:
+    """``e`` was run in ``d``: same key, and — when the evaluation recorded its config and ``eval_yaml`` is
+    given — under the same evaluation config (harness, sampling), up to fields added since."""
     meta = d / "evals" / f"{e.name}.json"
     if not meta.exists():
         return False
     try:
-        return json.loads(meta.read_text()).get("key") == e.key()
+        m = json.loads(meta.read_text())
     except (OSError, ValueError):
         return False
+    if m.get("key") != e.key():
+        return False
+    return eval_yaml is None or not isinstance(m.get("eval_config"), str) or not _drift(m["eval_config"], eval_yaml)
+
+
+def _drop_foreign_evals(d: Path, eval_yaml: str) -> list[str]:
+    """Remove from a run copied from another grid the evaluations not known to have run under this
+    grid's evaluation config (another harness or sampling, or one too old to say): a grid evaluates
+    every arm the same way, and an evaluation with the same name and questions under another harness
+    is not one of its results. Returns the names removed."""
+    gone = []
+    for meta in sorted((d / "evals").glob("*.json")):
+        try:
+            saved = json.loads(meta.read_text()).get("eval_config")
+        except (OSError, ValueError):
+            saved = None
+        if not isinstance(saved, str) or _drift(saved, eval_yaml):
+            meta.unlink()
+            meta.with_suffix(".jsonl").unlink(missing_ok=True)
+            gone.append(meta.stem)
+    return gone
 
 
 def _drift(saved: str, text: str) -> list[str]:
@@ -141,8 +164,8 @@ def plan(grid: Grid, work: Path, *, rename: bool = False, arms: Sequence[str] | 
         if d in seen:  # settings that differ only in training share the warm start's evaluation
             continue
         seen.add(d)
-        units.append(Unit(f"warmstart/{d.name}", d, False, [e for e in grid.evals if not _eval_done(d, e)],
-                          eval_yaml[setting], eval_yaml[setting]))  # fmt: skip
+        todo = [e for e in grid.evals if not _eval_done(d, e, eval_yaml[setting])]
+        units.append(Unit(f"warmstart/{d.name}", d, False, todo, eval_yaml[setting], eval_yaml[setting]))
     for r in grid.runs:
         d = adopt(work, r, dump_config(r.config), rename=rename)
         cfg = dataclasses.replace(r.config, train=dataclasses.replace(r.config.train, run_dir=str(d)))
@@ -152,10 +175,11 @@ def plan(grid: Grid, work: Path, *, rename: bool = False, arms: Sequence[str] | 
             if d.exists():
                 shutil.rmtree(d)
             shutil.copytree(src, d)
-            (d / REUSED).write_text(json.dumps({"from": str(src)}, indent=1))
+            dropped = _drop_foreign_evals(d, eval_yaml[r.setting])
+            (d / REUSED).write_text(json.dumps({"from": str(src), "evals_dropped": dropped}, indent=1))
             done = True
         drift = tuple(_drift((d / "config.yaml").read_text(), text)) if done and (d / "config.yaml").exists() else ()
-        evals = [e for e in grid.evals if not _eval_done(d, e)]
+        evals = [e for e in grid.evals if not _eval_done(d, e, eval_yaml[r.setting])]
         retrain = done and bool(evals) and not any(d.glob("checkpoints/ckpt-*/model"))
         if retrain:  # old evaluations belong to the lost weights: redo them all on the retrained ones
             evals, drift = list(grid.evals), ()

@@ -234,6 +234,39 @@ def test_a_run_finished_in_another_grid_is_copied_not_retrained(tmp_path, capsys
         parse_grid({**QUICK_GRID, "reuse": "somewhere"})
 
 
+def test_a_copied_run_keeps_only_evaluations_made_under_this_grids_evaluation_config(tmp_path):
+    """Two grids can share a run (an arm that sets its own harness, e.g. single-session GRPO) yet evaluate
+    under different harnesses (the grid's common one): the copy keeps an evaluation only when it recorded
+    this grid's evaluation config; one under another harness, or too old to say, is run again."""
+    from mosaic.experiment.runner import DONE, REUSED, _eval_done, plan, run_dir
+    from mosaic.train.config import dump_config, load_config
+
+    first = tmp_path / "first"
+    g = parse_grid(QUICK_GRID)
+    r = g.runs[0]
+    d = run_dir(first, r)
+    (d / "checkpoints/ckpt-2/model").mkdir(parents=True)
+    (d / "config.yaml").write_text(dump_config(r.config))
+    (d / DONE).write_text('{"step_s": 1.0, "rollouts_per_step": 4}')
+    ours = dump_config(load_config(g.preset, overrides=g.eval_overrides("base")))
+    theirs = dump_config(load_config(g.preset, overrides=[*g.eval_overrides("base"), "harness.mode=single"]))
+    (d / "evals").mkdir()
+    for e, cfg in zip(g.evals, (ours, theirs)):  # val: this grid's config; test: another harness; test-d1: none
+        (d / "evals" / f"{e.name}.json").write_text(json.dumps({"key": e.key(), "eval_config": cfg}))
+        (d / "evals" / f"{e.name}.jsonl").write_text("")
+    assert _eval_done(d, g.evals[0], ours) and not _eval_done(d, g.evals[1], ours)
+    assert _eval_done(d, g.evals[1]) and _eval_done(d, g.evals[1], theirs)  # no config to check against: by key
+    second = parse_grid({**QUICK_GRID, "reuse": [str(first)]})
+    (got,) = [u for u in plan(second, tmp_path / "second", rename=True) if u.run and u.run.key == r.key]
+    assert not got.train and [e.name for e in got.evals] == ["test", "test-d1"]
+    assert not (got.dir / "evals" / "test.jsonl").exists() and (got.dir / "evals" / "val.json").exists()
+    assert json.loads((got.dir / REUSED).read_text())["evals_dropped"] == ["test"]
+    # an evaluation that recorded no config (made before configs were recorded) is not taken on trust
+    (d / "evals" / "val.json").write_text(json.dumps({"key": g.evals[0].key()}))
+    (got,) = [u for u in plan(second, tmp_path / "third", rename=True) if u.run and u.run.key == r.key]
+    assert [e.name for e in got.evals] == ["val", "test", "test-d1"]
+
+
 def test_a_finished_run_without_its_weights_is_retrained_when_evaluations_are_missing(tmp_path, capsys):
     """Checkpoints are not committed: in a fresh clone a finished run with evaluations still to do has no
     model to evaluate, so it is trained again and all its evaluations are redone on the new weights."""
