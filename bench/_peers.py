@@ -8,6 +8,7 @@ exact versions of ``constraints-<name>.txt``, into ``<repo>/.venv-<name>``
 succeeds; builders take a file lock so parallel test processes build once.
 A development tool of the checkout (it reads its ``pyproject.toml``), not part
 of the installed package.
+``python bench/_peers.py deepagents|verl`` builds (or finds) one and prints its python.
 
 deepagents (:func:`ensure_deepagents_venv`): the ``deepagents`` extra under
 ``constraints-deepagents.txt`` (langchain and its providers would otherwise enter the core environment),
@@ -112,3 +113,12 @@ def ensure_verl_venv(log=sys.stderr) -> Path:
 def ensure_deepagents_venv(log=sys.stderr) -> Path:
     """The deepagents venv's python, building the venv first if needed (about a minute)."""
     return ensure_venv(REPO, "deepagents", "deepagents", _DEEPAGENTS_PROBE, log=log)
+
+
+BUILDERS = {"deepagents": ensure_deepagents_venv, "verl": ensure_verl_venv}
+
+
+if __name__ == "__main__":  # python bench/_peers.py deepagents|verl: build (or find) the venv, print its python
+    if len(sys.argv) != 2 or sys.argv[1] not in BUILDERS:
+        sys.exit(f"usage: python bench/_peers.py {{{'|'.join(BUILDERS)}}}")
+    print(BUILDERS[sys.argv[1]]())

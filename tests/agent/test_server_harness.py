@@ -196,6 +196,16 @@ def test_tools_are_offered_and_tool_calls_parsed(served, client, model_tok):
     assert ch["token_ids"] == script.ids  # the ids are what was sampled, untouched
     prompt = tok.decode(script.prompts[-1])
     assert "<tools>" in prompt and '"name": "search"' in prompt and "<tool_call>" in prompt
+    # tools_in_prompt false (the messages document the tools): the prompt is the messages alone, and
+    # the reply is still parsed for tool calls
+    with Script(app, tok, REPLY) as script:
+        r = client.post("/v1/chat/completions", json={"messages": MSGS, "tools": TOOLS, "tools_in_prompt": False})
+    ch = r.json()["choices"][0]
+    assert ch["finish_reason"] == "tool_calls" and ch["message"]["tool_calls"][0]["function"]["name"] == "search"
+    bare = script.prompts[-1]
+    with Script(app, tok, REPLY) as script:
+        client.post("/v1/chat/completions", json={"messages": MSGS})
+    assert bare == script.prompts[-1] and "<tools>" not in tok.decode(bare)
     # tool_choice "none": no tools offered, nothing parsed
     with Script(app, tok, REPLY):
         r = client.post("/v1/chat/completions", json={"messages": MSGS, "tools": TOOLS, "tool_choice": "none"})

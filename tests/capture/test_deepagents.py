@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -88,3 +89,30 @@ def test_deepagents_compaction_and_subagents_rebuilt(deepagents_python, upstream
                 assert toks[p: p + len(gen)] == gen
                 assert all(s.loss_mask[p - n0: p - n0 + len(gen)])
             assert s.num_trainable == sum(len(by_id[c].completion_ids) for c in s.meta["call_ids"])
+
+
+def test_the_deepagents_example_trains_through_the_proxy(deepagents_python, tmp_path):
+    """examples/harness/deepagents_agent.py, the README's command: deepagents' own loop and
+    SummarizationMiddleware drive the shipped model through the trainer's proxy; a step rebuilds its
+    graphs from the records, logs the same metrics as the built-in rollout and saves a checkpoint."""
+    from mosaic.train.checkpoint import find_latest
+
+    root = Path(__file__).resolve().parents[2]
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "mosaic.cli", "train", "rollout.source=harness",
+           f"rollout.harness={deepagents_python} {root / 'examples/harness/deepagents_agent.py'}",
+           "train.steps=1", "train.batch_tasks=2", "train.group_size=2", f"train.run_dir={run}",
+           "train.heldout_split=none", "train.plot_every=0", "train.tensorboard=false", "rollout.deadline_s=240"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=tmp_path,
+                         env={**os.environ, "LANGSMITH_TRACING": "false"})
+    assert res.returncode == 0, res.stderr[-4000:]
+    (m,) = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert m["rollout/launched"] == 4 and m["rollout/kept"] >= 1, m
+    assert m["rollout/kept"] + m["rollout/dropped"] == 4
+    for key in ("session/per_traj", "session/count/main", "critic/score/mean", "actor/pg_loss", "actor/grad_norm"):
+        assert key in m, key
+    assert m["rollout/calls"] >= m["rollout/kept"]  # deepagents' own requests, recorded by the proxy
+    assert find_latest(run).name == "ckpt-1"
+    calls, rewards = load_records(run / "records")
+    assert len({c.policy_version for c in calls if c.ok}) == 1  # one step: every call answered by one version
+    assert len(reconstruct(calls, rewards)) == m["rollout/kept"]

@@ -208,7 +208,8 @@ class ModelServer:
         template = getattr(self.tokenizer, "chat_template", None)
         if not template:
             raise ApiError(400, "this model's tokenizer has no chat template; use /v1/completions")
-        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools and body.tool_choice != "none" else None
+        tools = ([t.model_dump(exclude_none=True) for t in body.tools]
+                 if body.uses_tools and body.tools_in_prompt else None)  # fmt: skip
         messages, native = template_messages([m.model_dump(exclude_none=True) for m in body.messages], tools,
                                              str(template))
         try:

@@ -99,6 +99,10 @@ class ChatCompletionRequest(BaseCompletionRequest):
     add_generation_prompt: bool = True
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    tools_in_prompt: bool = True
+    """Extension: ``false`` when the messages already describe the tools (a harness whose system prompt
+    documents them in the model's own format): the ``tools`` are not rendered into the prompt, but
+    replies are still parsed for tool calls."""
 
     @property
     def uses_tools(self) -> bool:
