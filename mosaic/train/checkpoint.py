@@ -460,6 +460,13 @@ def check_resume_config(run_dir: str | Path, config_yaml: str, force: bool, *, s
         new = (yaml.safe_load(config_yaml) or {}).get("algo", {}).get("estimator")
         old = (state or {}).get("estimator")
         changes = [f"algo.estimator: {old!r} -> {new!r}"] if old is not None and old != new else []
+    if any(c.startswith("train.steps:") for c in changes) and \
+            (yaml.safe_load(config_yaml) or {}).get("optim", {}).get("lr_schedule", "constant") == "constant":
+        # more (or fewer) steps: the steps run so far are the same, and a constant schedule does not
+        # depend on the total; extending a finished run is what a user asks for with train.steps
+        print(f"[mosaic] {next(c for c in changes if c.startswith('train.steps:'))} (the run goes on to the new "
+              f"length)", file=sys.stderr, flush=True)  # fmt: skip
+        changes = [c for c in changes if not c.startswith("train.steps:")]
     if not changes:
         return []
     listing = "\n".join(f"  {c}" for c in changes)

@@ -246,6 +246,9 @@ def apply_overrides(tree: dict, overrides: Sequence[str]) -> dict:
             raise ConfigError(f"config key '{key}' is a section; set its fields, e.g. {key}.<field>=value")
         if parts[-1] not in node:
             raise ConfigError(_unknown(key))
+        read_as_other = isinstance(value, bool) or not isinstance(value, (str, int, float))  # null, true, [..], {..}
+        if isinstance(node[parts[-1]], str) and raw.strip() and read_as_other:
+            value = raw.strip()  # a text field takes the text as written: a shell command `true`, or `sh -c "a: b"`
         node[parts[-1]] = value
     return tree
 

@@ -190,6 +190,10 @@ def run_train(cfg: Config) -> int:
         if importlib.util.find_spec("wandb") is None:  # before minutes of warm-start evaluation
             raise ConfigError("config key 'train.logger': lists wandb but the wandb package is not installed "
                               "(pip install wandb, or drop wandb from train.logger)")
+    if cfg.rollout.source == "harness":  # a harness or reward that cannot be loaded fails before any work
+        from mosaic.train.external import check_callables
+
+        check_callables(cfg.rollout)
     plan = prepare_run(cfg)
     plan.run_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.train.seed)
@@ -246,8 +250,8 @@ def _rl_loop(cfg: Config, plan: RunPlan, model, tok, chat, device) -> None:
     if plan.resume_from is not None:
         ck = load_checkpoint(plan.resume_from, model=model, optimizer=optimizer, scheduler=scheduler)
         start = ck.step
-        _log(f"resumed from {plan.resume_from} at step {start}")
         check_resume_config(plan.resume_from.parent.parent, plan.config_yaml, cfg.train.resume_force, state=ck.state)
+        _log(f"resumed from {plan.resume_from} at step {start}")
     ref = make_reference(model) if cfg.algo.kl_coef > 0 else None
     source = replay
     if cfg.rollout.source == "harness":

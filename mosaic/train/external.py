@@ -44,6 +44,7 @@ import os
 import re
 import secrets
 import signal
+import sys
 import threading
 import time
 from collections import Counter
@@ -61,12 +62,17 @@ from mosaic.trace import Trajectory
 from mosaic.trace.graph import TraceError
 from mosaic.train.sections import CALLABLE_SPEC
 
-__all__ = ["HarnessTask", "ExternalRollouts", "DROP_REASONS", "load_callable", "is_callable_spec"]
+__all__ = ["HarnessTask", "ExternalRollouts", "DROP_REASONS", "DROPS_FILE", "load_callable", "is_callable_spec",
+           "check_callables"]
 
 DROP_REASONS = ("crashed", "timeout", "no_reward", "double_reward", "no_calls", "foreign_id", "stale_policy",
                 "unbuildable")
 """Why a rollout is left out of a step (``rollout/dropped/<reason>``)."""
 
+
+DROPS_FILE = "drops.jsonl"
+"""Every dropped rollout of a run, one JSON line each (step, rollout id, task, reason, detail), in the
+folder above the records (the run dir; not among the records, whose every ``*.jsonl`` is read)."""
 
 _TRAINER = "mosaic-trainer"  # meta["by"] of the reward records the trainer writes
 
@@ -90,11 +96,24 @@ def load_callable(spec: str, what: str) -> Callable:
         else:
             module = importlib.import_module(mod)
         fn = getattr(module, name)
-    except (ImportError, AttributeError, SyntaxError) as exc:
+    except Exception as exc:  # noqa: BLE001 - whatever importing the user's module raises, said in one line
         raise ValueError(f"{what}: cannot load {spec!r}: {type(exc).__name__}: {exc}") from None
     if not callable(fn):
         raise ValueError(f"{what}: {spec!r} is not callable")
     return fn
+
+
+def check_callables(rc) -> None:
+    """Load ``rollout.harness`` and ``rollout.reward`` when they name Python callables: a
+    :class:`ConfigError` naming the key if one cannot be (before the warm start and its evaluation)."""
+    from mosaic.train.config import ConfigError
+
+    for spec, what in ((rc.harness, "rollout.harness"), (rc.reward, "rollout.reward")):
+        if spec and is_callable_spec(spec):
+            try:
+                load_callable(spec, what)
+            except ValueError as exc:
+                raise ConfigError(f"config key '{what}': {str(exc).removeprefix(what + ': ')}") from None
 
 
 @dataclass
@@ -215,6 +234,7 @@ class ExternalRollouts:
         self.records_dir = Path(records_dir)
         self.records_dir.mkdir(parents=True, exist_ok=True)
         self.records_path = self.records_dir / RECORDS_FILE
+        self.drops_path = self.records_dir.parent / DROPS_FILE
         self.run_nonce = secrets.token_hex(3)  # a restarted trainer never reuses a killed attempt's ids
         self.harness_spec = self.rc.harness.strip()
         self.harness_fn = load_callable(self.harness_spec, "rollout.harness") if is_callable_spec(self.harness_spec) else None
@@ -426,6 +446,7 @@ class ExternalRollouts:
 
         dropped: Counter = Counter()
         examples: dict[str, str] = {}
+        drops: list[dict] = []
         trajs: list[Trajectory] = []
         for ht, out in zip(hts, outcomes):
             task, _ = by_rid[ht.rollout_id]
@@ -466,6 +487,8 @@ class ExternalRollouts:
             if reason is not None:
                 dropped[reason] += 1
                 examples.setdefault(reason, f"{ht.rollout_id}: {detail}")
+                drops.append({"step": step + 1, "rollout_id": ht.rollout_id, "task_id": task.id, "reason": reason,
+                              "detail": detail})
                 continue
             traj.meta["harness"] = {"policy_version": version, "sample": ht.sample}
             trajs.append(traj)
@@ -479,6 +502,13 @@ class ExternalRollouts:
         m["rollout/calls"] = float(sum(len(by_calls.get(ht.rollout_id, [])) for ht in hts))
         m["timing_s/harness"] = wall
         self.last_drop_examples = examples
+        if drops:  # why, rollout by rollout (RUN_DIR/drops.jsonl), and one example per reason on the console
+            with open(self.drops_path, "a") as f:
+                f.writelines(json.dumps(d) + "\n" for d in drops)
+            head = "every rollout" if not trajs else f"{len(drops)} of {len(hts)} rollouts"
+            print(f"[mosaic] step {step + 1}: {head} dropped ({', '.join(f'{r} {n}' for r, n in dropped.items())}; "
+                  f"{self.drops_path})" + "".join(f"\n  {r}: {e}" for r, e in examples.items())
+                  + ("\n  nothing to train on in this step" if not trajs else ""), file=sys.stderr, flush=True)
         return trajs, m
 
 

@@ -292,6 +292,16 @@ def test_resume_with_a_changed_config_needs_force(tmp_path, capsys):
     assert "train.resume_force=true" in msg
     got = ck.check_resume_config(run, changed, force=True)
     assert len(got) == 2 and "algo.estimator" in capsys.readouterr().err
+    # More steps under a constant schedule extend the run (said, not refused); under cosine they change the
+    # schedule of the steps still to come, so they need force like any other change.
+    more = dump_config(load_config(overrides=[f"train.run_dir={run}", f"train.steps={cfg.train.steps + 5}"]))
+    assert ck.check_resume_config(run, more, force=False) == []
+    assert f"train.steps: {cfg.train.steps} -> {cfg.train.steps + 5}" in capsys.readouterr().err
+    cosine = [f"train.run_dir={run}", "optim.lr_schedule=cosine"]
+    (run / "config.yaml").write_text(dump_config(load_config(overrides=cosine)))
+    longer = load_config(overrides=[*cosine, f"train.steps={cfg.train.steps + 5}"])
+    with pytest.raises(ck.CheckpointError, match="train.steps"):
+        ck.check_resume_config(run, dump_config(longer), force=False)
     # No config.yaml (e.g. resuming a checkpoint copied elsewhere): the estimator saved in its state.
     (run / "config.yaml").unlink()
     with pytest.raises(ck.CheckpointError, match="algo.estimator"):

@@ -88,7 +88,7 @@ def test_graphs_trained_on_equal_what_proxy_export_rebuilds(base_dir, tmp_path):
         src.close()
 
 
-def test_faults_drop_the_rollout_count_it_and_keep_serving(base_dir, tmp_path):
+def test_faults_drop_the_rollout_count_it_and_keep_serving(base_dir, tmp_path, capsys):
     cfg = _cfg(base_dir, tmp_path, f"rollout.harness={H}:faulty", "rollout.reward=harness", "train.group_size=6",
                "rollout.deadline_s=30")
     src, split = _source(cfg, tmp_path)
@@ -99,6 +99,11 @@ def test_faults_drop_the_rollout_count_it_and_keep_serving(base_dir, tmp_path):
             src.last_drop_examples
         assert m["rollout/kept"] == 1 and len(trajs) == 1 and trajs[0].reward == 1.0
         assert m["rollout/foreign_requests"] >= 1
+        # why each was dropped, rollout by rollout, beside the records (not among them) and on the console
+        drops = [json.loads(x) for x in (tmp_path / "drops.jsonl").read_text().splitlines()]
+        assert sorted(d["reason"] for d in drops) == sorted(got) and all(d["step"] == 1 for d in drops)
+        assert "RuntimeError: harness bug" in next(d["detail"] for d in drops if d["reason"] == "crashed")
+        assert "5 of 6 rollouts dropped" in capsys.readouterr().err
         # the proxy and the server are still up, and a late call of the dropped step is refused
         assert httpx.get(src.url + "/healthz", timeout=10).status_code == 200
         r = httpx.post(f"{src.url}/rollouts/{trajs[0].id}/v1/chat/completions", timeout=10,
@@ -192,6 +197,28 @@ def test_the_plain_example_harness_trains_and_a_killed_run_resumes(base_dir, tmp
     from mosaic.train.checkpoint import find_latest
 
     assert find_latest(run).name == "ckpt-2"
+
+
+def test_a_harness_that_cannot_be_loaded_fails_before_the_warm_start(base_dir, tmp_path):
+    broken = tmp_path / "broken.py"
+    broken.write_text("import not_a_real_module_xyz\n\ndef run(task):\n    return 'x'\n")
+    for spec, key in ((f"rollout.harness={tmp_path / 'nope.py'}:run", "rollout.harness"),
+                      (f"rollout.harness={broken}:run", "rollout.harness"),
+                      (f"rollout.reward={tmp_path / 'nope.py'}:fn", "rollout.reward")):
+        cfg = _cfg(base_dir, tmp_path, f"rollout.harness={H}:scripted", spec)
+        with pytest.raises(ConfigError, match=f"config key '{key}': cannot load"):
+            entrypoints.run_train(cfg)
+        assert not (tmp_path / "run").exists()  # no run dir, no warm start, no evaluation
+
+
+def test_a_shell_command_is_taken_as_written():
+    """A text field gets the text as written when YAML would read something else (a command `true`, or
+    one with `: ` in it)."""
+    for cmd in ("true", "sh -c 'echo a: b'", "null", "[x]"):
+        assert load_config("cpu", overrides=[f"rollout.harness={cmd}"]).rollout.harness == cmd
+    assert load_config("cpu", overrides=["rollout.harness='quoted'"]).rollout.harness == "quoted"
+    with pytest.raises(ConfigError, match="train.steps"):
+        load_config("cpu", overrides=["train.steps=true"])  # other types are unchanged
 
 
 def test_bad_harness_settings_fail_before_any_work(base_dir, tmp_path):
