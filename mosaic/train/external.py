@@ -444,8 +444,6 @@ class ExternalRollouts:
             if r.meta.get("by") != _TRAINER:
                 posted.setdefault(r.rollout_id, []).append(r)
 
-        dropped: Counter = Counter()
-        examples: dict[str, str] = {}
         drops: list[dict] = []
         trajs: list[Trajectory] = []
         for ht, out in zip(hts, outcomes):
@@ -485,14 +483,16 @@ class ExternalRollouts:
                     else:
                         self.proxy_app.state.proxy.writer.write(rec)
             if reason is not None:
-                dropped[reason] += 1
-                examples.setdefault(reason, f"{ht.rollout_id}: {detail}")
                 drops.append({"step": step + 1, "rollout_id": ht.rollout_id, "task_id": task.id, "reason": reason,
                               "detail": detail})
                 continue
             traj.meta["harness"] = {"policy_version": version, "sample": ht.sample}
             trajs.append(traj)
 
+        dropped = Counter(d["reason"] for d in drops)
+        examples: dict[str, str] = {}
+        for d in drops:
+            examples.setdefault(d["reason"], f"{d['rollout_id']}: {d['detail']}")
         m: dict[str, float] = {f"rollout/dropped/{r}": float(dropped.get(r, 0)) for r in DROP_REASONS}
         m["rollout/dropped"] = float(sum(dropped.values()))
         m["rollout/launched"] = float(len(hts))
