@@ -213,6 +213,12 @@ def _table(grid: Grid, data: dict, evals: list[str], label: str) -> dict:
                 continue
             c = compare_arms(mats[a], mats[b])
             pairs.append({"a": a, "b": b, **asdict(c)})
+    if grid.baseline:  # each setting against the baseline setting, arm by arm (same questions, other runs)
+        for a in keys:
+            b = next((k for k in keys if arms[k]["arm"] == arms[a]["arm"] and arms[k]["setting"] == grid.baseline), None)
+            if b is None or a == b or mats[a].shape[1] != mats[b].shape[1]:
+                continue
+            pairs.append({"a": a, "b": b, "vs_baseline": True, **asdict(compare_arms(mats[a], mats[b]))})
     for name in ("p_sign", "p_seeds"):
         for p, adj in zip(pairs, holm([p[name] for p in pairs])):
             p[f"{name}_holm"] = adj

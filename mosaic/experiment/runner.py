@@ -80,19 +80,29 @@ class Unit:
         return self.train or bool(self.evals)
 
 
-def _eval_done(d: Path, e: EvalSpec, eval_yaml: str | None = None) -> bool:
-    """``e`` was run in ``d``: same key, and — when the evaluation recorded its config and ``eval_yaml`` is
-    given — under the same evaluation config (harness, sampling), up to fields added since."""
-    meta = d / "evals" / f"{e.name}.json"
-    if not meta.exists():
-        return False
+def _read_eval(meta: Path) -> dict | None:
+    """An evaluation's meta file, or None when it is missing or unreadable."""
     try:
         m = json.loads(meta.read_text())
     except (OSError, ValueError):
+        return None
+    return m if isinstance(m, dict) else None
+
+
+def _same_eval_config(m: dict, eval_yaml: str) -> bool | None:
+    """Whether evaluation ``m`` ran under ``eval_yaml`` (harness, sampling; up to fields added since);
+    None when it did not record its config (made before evaluations recorded one)."""
+    saved = m.get("eval_config")
+    return not _drift(saved, eval_yaml) if isinstance(saved, str) else None
+
+
+def _eval_done(d: Path, e: EvalSpec, eval_yaml: str | None = None) -> bool:
+    """``e`` was run in ``d``: same key and, when ``eval_yaml`` is given, not under another evaluation config
+    (one that recorded none counts as done in its own grid)."""
+    m = _read_eval(d / "evals" / f"{e.name}.json")
+    if m is None or m.get("key") != e.key():
         return False
-    if m.get("key") != e.key():
-        return False
-    return eval_yaml is None or not isinstance(m.get("eval_config"), str) or not _drift(m["eval_config"], eval_yaml)
+    return eval_yaml is None or _same_eval_config(m, eval_yaml) is not False
 
 
 def _drop_foreign_evals(d: Path, eval_yaml: str) -> list[str]:
@@ -102,11 +112,8 @@ def _drop_foreign_evals(d: Path, eval_yaml: str) -> list[str]:
     is not one of its results. Returns the names removed."""
     gone = []
     for meta in sorted((d / "evals").glob("*.json")):
-        try:
-            saved = json.loads(meta.read_text()).get("eval_config")
-        except (OSError, ValueError):
-            saved = None
-        if not isinstance(saved, str) or _drift(saved, eval_yaml):
+        m = _read_eval(meta)
+        if m is None or not _same_eval_config(m, eval_yaml):
             meta.unlink()
             meta.with_suffix(".jsonl").unlink(missing_ok=True)
             gone.append(meta.stem)

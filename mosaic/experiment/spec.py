@@ -14,6 +14,7 @@ settings:                         # optional: setting name -> overrides (e.g. a 
 seeds: [0, 1, 2, 3, 4]            # train.seed of each run
 reuse: [reports/explore/work]     # optional: other grids' work dirs whose finished runs of the same
                                   # config (same key, final checkpoint present) are copied, not retrained
+baseline: base                    # optional: a setting every other setting is compared with, arm by arm
 evals:                            # every run's final model, and the warm start once, on each
   - {name: test, split: test, data_seed: 0, n_tasks: 128, samples: 4, temperature: 0.5}
 ```
@@ -102,6 +103,8 @@ class Grid:
     setting_seeds: dict[str, tuple[int, ...]] = field(default_factory=dict)
     """Settings with their own seed list (same form). A run's seeds are its arm's own list, its setting's own
     list, both (intersected) or, when neither has one, the grid's ``seeds``."""
+    baseline: str | None = None
+    """A setting the report compares every other setting with, within each arm (an ablation table)."""
     runs: tuple[RunSpec, ...] = field(default=())
 
     def eval_overrides(self, setting: str) -> list[str]:
@@ -190,7 +193,7 @@ _SAME = object()
 def parse_grid(doc: Any, path: Path | None = None) -> Grid:
     """A validated :class:`Grid` from a parsed YAML document (every run config resolved)."""
     _need(isinstance(doc, dict), "(top)", "the grid file must hold a mapping")
-    known = {"name", "preset", "common", "arms", "settings", "seeds", "evals", "reuse"}
+    known = {"name", "preset", "common", "arms", "settings", "seeds", "evals", "reuse", "baseline"}
     for k in doc:
         _need(k in known, str(k), f"unknown field (known: {', '.join(sorted(known))})")
     name = doc.get("name", path.stem if path else "grid")
@@ -207,9 +210,12 @@ def parse_grid(doc: Any, path: Path | None = None) -> Grid:
     _need(isinstance(reuse, list) and all(isinstance(x, str) and x for x in reuse), "reuse",
           "must be a list of work-dir paths")  # fmt: skip
     settings, setting_seeds = _named(doc.get("settings") or {"base": []}, "settings", seeds=True)
+    baseline = doc.get("baseline")
+    _need(baseline is None or (isinstance(baseline, str) and baseline in settings), "baseline",
+          f"must name one of the settings ({', '.join(settings)})")
     g = Grid(name=name, preset=preset, common=_overrides(doc.get("common"), "common"), arms=arms,
              settings=settings, seeds=seeds, evals=ev, path=path, arm_seeds=arm_seeds,
-             setting_seeds=setting_seeds, reuse=tuple(Path(x) for x in reuse))  # fmt: skip
+             setting_seeds=setting_seeds, reuse=tuple(Path(x) for x in reuse), baseline=baseline)  # fmt: skip
     runs = []
     all_seeds = set(seeds).union(*arm_seeds.values(), *setting_seeds.values())
     for seed in sorted(all_seeds):  # seed-major: a half-done grid has every arm

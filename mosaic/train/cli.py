@@ -161,7 +161,7 @@ def _pretrain(args) -> int:
                                                  ("batch_size", args.batch_size),
                                                  ("vocab_size", args.vocab_size), ("seed", args.seed),
                                                  ("eval_every", args.eval_every), ("init", args.init),
-                                                 ("copy_share", args.copy_share),
+                                                 ("copy_share", args.copy_share), ("save_every", args.save_every),
                                                  ("world_seed_base", args.world_seed_base)) if v is not None})
     except ValueError as exc:
         print(f"mosaic pretrain: config error: {exc}", file=sys.stderr)
@@ -173,8 +173,15 @@ def _pretrain(args) -> int:
         out = str(BASE_MODELS_DIR / f"{cfg.model.embedded_preset}-base")
     else:
         out = args.out or str(Path("runs") / "pretrain" / f"{cfg.model.embedded_preset}-base")
-    print(f"[mosaic] pretrain: writing to {out}", file=sys.stderr)
-    meta = pretrain(cfg, pc, out)
+    from mosaic.train.pretrain import STATE_FILE, PretrainError
+
+    resuming = (Path(out) / STATE_FILE).exists()
+    print(f"[mosaic] pretrain: {'resuming the unfinished run in' if resuming else 'writing to'} {out}", file=sys.stderr)
+    try:
+        meta = pretrain(cfg, pc, out)
+    except PretrainError as exc:  # an unfinished run of another config in `out`, an init of another tokenizer
+        print(f"mosaic pretrain: config error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
     print(f"[mosaic] pretrain: {meta['parameters'] / 1e6:.2f}M parameters, {pc.steps} steps over "
           f"{meta['worlds']} worlds, final loss {meta['final_loss']:.3f}, {meta['seconds']:.0f} s -> {out}")
     return 0
@@ -197,6 +204,8 @@ def register(subparsers) -> None:
     p.add_argument("--world-seed-base", type=int,
                    help="data seed of the first world (default 1000; use fresh seeds when continuing)")
     p.add_argument("--copy-share", type=float, help="share of each batch made of name drills (default 0.25)")
+    p.add_argument("--save-every", type=int, help="write the resumable state every N steps (default 50); a stopped "
+                                                  "run started again with the same --out goes on from there")
     _add_config_args(p)
     p.set_defaults(func=_pretrain)
 

@@ -82,6 +82,23 @@ def is_callable_spec(spec: str) -> bool:
     return bool(CALLABLE_SPEC.match(spec.strip()))
 
 
+_FILE_MODULES: dict[tuple[Path, int], object] = {}  # (path, mtime_ns) -> module: a file's top-level code runs once
+
+
+def _load_file(path: Path):
+    """Import a ``.py`` file under its own name; the same unchanged file is imported once per process (the
+    config check and the trainer both load the harness)."""
+    key = (path, path.stat().st_mtime_ns)
+    if key not in _FILE_MODULES:
+        if str(path.parent) not in sys.path:  # so that it can import the modules beside it
+            sys.path.insert(0, str(path.parent))
+        spec = importlib.util.spec_from_file_location(f"mosaic_harness_{path.stem}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        _FILE_MODULES[key] = module
+    return _FILE_MODULES[key]
+
+
 def load_callable(spec: str, what: str) -> Callable:
     """Import ``module:function``; a clear ValueError naming ``what`` when it cannot be."""
     mod, _, name = spec.strip().rpartition(":")
@@ -90,9 +107,7 @@ def load_callable(spec: str, what: str) -> Callable:
             path = Path(mod).resolve()
             if not path.is_file():
                 raise ImportError(f"no file {mod}")
-            spec_ = importlib.util.spec_from_file_location(f"mosaic_harness_{path.stem}", path)
-            module = importlib.util.module_from_spec(spec_)
-            spec_.loader.exec_module(module)
+            module = _load_file(path)
         else:
             module = importlib.import_module(mod)
         fn = getattr(module, name)

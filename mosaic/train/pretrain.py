@@ -47,9 +47,25 @@ from mosaic.train.sft import expert_noise
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PretrainConfig", "pretrain", "BASE_MODELS_DIR", "base_model_dir"]
+__all__ = ["PretrainConfig", "PretrainError", "pretrain", "BASE_MODELS_DIR", "base_model_dir"]
+
+
+class PretrainError(ValueError):
+    """The output dir or ``init`` does not fit this run (a config error, said before any training)."""
 
 META_FILE = "mosaic_pretrain.json"
+STATE_FILE = "pretrain_state.pt"
+"""The resumable state of an unfinished run (weights, optimizer, schedule, row pool, random states), in
+``out``; removed when the run finishes."""
+
+_RESUME_IGNORES = ("save_every", "eval_every", "eval_tasks")  # may change between the pieces of one run
+
+
+def _same_run(saved: dict, pc: "PretrainConfig", preset: str) -> list[str]:
+    """The knobs that differ between a saved state and this run (those that change what is trained)."""
+    now = {**asdict(pc), "embedded_preset": preset}
+    return [f"{k}: {saved.get(k)!r} -> {v!r}" for k, v in now.items()
+            if k not in _RESUME_IGNORES and saved.get(k) != v]
 
 
 @dataclass(frozen=True)
@@ -95,6 +111,9 @@ class PretrainConfig:
     """Validation questions per check."""
     seed: int = 0
     """Seed of the model init and the row order."""
+    save_every: int = 50
+    """Write the resumable training state every this many steps (0 = only at the checks): a stopped
+    run started again with the same ``out`` and config goes on from there."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "lr", "vocab_size", "tokenizer_worlds", "tasks_per_world"):
@@ -106,6 +125,8 @@ class PretrainConfig:
             raise ValueError(f"PretrainConfig.pool_rows: must be >= 2 * batch_size, got {self.pool_rows}")
         if not self.modes:
             raise ValueError("PretrainConfig.modes: at least one harness mode")
+        if self.save_every < 0 or self.eval_every < 0:
+            raise ValueError("PretrainConfig.save_every / eval_every: must be >= 0")
 
 
 def _world_rows(cfg: Config, pc: PretrainConfig, k: int, tok, chat, cache_dir: Path) -> tuple[list, dict]:
@@ -174,6 +195,14 @@ def pretrain(cfg: Config, pc: PretrainConfig, out: str | Path, *, progress: bool
 
 
     t0 = time.perf_counter()
+    out = Path(out)
+    state_path = out / STATE_FILE
+    state = None
+    if state_path.exists():  # a stopped run of this config: go on from its last saved step
+        state = torch.load(state_path, map_location="cpu", weights_only=False)  # our own file (rows are objects)
+        if drift := _same_run(state["config"], pc, cfg.model.embedded_preset):
+            raise PretrainError(f"{out} holds an unfinished pretraining run of another config ({'; '.join(drift)}); "
+                             f"pass another output dir or remove {state_path}")
     torch.manual_seed(pc.seed)
     device = setup.resolve_device(cfg)
     tok = build_generator_tokenizer(vocab_size=pc.vocab_size, n_worlds=pc.tokenizer_worlds,
@@ -183,7 +212,7 @@ def pretrain(cfg: Config, pc: PretrainConfig, out: str | Path, *, progress: bool
 
         model, init_tok = load_model(pc.init)
         if init_tok.get_vocab() != tok.get_vocab():
-            raise ValueError(f"PretrainConfig.init: {pc.init} has another tokenizer than this recipe builds")
+            raise PretrainError(f"PretrainConfig.init: {pc.init} has another tokenizer than this recipe builds")
     else:
         model = build_model(EmbeddedModelConfig.preset(cfg.model.embedded_preset), tok, seed=pc.seed)
     model.to(device)
@@ -201,10 +230,31 @@ def pretrain(cfg: Config, pc: PretrainConfig, out: str | Path, *, progress: bool
     worlds: list[dict] = []
     checks: list[dict] = []
     losses: list[float] = []
+    start, before = 0, 0.0
+    if state is not None:
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        sched.load_state_dict(state["sched"])
+        rng.setstate(state["rng"])
+        torch.set_rng_state(state["torch_rng"])
+        rows, names, worlds, checks, losses = (state[k] for k in ("rows", "names", "worlds", "checks", "losses"))
+        start, before = state["step"], state["seconds"]
+        log.warning("pretrain: resumed from step %d of %d (%s)", start, pc.steps, state_path)
+
+    def save_state(step: int) -> None:
+        tmp = state_path.with_suffix(".tmp")
+        torch.save({"config": {**asdict(pc), "embedded_preset": cfg.model.embedded_preset}, "step": step,
+                    "model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
+                    "rng": rng.getstate(), "torch_rng": torch.get_rng_state(), "rows": rows, "names": names,
+                    "worlds": worlds, "checks": checks, "losses": losses,
+                    "seconds": before + time.perf_counter() - t0}, tmp)
+        tmp.replace(state_path)  # whole or not at all: a kill while writing keeps the previous state
+
+    out.mkdir(parents=True, exist_ok=True)
     model.train()
-    bar = tqdm(total=pc.steps, desc="pretrain", disable=not progress)
+    bar = tqdm(total=pc.steps, initial=start, desc="pretrain", disable=not progress)
     with tempfile.TemporaryDirectory(prefix="mosaic-pretrain-") as cache:
-        for step in range(pc.steps):
+        for step in range(start, pc.steps):
             if len(rows) < pc.pool_rows // 2:
                 while len(rows) < pc.pool_rows:
                     new, info = _world_rows(cfg, pc, len(worlds), tok, chat, Path(cache))
@@ -228,10 +278,13 @@ def pretrain(cfg: Config, pc: PretrainConfig, out: str | Path, *, progress: bool
                              progress=False)
                 model.train()
                 checks.append({"step": step + 1, "loss": sum(losses[-50:]) / len(losses[-50:]),
-                               "validation_accuracy": r.accuracy, "seconds": time.perf_counter() - t0})
+                               "validation_accuracy": r.accuracy, "seconds": before + time.perf_counter() - t0})
                 bar.write(f"pretrain step {step + 1}: loss {checks[-1]['loss']:.3f}, "
                           f"validation greedy accuracy {100 * r.accuracy:.1f} % ({len(worlds)} worlds)")
-                save_model(model, tok, out)  # the latest state survives a stopped run (continue: init)
+                save_model(model, tok, out)  # the latest weights, loadable while the run goes on
+            if step + 1 < pc.steps and ((pc.save_every and (step + 1) % pc.save_every == 0)
+                                        or (pc.eval_every and (step + 1) % pc.eval_every == 0)):
+                save_state(step + 1)
     bar.close()
     model.eval()
     save_model(model, tok, out)
@@ -242,6 +295,8 @@ def pretrain(cfg: Config, pc: PretrainConfig, out: str | Path, *, progress: bool
             "expert_accuracy": sum(w["expert_accuracy"] * w["trajectories"] for w in worlds)
             / max(1, sum(w["trajectories"] for w in worlds)),
             "final_loss": sum(losses[-50:]) / len(losses[-50:]), "checks": checks,
-            "seconds": time.perf_counter() - t0, "torch_threads": torch.get_num_threads()}
+            "seconds": before + time.perf_counter() - t0, "torch_threads": torch.get_num_threads(),
+            **({"resumed_at": state["step"]} if state is not None else {})}
     Path(out, META_FILE).write_text(json.dumps(meta, indent=1))
+    state_path.unlink(missing_ok=True)
     return meta

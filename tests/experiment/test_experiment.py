@@ -316,3 +316,34 @@ def test_arms_runs_part_of_a_grid_first(tmp_path):
     assert all(f"{a}-base-s" not in r.stdout for a in g.arms if a != keep)
     r = _mosaic("experiment", str(path), "--work", str(tmp_path / "work"), "--dry-run", "--arms", "nope")
     assert r.returncode == 2 and "no arm 'nope'" in r.stderr
+
+
+def test_a_baseline_setting_is_compared_with_every_other_setting_arm_by_arm():
+    """``baseline: SETTING`` adds, per arm, each setting − the baseline (the ablation table), Holm-corrected
+    with the other pairs; a baseline that is not a setting fails naming the field."""
+    import numpy as np
+
+    from mosaic.experiment.report import _md_table, _table
+
+    doc = {**QUICK_GRID, "settings": {"base": [], "kl": ["algo.kl_coef=0.05"], "hot": ["rollout.temperature=0.7"]},
+           "baseline": "base"}
+    grid = parse_grid(doc)
+    rng = np.random.default_rng(0)
+    qs = [f"q{i}" for i in range(40)]
+
+    def seed(p):
+        return {"evals": {"val": ({q: float(rng.random() < p) for q in qs}, {"metrics": {}})}, "step_s": 1.0}
+
+    data = {"groups": {f"{a}/{s}": {"arm": a, "setting": s, "seeds": {k: seed(p) for k in (0, 1)}}
+                       for a in ("broadcast", "mosaic") for s, p in (("base", 0.3), ("kl", 0.6), ("hot", 0.3))},
+            "warm": {s: {"val": ({q: 0.0 for q in qs}, {})} for s in ("base", "kl", "hot")}}
+    t = _table(grid, data, ["val"], "val")
+    vs = {(p["a"], p["b"]) for p in t["pairs"] if p.get("vs_baseline")}
+    assert vs == {(f"{a}/{s}", f"{a}/base") for a in ("broadcast", "mosaic") for s in ("kl", "hot")}
+    assert len(t["pairs"]) == 3 + 4  # broadcast − mosaic in each setting, then the 4 ablation pairs
+    kl = next(p for p in t["pairs"] if p["a"] == "mosaic/kl" and p["b"] == "mosaic/base")
+    assert kl["diff"] > 0.15 and kl["p_sign"] < 0.05 and kl["p_sign_holm"] >= kl["p_sign"]
+    assert "| mosaic/kl − mosaic/base |" in "\n".join(_md_table(t))
+    assert parse_grid({**QUICK_GRID}).baseline is None
+    with pytest.raises(GridError, match="baseline"):
+        parse_grid({**doc, "baseline": "nope"})

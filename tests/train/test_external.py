@@ -4,6 +4,7 @@ recording proxy, graphs rebuilt from the records, faults dropped and counted, we
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -209,6 +210,25 @@ def test_a_harness_that_cannot_be_loaded_fails_before_the_warm_start(base_dir, t
         with pytest.raises(ConfigError, match=f"config key '{key}': cannot load"):
             entrypoints.run_train(cfg)
         assert not (tmp_path / "run").exists()  # no run dir, no warm start, no evaluation
+
+
+def test_a_harness_file_is_imported_once_and_can_import_its_neighbours(tmp_path):
+    """The config check and the trainer both load ``file.py:function``: the file's top-level code runs once
+    while it is unchanged (again once edited), and a module beside it can be imported."""
+    from mosaic.train.external import check_callables, load_callable
+
+    (tmp_path / "agent_helpers_xyz.py").write_text("ANSWER = 'helper'\n")
+    agent = tmp_path / "agent_once_xyz.py"
+    log = tmp_path / "imports.log"
+    agent.write_text(f"import agent_helpers_xyz\nopen({str(log)!r}, 'a').write('x')\n\n"
+                     "def run(task):\n    return agent_helpers_xyz.ANSWER\n")
+    cfg = load_config("cpu", overrides=[f"rollout.harness={agent}:run", "rollout.source=harness"])
+    check_callables(cfg.rollout)
+    fn = load_callable(f"{agent}:run", "rollout.harness")
+    assert fn(None) == "helper" and log.read_text() == "x"
+    agent.write_text(agent.read_text().replace("return agent_helpers_xyz.ANSWER", "return 'edited'"))
+    os.utime(agent, ns=(agent.stat().st_atime_ns, agent.stat().st_mtime_ns + 10**9))
+    assert load_callable(f"{agent}:run", "rollout.harness")(None) == "edited" and log.read_text() == "xx"
 
 
 def test_a_shell_command_is_taken_as_written():

@@ -90,3 +90,42 @@ def test_lm_step_expert_part_equals_the_sft_loss(tmp_path):
     act, ctx = pt.lm_step(model, rows, opt, pad_id=tok.pad_token_id, device=torch.device("cpu"),
                           context_weight=0.5)
     assert abs(act - sft_loss) < 1e-4 and ctx > 0
+
+
+def test_a_stopped_pretraining_run_resumes_to_the_same_weights(tmp_path, monkeypatch):
+    """Stopped after its state was saved at step 4, started again with the same ``out``: it goes on from
+    step 4 and ends with the weights of a run that was never stopped; another config is refused."""
+    import torch
+
+    from mosaic.agent.models.embedded import load_model
+
+    cfg = load_config("cpu", overrides=SMALL + [f"data.cache_dir={tmp_path / 'cache'}"])
+    pc = pt.PretrainConfig(steps=7, batch_size=4, lr=3e-3, warmup_steps=1, eval_every=0, save_every=2,
+                           tokenizer_worlds=4, tasks_per_world=4, pool_rows=8, copy_share=0.25)
+    torch.set_num_threads(1)
+    whole = pt.pretrain(cfg, pc, tmp_path / "whole", progress=False)
+    assert not (tmp_path / "whole" / pt.STATE_FILE).exists()
+
+    real, calls = pt.lm_step, []
+
+    def stop_after_five(*a, **k):
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(pt, "lm_step", stop_after_five)
+    with pytest.raises(KeyboardInterrupt):
+        pt.pretrain(cfg, pc, tmp_path / "split", progress=False)
+    monkeypatch.setattr(pt, "lm_step", real)
+    assert torch.load(tmp_path / "split" / pt.STATE_FILE, weights_only=False)["step"] == 4
+    with pytest.raises(pt.PretrainError, match="another config.*lr"):
+        pt.pretrain(cfg, pt.PretrainConfig(**{**pc.__dict__, "lr": 1e-3}), tmp_path / "split", progress=False)
+    meta = pt.pretrain(cfg, pc, tmp_path / "split", progress=False)
+    assert meta["resumed_at"] == 4 and meta["worlds"] == whole["worlds"]
+    assert meta["final_loss"] == pytest.approx(whole["final_loss"], rel=1e-5)
+    a, _ = load_model(tmp_path / "whole")
+    b, _ = load_model(tmp_path / "split")
+    for (n, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6, msg=n)
+    assert not (tmp_path / "split" / pt.STATE_FILE).exists()
