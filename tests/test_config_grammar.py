@@ -97,7 +97,7 @@ def test_pretrain_writes_into_the_package_only_when_asked(tmp_path, monkeypatch,
     from mosaic.train.setup import BASE_MODELS_DIR
 
     seen = []
-    monkeypatch.setattr(pt, "pretrain", lambda cfg, pc, out: seen.append(str(out)) or
+    monkeypatch.setattr(pt, "pretrain", lambda cfg, pc, out, **k: seen.append(str(out)) or
                         {"parameters": 1, "worlds": 0, "final_loss": 0.0, "seconds": 0.0})
     monkeypatch.chdir(tmp_path)
     assert main(["pretrain", "--steps", "1"]) == 0

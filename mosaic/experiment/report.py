@@ -184,12 +184,13 @@ def _mean_metric(seeds: dict, evals: list[str], prefix: str) -> dict[str, float]
 
 def _table(grid: Grid, data: dict, evals: list[str], label: str) -> dict:
     """Arms and pairs on the evaluations ``evals`` (pooled when several)."""
-    arms, mats = {}, {}
+    arms, mats, qsets = {}, {}, {}
     for key, g in data["groups"].items():
         got = _matrix(g["seeds"], evals)
         if got is None:
             continue
         x, qids = got
+        qsets[key] = qids
         ci = seed_question_ci(x)
         w = data["warm"].get(g["setting"], {})
         row = {"arm": g["arm"], "setting": g["setting"], **asdict(ci)}
@@ -209,19 +210,21 @@ def _table(grid: Grid, data: dict, evals: list[str], label: str) -> dict:
     for i in range(len(keys)):
         for j in range(i + 1, len(keys)):
             a, b = keys[i], keys[j]
-            if arms[a]["setting"] != arms[b]["setting"] or mats[a].shape[1] != mats[b].shape[1]:
+            if arms[a]["setting"] != arms[b]["setting"] or qsets[a] != qsets[b]:
                 continue
             c = compare_arms(mats[a], mats[b])
             pairs.append({"a": a, "b": b, **asdict(c)})
+    ablations = []
     if grid.baseline:  # each setting against the baseline setting, arm by arm (same questions, other runs)
         for a in keys:
             b = next((k for k in keys if arms[k]["arm"] == arms[a]["arm"] and arms[k]["setting"] == grid.baseline), None)
-            if b is None or a == b or mats[a].shape[1] != mats[b].shape[1]:
+            if b is None or a == b or qsets[a] != qsets[b]:
                 continue
-            pairs.append({"a": a, "b": b, "vs_baseline": True, **asdict(compare_arms(mats[a], mats[b]))})
-    for name in ("p_sign", "p_seeds"):
-        for p, adj in zip(pairs, holm([p[name] for p in pairs])):
-            p[f"{name}_holm"] = adj
+            ablations.append({"a": a, "b": b, "vs_baseline": True, **asdict(compare_arms(mats[a], mats[b]))})
+    for family in (pairs, ablations):  # Holm within each table: arms against arms, settings against the baseline
+        for name in ("p_sign", "p_seeds"):
+            for p, adj in zip(family, holm([p[name] for p in family])):
+                p[f"{name}_holm"] = adj
     power = None
     by_setting: dict[str, list[np.ndarray]] = {}
     for k, x in mats.items():
@@ -231,7 +234,7 @@ def _table(grid: Grid, data: dict, evals: list[str], label: str) -> dict:
     cand = [v for v in seeded if len(v) >= 2]
     if cand:
         power = asdict(detectable_difference(max(cand, key=len)))
-    return {"label": label, "evals": evals, "arms": arms, "pairs": pairs, "power": power}
+    return {"label": label, "evals": evals, "arms": arms, "pairs": pairs, "ablations": ablations, "power": power}
 
 
 def _pct(x: float) -> str:
@@ -252,10 +255,14 @@ def _md_table(t: dict) -> list[str]:
             + f" | {r.get('seeds_improving', '–')}/{r['seeds']} | {s.get('main', 0):.2f}, {s.get('compaction', 0):.2f}, "
             f"{s.get('subagent', 0):.2f} | {r['pos_gain_share'].get('all', float('nan')):.3f} | "
             f"{r['tokens_per_traj']:.0f} | {r['step_s']:.1f} |")  # fmt: skip
-    if t["pairs"]:
-        out += ["", "| A − B | Δ points [95 % CI] | wins/losses/ties | sign test p (Holm) | seed permutation p (Holm) |",
+    for family, title in ((t["pairs"], "Arms against each other within a setting"),
+                          (t.get("ablations") or [], "Each setting against the baseline setting, arm by arm")):
+        if not family:
+            continue
+        out += ["", f"{title} (paired on the same questions; Holm within this table):", "",
+                "| A − B | Δ points [95 % CI] | wins/losses/ties | sign test p (Holm) | seed permutation p (Holm) |",
                 "| --- | --- | --- | --- | --- |"]  # fmt: skip
-        for p in t["pairs"]:
+        for p in family:
             out.append(f"| {p['a']} − {p['b']} | {100 * p['diff']:+.1f} [{100 * p['lo']:+.1f}, {100 * p['hi']:+.1f}] | "
                        f"{p['wins']}/{p['losses']}/{p['ties']} | {p['p_sign']:.3g} ({p['p_sign_holm']:.3g}) | "
                        f"{p['p_seeds']:.3g} ({p['p_seeds_holm']:.3g}) |")  # fmt: skip

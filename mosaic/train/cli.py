@@ -173,13 +173,12 @@ def _pretrain(args) -> int:
         out = str(BASE_MODELS_DIR / f"{cfg.model.embedded_preset}-base")
     else:
         out = args.out or str(Path("runs") / "pretrain" / f"{cfg.model.embedded_preset}-base")
-    from mosaic.train.pretrain import STATE_FILE, PretrainError
+    from mosaic.train.pretrain import PretrainError
 
-    resuming = (Path(out) / STATE_FILE).exists()
-    print(f"[mosaic] pretrain: {'resuming the unfinished run in' if resuming else 'writing to'} {out}", file=sys.stderr)
+    print(f"[mosaic] pretrain: writing to {out}", file=sys.stderr)
     try:
-        meta = pretrain(cfg, pc, out)
-    except PretrainError as exc:  # an unfinished run of another config in `out`, an init of another tokenizer
+        meta = pretrain(cfg, pc, out, overwrite=args.into_package)
+    except PretrainError as exc:  # `out` holds another run or an unreadable state; an init of another tokenizer
         print(f"mosaic pretrain: config error: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     print(f"[mosaic] pretrain: {meta['parameters'] / 1e6:.2f}M parameters, {pc.steps} steps over "
@@ -204,8 +203,9 @@ def register(subparsers) -> None:
     p.add_argument("--world-seed-base", type=int,
                    help="data seed of the first world (default 1000; use fresh seeds when continuing)")
     p.add_argument("--copy-share", type=float, help="share of each batch made of name drills (default 0.25)")
-    p.add_argument("--save-every", type=int, help="write the resumable state every N steps (default 50); a stopped "
-                                                  "run started again with the same --out goes on from there")
+    p.add_argument("--save-every", type=int, help="write the resumable state every N steps (default 50; 0: only at "
+                                                  "the validation checks); a stopped run started again with the "
+                                                  "same --out and config goes on from there")
     _add_config_args(p)
     p.set_defaults(func=_pretrain)
 

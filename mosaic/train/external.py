@@ -86,15 +86,23 @@ _FILE_MODULES: dict[tuple[Path, int], object] = {}  # (path, mtime_ns) -> module
 
 
 def _load_file(path: Path):
-    """Import a ``.py`` file under its own name; the same unchanged file is imported once per process (the
-    config check and the trainer both load the harness)."""
+    """Import a ``.py`` file as module ``mosaic_harness_<stem>``; the same unchanged file is imported once per
+    process (the config check and the trainer both load the harness). Its folder is appended to
+    ``sys.path`` — last, so installed packages win over files beside it (a harness named ``openai.py`` can
+    still ``import openai``) while its own helper modules can be imported."""
     key = (path, path.stat().st_mtime_ns)
     if key not in _FILE_MODULES:
-        if str(path.parent) not in sys.path:  # so that it can import the modules beside it
-            sys.path.insert(0, str(path.parent))
-        spec = importlib.util.spec_from_file_location(f"mosaic_harness_{path.stem}", path)
+        if str(path.parent) not in sys.path:
+            sys.path.append(str(path.parent))
+        name = f"mosaic_harness_{path.stem}"
+        spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        sys.modules[name] = module  # registered while it runs, as an import would (dataclasses look it up)
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            sys.modules.pop(name, None)
+            raise
         _FILE_MODULES[key] = module
     return _FILE_MODULES[key]
 
@@ -103,7 +111,7 @@ def load_callable(spec: str, what: str) -> Callable:
     """Import ``module:function``; a clear ValueError naming ``what`` when it cannot be."""
     mod, _, name = spec.strip().rpartition(":")
     try:
-        if mod.endswith(".py"):  # a file: imported under its own name, its folder first on sys.path
+        if mod.endswith(".py"):  # a file: imported under its own name, its folder last on sys.path
             path = Path(mod).resolve()
             if not path.is_file():
                 raise ImportError(f"no file {mod}")
@@ -111,7 +119,8 @@ def load_callable(spec: str, what: str) -> Callable:
         else:
             module = importlib.import_module(mod)
         fn = getattr(module, name)
-    except Exception as exc:  # noqa: BLE001 - whatever importing the user's module raises, said in one line
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - whatever importing the user's module raises (an exit
+        # at import time included), said in one line naming the key
         raise ValueError(f"{what}: cannot load {spec!r}: {type(exc).__name__}: {exc}") from None
     if not callable(fn):
         raise ValueError(f"{what}: {spec!r} is not callable")

@@ -61,11 +61,37 @@ STATE_FILE = "pretrain_state.pt"
 _RESUME_IGNORES = ("save_every", "eval_every", "eval_tasks")  # may change between the pieces of one run
 
 
-def _same_run(saved: dict, pc: "PretrainConfig", preset: str) -> list[str]:
+def _fingerprint(cfg: Config, pc: "PretrainConfig") -> dict:
+    """What decides the trained weights: the recipe, the model preset, the harness and data sections."""
+    data = {k: v for k, v in asdict(cfg.data).items() if k != "cache_dir"}
+    return {**asdict(pc), "embedded_preset": cfg.model.embedded_preset, "harness": asdict(cfg.harness), "data": data}
+
+
+def _same_run(saved: dict, now: dict) -> list[str]:
     """The knobs that differ between a saved state and this run (those that change what is trained)."""
-    now = {**asdict(pc), "embedded_preset": preset}
-    return [f"{k}: {saved.get(k)!r} -> {v!r}" for k, v in now.items()
-            if k not in _RESUME_IGNORES and saved.get(k) != v]
+    out = []
+    for k, v in now.items():
+        if k in _RESUME_IGNORES or saved.get(k) == v:
+            continue
+        if isinstance(v, dict) and isinstance(saved.get(k), dict):
+            out += [f"{k}.{f}: {saved[k].get(f)!r} -> {x!r}" for f, x in v.items() if saved[k].get(f) != x]
+        else:
+            out.append(f"{k}: {saved.get(k)!r} -> {v!r}")
+    return out
+
+
+_STATE_KEYS = ("config", "step", "model", "opt", "sched", "rng", "torch_rng", "rows", "names", "worlds", "checks",
+               "losses", "seconds")
+
+
+def _load_state(path: Path) -> dict:
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False)  # our own file (rows are objects)
+    except Exception as exc:  # noqa: BLE001 - a truncated or foreign file, whatever torch.load raises
+        raise PretrainError(f"{path} cannot be read ({type(exc).__name__}: {exc}); remove it to start over") from None
+    if not isinstance(state, dict) or any(k not in state for k in _STATE_KEYS):
+        raise PretrainError(f"{path} is not a pretraining state of this version; remove it to start over")
+    return state
 
 
 @dataclass(frozen=True)
@@ -190,19 +216,25 @@ def lm_step(model, rows, opt: torch.optim.Optimizer, *, pad_id: int, device: tor
 
 
 # Long on purpose: one training loop whose state (model, optimiser, schedule, data stream, periodic validation and saving) lives in its locals.
-def pretrain(cfg: Config, pc: PretrainConfig, out: str | Path, *, progress: bool = True) -> dict:
-    """Train the embedded base model ``cfg.model.embedded_preset`` and save it to ``out``."""
+def pretrain(cfg: Config, pc: PretrainConfig, out: str | Path, *, progress: bool = True,
+             overwrite: bool = False) -> dict:
+    """Train the embedded base model ``cfg.model.embedded_preset`` and save it to ``out``: resumes the
+    unfinished run of the same config there; refuses an unfinished run of another config, or a finished
+    run unless ``overwrite``."""
 
 
     t0 = time.perf_counter()
     out = Path(out)
     state_path = out / STATE_FILE
-    state = None
+    state, fingerprint = None, _fingerprint(cfg, pc)
     if state_path.exists():  # a stopped run of this config: go on from its last saved step
-        state = torch.load(state_path, map_location="cpu", weights_only=False)  # our own file (rows are objects)
-        if drift := _same_run(state["config"], pc, cfg.model.embedded_preset):
+        state = _load_state(state_path)
+        if drift := _same_run(state["config"], fingerprint):
             raise PretrainError(f"{out} holds an unfinished pretraining run of another config ({'; '.join(drift)}); "
-                             f"pass another output dir or remove {state_path}")
+                                f"pass another output dir or remove {state_path}")
+    elif (out / META_FILE).exists() and not overwrite:
+        raise PretrainError(f"{out} holds a finished pretraining run ({META_FILE}); pass another output dir "
+                            f"or remove it")
     torch.manual_seed(pc.seed)
     device = setup.resolve_device(cfg)
     tok = build_generator_tokenizer(vocab_size=pc.vocab_size, n_worlds=pc.tokenizer_worlds,
@@ -243,7 +275,7 @@ def pretrain(cfg: Config, pc: PretrainConfig, out: str | Path, *, progress: bool
 
     def save_state(step: int) -> None:
         tmp = state_path.with_suffix(".tmp")
-        torch.save({"config": {**asdict(pc), "embedded_preset": cfg.model.embedded_preset}, "step": step,
+        torch.save({"config": fingerprint, "step": step,
                     "model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
                     "rng": rng.getstate(), "torch_rng": torch.get_rng_state(), "rows": rows, "names": names,
                     "worlds": worlds, "checks": checks, "losses": losses,
@@ -299,4 +331,5 @@ def pretrain(cfg: Config, pc: PretrainConfig, out: str | Path, *, progress: bool
             **({"resumed_at": state["step"]} if state is not None else {})}
     Path(out, META_FILE).write_text(json.dumps(meta, indent=1))
     state_path.unlink(missing_ok=True)
+    state_path.with_suffix(".tmp").unlink(missing_ok=True)  # from a save a kill interrupted
     return meta

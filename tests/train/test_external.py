@@ -212,7 +212,7 @@ def test_a_harness_that_cannot_be_loaded_fails_before_the_warm_start(base_dir, t
         assert not (tmp_path / "run").exists()  # no run dir, no warm start, no evaluation
 
 
-def test_a_harness_file_is_imported_once_and_can_import_its_neighbours(tmp_path):
+def test_a_harness_file_is_imported_once_and_can_import_its_neighbours(tmp_path, monkeypatch):
     """The config check and the trainer both load ``file.py:function``: the file's top-level code runs once
     while it is unchanged (again once edited), and a module beside it can be imported."""
     from mosaic.train.external import check_callables, load_callable
@@ -229,6 +229,22 @@ def test_a_harness_file_is_imported_once_and_can_import_its_neighbours(tmp_path)
     agent.write_text(agent.read_text().replace("return agent_helpers_xyz.ANSWER", "return 'edited'"))
     os.utime(agent, ns=(agent.stat().st_atime_ns, agent.stat().st_mtime_ns + 10**9))
     assert load_callable(f"{agent}:run", "rollout.harness")(None) == "edited" and log.read_text() == "xx"
+    # installed packages win over files beside the harness (a harness called json.py can import json); a
+    # dataclass under postponed annotations works; an exit at import time is an error naming the key
+    shadow = tmp_path / "shadow"
+    shadow.mkdir()
+    site = tmp_path / "site" / "fake_pkg_xyz"
+    site.mkdir(parents=True)
+    (site / "__init__.py").write_text("VALUE = 'installed'\n")
+    monkeypatch.syspath_prepend(str(site.parent))
+    (shadow / "fake_pkg_xyz.py").write_text("from fake_pkg_xyz import VALUE\n\ndef run(task):\n    return VALUE\n")
+    assert load_callable(f"{shadow / 'fake_pkg_xyz.py'}:run", "rollout.harness")(None) == "installed"
+    (shadow / "dc.py").write_text("from __future__ import annotations\nfrom dataclasses import dataclass\n\n"
+                                  "@dataclass\nclass A:\n    x: int = 1\n\ndef run(task):\n    return A().x\n")
+    assert load_callable(f"{shadow / 'dc.py'}:run", "rollout.harness")(None) == 1
+    (shadow / "bye.py").write_text("import sys\nsys.exit('no key set')\n")
+    with pytest.raises(ValueError, match="rollout.harness: cannot load .*SystemExit: no key set"):
+        load_callable(f"{shadow / 'bye.py'}:run", "rollout.harness")
 
 
 def test_a_shell_command_is_taken_as_written():

@@ -121,6 +121,9 @@ def test_a_stopped_pretraining_run_resumes_to_the_same_weights(tmp_path, monkeyp
     assert torch.load(tmp_path / "split" / pt.STATE_FILE, weights_only=False)["step"] == 4
     with pytest.raises(pt.PretrainError, match="another config.*lr"):
         pt.pretrain(cfg, pt.PretrainConfig(**{**pc.__dict__, "lr": 1e-3}), tmp_path / "split", progress=False)
+    other = load_config("cpu", overrides=SMALL + [f"data.cache_dir={tmp_path / 'cache'}", "harness.max_turns=4"])
+    with pytest.raises(pt.PretrainError, match="harness.max_turns: 3 -> 4"):
+        pt.pretrain(other, pc, tmp_path / "split", progress=False)
     meta = pt.pretrain(cfg, pc, tmp_path / "split", progress=False)
     assert meta["resumed_at"] == 4 and meta["worlds"] == whole["worlds"]
     assert meta["final_loss"] == pytest.approx(whole["final_loss"], rel=1e-5)
@@ -129,3 +132,25 @@ def test_a_stopped_pretraining_run_resumes_to_the_same_weights(tmp_path, monkeyp
     for (n, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6, msg=n)
     assert not (tmp_path / "split" / pt.STATE_FILE).exists()
+
+
+def test_pretraining_refuses_an_unreadable_state_and_a_finished_run(tmp_path):
+    cfg = load_config("cpu", overrides=SMALL + [f"data.cache_dir={tmp_path / 'cache'}"])
+    pc = pt.PretrainConfig(steps=2, batch_size=4, warmup_steps=1, eval_every=0, tokenizer_worlds=4,
+                           tasks_per_world=4, pool_rows=8)
+    out = tmp_path / "base"
+    out.mkdir()
+    for bad in (b"", b"not a torch file", b"PK\x03\x04truncated"):
+        (out / pt.STATE_FILE).write_bytes(bad)
+        with pytest.raises(pt.PretrainError, match="cannot be read.*remove it to start over"):
+            pt.pretrain(cfg, pc, out, progress=False)
+    import torch
+
+    torch.save({"step": 1}, out / pt.STATE_FILE)
+    with pytest.raises(pt.PretrainError, match="not a pretraining state"):
+        pt.pretrain(cfg, pc, out, progress=False)
+    (out / pt.STATE_FILE).unlink()
+    pt.pretrain(cfg, pc, out, progress=False)
+    with pytest.raises(pt.PretrainError, match="holds a finished pretraining run"):
+        pt.pretrain(cfg, pc, out, progress=False)
+    assert pt.pretrain(cfg, pc, out, progress=False, overwrite=True)["config"]["steps"] == 2
