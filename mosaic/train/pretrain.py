@@ -263,6 +263,10 @@ def pretrain(cfg: Config, pc: PretrainConfig, out: str | Path, *, progress: bool
     checks: list[dict] = []
     losses: list[float] = []
     start, before = 0, 0.0
+
+    def elapsed() -> float:  # seconds of this run, the pieces before a resume included
+        return before + time.perf_counter() - t0
+
     if state is not None:
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
@@ -279,7 +283,7 @@ def pretrain(cfg: Config, pc: PretrainConfig, out: str | Path, *, progress: bool
                     "model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
                     "rng": rng.getstate(), "torch_rng": torch.get_rng_state(), "rows": rows, "names": names,
                     "worlds": worlds, "checks": checks, "losses": losses,
-                    "seconds": before + time.perf_counter() - t0}, tmp)
+                    "seconds": elapsed()}, tmp)
         tmp.replace(state_path)  # whole or not at all: a kill while writing keeps the previous state
 
     out.mkdir(parents=True, exist_ok=True)
@@ -310,7 +314,7 @@ def pretrain(cfg: Config, pc: PretrainConfig, out: str | Path, *, progress: bool
                              progress=False)
                 model.train()
                 checks.append({"step": step + 1, "loss": sum(losses[-50:]) / len(losses[-50:]),
-                               "validation_accuracy": r.accuracy, "seconds": before + time.perf_counter() - t0})
+                               "validation_accuracy": r.accuracy, "seconds": elapsed()})
                 bar.write(f"pretrain step {step + 1}: loss {checks[-1]['loss']:.3f}, "
                           f"validation greedy accuracy {100 * r.accuracy:.1f} % ({len(worlds)} worlds)")
                 save_model(model, tok, out)  # the latest weights, loadable while the run goes on
@@ -327,7 +331,7 @@ def pretrain(cfg: Config, pc: PretrainConfig, out: str | Path, *, progress: bool
             "expert_accuracy": sum(w["expert_accuracy"] * w["trajectories"] for w in worlds)
             / max(1, sum(w["trajectories"] for w in worlds)),
             "final_loss": sum(losses[-50:]) / len(losses[-50:]), "checks": checks,
-            "seconds": before + time.perf_counter() - t0, "torch_threads": torch.get_num_threads(),
+            "seconds": elapsed(), "torch_threads": torch.get_num_threads(),
             **({"resumed_at": state["step"]} if state is not None else {})}
     Path(out, META_FILE).write_text(json.dumps(meta, indent=1))
     state_path.unlink(missing_ok=True)
