@@ -39,7 +39,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     from mosaic.train import setup
-    from mosaic.train.config import load_config
+    from mosaic.config.loader import load_config
     from mosaic.train.entrypoints import ensure_warm_start
     from mosaic.train.external import ExternalRollouts
     from mosaic.train.optim import build_optimizer, build_scheduler

@@ -57,7 +57,7 @@ def _reexec_in_venv() -> None:
 def _our_state(overrides: list[str]):
     """An ``RLState`` for ``mosaic train`` with ``overrides`` (the CPU preset's warm start)."""
     from mosaic.train import setup
-    from mosaic.train.config import load_config
+    from mosaic.config.loader import load_config
     from mosaic.train.entrypoints import ensure_warm_start
     from mosaic.train.optim import build_optimizer, build_scheduler
     from mosaic.train.rl import RLState

@@ -27,7 +27,7 @@ COMMAND_MODULES = (
 def build_parser() -> argparse.ArgumentParser:
     from mosaic import __version__
 
-    from mosaic.cliargs import OneLineParser
+    from mosaic.config.cliargs import OneLineParser
 
     parser = OneLineParser(
         prog="mosaic",

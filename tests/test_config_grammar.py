@@ -50,7 +50,8 @@ def test_data_new_and_old_spellings_give_the_same_split(tmp_path, capsys, monkey
 
 def test_data_builds_the_split_train_builds(tmp_path, capsys):
     from mosaic.envs.splits import load_split
-    from mosaic.train.config import load_config, split_config_for
+    from mosaic.config.loader import load_config
+    from mosaic.envs.splits import split_config_for
 
     over = [f"data.cache_dir={tmp_path}", "data.world_entities=80", "data.n_eval_tasks=7"]
     assert main(["data", "show", "--index", "6", "--json", *over]) == 0

@@ -1,10 +1,11 @@
-"""No import circles between the package's modules.
+"""No import circles between the package's modules, and imports only down the floors.
 
 The graph is read from the source with ``ast``: an edge ``a -> b`` for every
 ``import`` of a ``mosaic`` module in ``a``, plus the packages ``b`` lives in
 (importing ``x.y.z`` runs ``x/__init__`` and ``x/y/__init__``), except the
 importer's own enclosing packages, which are already initialising. A function
-body's import hides a circle rather than removing it, so those count too.
+body's import hides a circle rather than removing it, so those count too. The floors are
+``mosaic.FLOORS`` (bottom first): a module may import its own area or a lower one, never a higher.
 """
 
 from __future__ import annotations
@@ -110,3 +111,60 @@ def test_the_graph_sees_a_circle(tmp_path, monkeypatch):
     mods = _modules()
     assert _cycles(_graph(mods, function_level=False)) == []
     assert _cycles(_graph(mods, function_level=True)) == [["mosaic.agent.a", "mosaic.agent.b"]]
+
+
+def _area(mod: str) -> str | None:
+    parts = mod.split(".")
+    return parts[1] if len(parts) > 1 else None
+
+
+def _upward(graph: dict[str, set[str]], floors: tuple[str, ...]) -> list[str]:
+    """Every import from a lower floor to a higher one, as ``'a -> b'``."""
+    rank = {area: i for i, area in enumerate(floors)}
+    out = []
+    for mod, targets in graph.items():
+        for target in targets:
+            a, b = _area(mod), _area(target)
+            if a is None or b is None or a == b:
+                continue
+            if rank[b] > rank[a]:
+                out.append(f"{mod} ({a}) -> {target} ({b})")
+    return sorted(out)
+
+
+def test_every_area_has_a_floor():
+    import mosaic
+
+    areas = {_area(m) for m in _modules()} - {None, "assets"}  # assets: model files (a saved tokenizer's code)
+    assert areas == set(mosaic.FLOORS), f"areas without a floor: {areas - set(mosaic.FLOORS)}; " \
+                                        f"floors without an area: {set(mosaic.FLOORS) - areas}"
+
+
+def test_the_package_docstring_lists_the_floors_in_order():
+    import mosaic
+
+    listed = [line.split("``")[1].split(".")[1] for line in mosaic.__doc__.splitlines()
+              if line.startswith("- ``mosaic.")]
+    assert listed == list(mosaic.FLOORS)
+
+
+def test_imports_only_go_down_the_floors():
+    import mosaic
+
+    assert _upward(_graph(_modules(), function_level=True), mosaic.FLOORS) == []
+
+
+def test_the_floor_check_sees_an_upward_import(tmp_path, monkeypatch):
+    """The check itself: ``core`` importing ``train`` (even inside a function) is found."""
+    for area in ("core", "train"):
+        (tmp_path / "mosaic" / area).mkdir(parents=True)
+        (tmp_path / "mosaic" / area / "__init__.py").write_text("")
+    (tmp_path / "mosaic" / "__init__.py").write_text("")
+    (tmp_path / "mosaic" / "train" / "t.py").write_text("from mosaic.core.c import X\n")
+    (tmp_path / "mosaic" / "core" / "c.py").write_text("def f():\n    from mosaic.train import t\n")
+    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
+    graph = _graph(_modules(), function_level=True)
+    assert _upward(graph, ("core", "train")) == ["mosaic.core.c (core) -> mosaic.train (train)",
+                                                  "mosaic.core.c (core) -> mosaic.train.t (train)"]
+    assert _upward(graph, ("train", "core")) == ["mosaic.train.t (train) -> mosaic.core (core)",
+                                                  "mosaic.train.t (train) -> mosaic.core.c (core)"]

@@ -4,7 +4,7 @@ Policies: ``expert`` (the scripted gold-chain solver, with noise knobs), ``local
 (a saved embedded model directory, or ``smollm2``) and ``openai`` (any
 OpenAI-compatible server, token-in token-out). Each finished trajectory is
 appended to ``--out`` as soon as it ends (a crash loses at most the in-flight
-ones); a summary table follows. Settings use the grammar of every verb (:mod:`mosaic.cliargs`):
+ones); a summary table follows. Settings use the grammar of every verb (:mod:`mosaic.config.cliargs`):
 ``--preset`` (cpu, the default), ``--config YAML``, ``--help-config`` and trailing
 ``section.field=value`` overrides of the shared sections: ``harness.*`` (the agent loop, as in
 ``mosaic train``), ``data.*`` (the split's worlds), ``rollout.temperature`` / ``rollout.top_p``
@@ -38,13 +38,13 @@ from rich.console import Console
 from rich.table import Table
 
 from mosaic.agent.chat import ChatFormat, load_smollm2_tokenizer
-from mosaic.agent.config import HarnessConfig
+from mosaic.config.harness import HarnessConfig
 from mosaic.agent.expert import ExpertNoise, ExpertPolicy
 from mosaic.agent.harness import DeepSearchEnv, Harness
 from mosaic.agent.models import load_any
 from mosaic.agent.models.corpus import build_project_tokenizer
 from mosaic.agent.tokenizer import load_tokenizer, save_tokenizer
-from mosaic.cliargs import add_config_args, deprecated, device_error, output_error, print_deprecations, resolve_config
+from mosaic.config.cliargs import add_config_args, deprecated, device_error, output_error, print_deprecations, resolve_config
 from mosaic.envs.cache import resolve_cache_dir
 from mosaic.envs.cli import EXIT_USAGE, ConfigExit, UsageError, parse_value
 from mosaic.envs.splits import load_split
@@ -230,7 +230,7 @@ def _run(args: argparse.Namespace) -> int:
     seed = shared.train.seed
     temperature = shared.rollout.temperature if args.temperature is None else args.temperature
     top_p = shared.rollout.top_p if args.top_p is None else args.top_p
-    from mosaic.train.config import split_config_for  # lazy: torch (the config's estimator registry)
+    from mosaic.envs.splits import split_config_for
 
     split = load_split(args.split, split_config_for(shared, args.split), resolve_cache_dir(shared.data.cache_dir))
     tasks = split.tasks if args.n_tasks is None else split.tasks[: args.n_tasks]

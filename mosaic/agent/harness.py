@@ -51,7 +51,7 @@ from typing import Callable, Protocol, Sequence
 from tqdm.auto import tqdm
 
 from mosaic.agent.chat import ChatFormat
-from mosaic.agent.config import (  # noqa: F401  (re-exported: the harness API)
+from mosaic.config.harness import (  # noqa: F401  (re-exported: the harness API)
     DEFAULT_COMPACTION_PROMPT, DEFAULT_RESUME_TEMPLATE, DEFAULT_SUBAGENT_PROMPT, DEFAULT_SYSTEM_PROMPT, MODES,
     HarnessConfig, Mode,
 )

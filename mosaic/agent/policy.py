@@ -29,7 +29,7 @@ class GenRequest:
             a model-backed policy ignores it.
         context_budget: the requesting session's context budget (prompt + sampled tokens the
             harness allows it before compacting or stopping; the harness sets it from
-            :meth:`~mosaic.agent.config.HarnessConfig.budget`); None when the caller has none.
+            :meth:`~mosaic.config.harness.HarnessConfig.budget`); None when the caller has none.
     """
 
     session_key: str

@@ -54,7 +54,7 @@ def _args_error(args: argparse.Namespace) -> str | None:
         return f"--max-body-mb must be a finite number > 0, got {args.max_body_mb}"
     if args.api_key_env is not None and not os.environ.get(args.api_key_env):
         return f"--api-key-env {args.api_key_env}: environment variable {args.api_key_env} is not set"
-    from mosaic.cliargs import device_error  # (imports torch: seconds)
+    from mosaic.config.cliargs import device_error  # (imports torch: seconds)
 
     return device_error("--device", args.device) or address_error(args.host, args.port)
 

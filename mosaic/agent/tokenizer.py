@@ -54,7 +54,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 2048, *, min_frequen
     ``vocab_size`` includes the 256 byte symbols, the 3 special and the tag tokens.
     ``isolate_newlines``: split at every newline before byte-level pre-tokenization, so a text
     tokenised whole gives the ids of its lines tokenised one by one (the scripted upstream of
-    :mod:`mosaic.testing` renders chats segment by segment).
+    :mod:`mosaic.capture.scripted` renders chats segment by segment).
     """
     # lazy: `import mosaic.agent` (which re-exports this module) stays free of transformers (seconds)
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers

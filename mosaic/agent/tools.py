@@ -24,18 +24,12 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from mosaic.config.harness import TOOL_DOCS  # noqa: F401  (re-exported: the tools' specs)
 from mosaic.envs.rewards import extract_answer
 
 TOOL_ARGS: dict[str, str] = {"search": "query", "delegate": "question"}
 """Each tool takes exactly one string argument, named here."""
 
-TOOL_DOCS: dict[str, str] = {
-    "search": '- search(query): the best-matching encyclopedia passages. '
-              'Example: <tool_call>{"name": "search", "arguments": {"query": "NAME relation"}}</tool_call>',
-    "delegate": '- delegate(question): a helper answers a sub-question with its own searches and '
-                'returns its answer. Example: <tool_call>{"name": "delegate", "arguments": '
-                '{"question": "Who is the founder of NAME?"}}</tool_call>',
-}
 
 INVALID_TYPES = (
     "no_action", "unclosed_tool_call", "malformed_tool_call", "bad_json", "bad_call",

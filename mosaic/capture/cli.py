@@ -3,7 +3,7 @@
     mosaic proxy serve --upstream http://127.0.0.1:8000 --out runs/capture
     mosaic proxy --upstream URL --out DIR            # same as ``serve``
     mosaic proxy export --records runs/capture --out sessions.parquet [--force] [--tokenizer DIR] [rules.k=v ...]
-    mosaic proxy scripted-upstream --port 8001       # the deterministic test upstream (mosaic.testing)
+    mosaic proxy scripted-upstream --port 8001       # the deterministic test upstream (mosaic.capture.scripted)
 
 The servers import FastAPI inside their commands, so ``mosaic --help`` stays fast.
 
@@ -36,7 +36,7 @@ from mosaic.agent.tokenizer import load_tokenizer
 from mosaic.capture.reconstruct import ReconstructionRules, reconstruct
 from mosaic.capture.records import BadRecordWarning, RecordError, load_records
 from mosaic.capture.wire import retokenize
-from mosaic.cliargs import output_error
+from mosaic.config.cliargs import output_error
 from mosaic.envs.cli import EXIT_USAGE, UsageError
 from mosaic.trace.graph import TraceError, validate
 from mosaic.trace.storage import write_jsonl, write_parquet
@@ -302,7 +302,8 @@ def _cmd_export(args) -> int:
 
 def _cmd_scripted(args) -> int:
     from mosaic.serving import address_error, run_server  # lazy, like the next line: uvicorn, FastAPI
-    from mosaic.testing import ScriptedConfig, build_tokenizer, create_scripted_app
+    from mosaic.capture.scripted import build_tokenizer
+    from mosaic.capture.scripted_server import ScriptedConfig, create_scripted_app
 
     bad = address_error(args.host, args.port)
     if bad:

@@ -1,7 +1,7 @@
 """``mosaic data …``: generate, inspect, search, score, export and calibrate the deep-search data.
 
 Every command that reads a split takes ``--split`` and the config grammar of every verb
-(:mod:`mosaic.cliargs`): ``--preset`` (cpu, the default | smollm2 | paper), ``--config YAML``,
+(:mod:`mosaic.config.cliargs`): ``--preset`` (cpu, the default | smollm2 | paper), ``--config YAML``,
 ``--help-config`` and trailing ``section.field=value`` overrides of the shared sections, e.g.
 ``data.seed=1 data.world_entities=300 data.n_eval_tasks=50`` — the split is built from the
 ``data`` section exactly as ``mosaic train`` builds it. Older spellings still work with a
@@ -39,7 +39,7 @@ _MINIMA = {"k": ("-k", 1), "snippet_tokens": ("--snippet-tokens", 1), "head": ("
 
 
 def _add_split_args(p: argparse.ArgumentParser, default_split: str = "validation") -> None:
-    from mosaic.cliargs import add_config_args
+    from mosaic.config.cliargs import add_config_args
 
     p.add_argument("--split", default=default_split, choices=("train", "validation", "test"))
     p.add_argument("--seed", type=int, default=None, help="deprecated: data.seed=N")
@@ -54,7 +54,7 @@ def shared_config(args: argparse.Namespace, verb: str):
     """The shared config of the command line (older flags mapped onto their keys, with a deprecation
     line); :class:`UsageError` on a config error, :class:`ConfigExit` for ``--help-config`` /
     ``--print-config``."""
-    from mosaic.cliargs import deprecated, resolve_config
+    from mosaic.config.cliargs import deprecated, resolve_config
 
     aliases = []
     if getattr(args, "seed", None) is not None:
@@ -93,13 +93,13 @@ def split_config_from_args(args: argparse.Namespace, verb: str = "data"):
     import dataclasses
 
     from mosaic.envs.world import WorldConfig
-    from mosaic.train.config import split_config_for
+    from mosaic.envs.splits import split_config_for
 
     cfg = shared_config(args, verb)
     args.resolved_config = cfg
     base = split_config_for(cfg, args.split)
     if args.set_items:
-        from mosaic.cliargs import deprecated
+        from mosaic.config.cliargs import deprecated
 
         deprecated(args, "--set", "section.field=value of the data section where one exists (data.seed, "
                    "data.world_entities, data.n_eval_tasks, data.n_train_tasks, data.hop_mix)")
@@ -150,7 +150,7 @@ def _check_args(args: argparse.Namespace) -> None:
         for v in value if isinstance(value, list) else [value]:
             if v is not None and v < least:
                 raise UsageError(f"{flag} must be >= {least}, got {v}")
-    from mosaic.cliargs import output_error
+    from mosaic.config.cliargs import output_error
 
     cache = getattr(args, "cache_dir", None)
     bad = output_error("--cache-dir", cache, is_dir=True) if cache is not None else None
@@ -166,7 +166,7 @@ def _guarded(fn):
         try:
             _check_args(args)
             code = fn(args)
-            from mosaic.cliargs import print_deprecations
+            from mosaic.config.cliargs import print_deprecations
 
             print_deprecations(args, f"data {args.data_command}")
             return code
@@ -252,7 +252,7 @@ def cmd_score(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from mosaic.envs.export import export_parquet, load_parquet
 
-    from mosaic.cliargs import output_error
+    from mosaic.config.cliargs import output_error
 
     bad = output_error("--out", args.out, is_dir=False)
     if bad:
@@ -316,7 +316,7 @@ def _data_group(args, parser) -> int:
         return 0
     import yaml
 
-    from mosaic.train.config import ConfigError, describe_config, load_config  # lazy: torch
+    from mosaic.config.loader import ConfigError, describe_config, load_config  # lazy: torch
 
     try:
         cfg = load_config(preset=args.preset)

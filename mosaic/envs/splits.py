@@ -155,3 +155,20 @@ def load_splits(preset: str = "paper", cache_dir: str | Path | None = None,
     splits = {s: load_split(s, split_config(s, preset, seed=seed), cache_dir) for s in SPLITS}
     check_disjoint({s: sp.world for s, sp in splits.items()})
     return splits
+
+
+def split_config_for(cfg, split: str) -> SplitConfig:
+    """The split config of ``split`` with a run's ``data`` overrides (world size, task counts, hop mix);
+    ``cfg`` is a :class:`mosaic.config.loader.Config` (only ``cfg.data`` is read)."""
+    d = cfg.data
+    n_entities = d.train_world_entities if split == "train" and d.train_world_entities else d.world_entities
+    overrides = {"n_entities": n_entities} if n_entities else {}
+    sc = split_config(split, d.preset, seed=d.seed, **overrides)
+    changes = {}
+    if split == "train" and d.n_train_tasks:
+        changes["n_tasks"] = d.n_train_tasks
+    if split != "train" and d.n_eval_tasks:
+        changes["n_tasks"] = d.n_eval_tasks
+    if d.hop_mix is not None:
+        changes["hop_mix"] = tuple((int(h), float(w)) for h, w in d.hop_mix)
+    return dataclasses.replace(sc, **changes) if changes else sc

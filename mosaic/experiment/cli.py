@@ -9,7 +9,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from mosaic.cliargs import output_error
+from mosaic.config.cliargs import output_error
 
 __all__ = ["register"]
 

@@ -23,7 +23,7 @@ from mosaic.experiment.runner import DONE
 from mosaic.experiment.spec import EvalSpec
 from mosaic.train import setup
 from mosaic.train.checkpoint import find_latest
-from mosaic.train.config import Config, loads_config
+from mosaic.config.loader import Config, loads_config
 from mosaic.train.entrypoints import ensure_warm_start, run_train
 from mosaic.train.evaluate import evaluate
 from mosaic.train.runlog import read_metrics

@@ -20,7 +20,7 @@ from statistics import median
 import numpy as np
 
 from mosaic.experiment.runner import DONE, REUSED, adopt, warm_dir
-from mosaic.train.config import dump_config
+from mosaic.config.loader import dump_config
 from mosaic.experiment.spec import Grid, load_grid
 from mosaic.train.runlog import read_metrics
 from mosaic.train.stats import compare_arms, detectable_difference, holm, seed_question_ci
@@ -64,7 +64,7 @@ def _health(answers: list[str | None], names: set[str]) -> dict[str, float]:
 
 def _world_names(grid: Grid, setting: str, e) -> set[str]:
     from mosaic.train import setup  # torch: only when a report is written
-    from mosaic.train.config import load_config
+    from mosaic.config.loader import load_config
 
     cfg = load_config(grid.preset, overrides=[*grid.eval_overrides(setting), *e.overrides()])
     return setup.load_split(cfg, e.split).world.names()

@@ -33,7 +33,7 @@ from statistics import median
 import yaml
 
 from mosaic.experiment.spec import EvalSpec, Grid, RunSpec, config_key
-from mosaic.train.config import Config, config_diff, dump_config, load_config
+from mosaic.config.loader import Config, config_diff, dump_config, load_config
 
 __all__ = ["Unit", "plan", "run_grid", "print_plan", "DONE", "run_dir", "warm_dir"]
 

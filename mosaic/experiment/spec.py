@@ -21,7 +21,7 @@ evals:                            # every run's final model, and the warm start 
 
 Everything is checked by :func:`load_grid` before any work: unknown fields, wrong
 types, duplicate names, and every run's config (resolved with
-``mosaic.train.config.load_config``) — a bad grid fails naming the field.
+``mosaic.config.loader.load_config``) — a bad grid fails naming the field.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from typing import Any
 
 import yaml
 
-from mosaic.train.config import Config, ConfigError, config_tree, load_config
+from mosaic.config.loader import Config, ConfigError, config_tree, load_config
 
 __all__ = ["GridError", "EvalSpec", "Grid", "RunSpec", "load_grid", "parse_grid", "QUICK_GRID"]
 

@@ -11,5 +11,5 @@
 | ``stats`` | accuracy CIs, paired bootstrap comparison of two runs |
 | ``cli`` | ``mosaic train | sft | eval | compare`` |
 
-Submodules are imported on demand (``import mosaic.train.config`` pulls in no torch).
+Submodules are imported on demand (``import mosaic.config.loader`` pulls in no torch).
 """

@@ -19,7 +19,7 @@ import torch
 from mosaic.core.estimators import AdvantageBatch, Estimator, EstimatorParams, get_estimator
 from mosaic.trace.graph import KIND_CODES, Trajectory, kind_names
 from mosaic.trace.rows import TrainingRow, TurnLayout, flatten, to_rows, turn_layout, turn_spans
-from mosaic.train.config import AlgoConfig, Config
+from mosaic.config.loader import AlgoConfig, Config
 from mosaic.train.scorer import score_gains, score_turns
 
 __all__ = ["Scores", "drop_uniform_groups", "estimator_params", "advantage_batch", "compute_advantages", "training_rows", "score_for"]

@@ -47,7 +47,7 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
-from mosaic.train.config import config_diff
+from mosaic.config.loader import config_diff
 from mosaic.train.rng import capture_rng, restore_rng
 
 __all__ = ["CheckpointState", "CheckpointError", "save_checkpoint", "load_checkpoint", "find_latest",

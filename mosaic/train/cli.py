@@ -1,7 +1,7 @@
 """``mosaic train | sft | eval | compare``.
 
 ``train``, ``sft``, ``eval`` and ``pretrain`` take ``--config YAML``, ``--preset NAME`` and
-trailing ``section.field=value`` overrides (the grammar of every verb, :mod:`mosaic.cliargs`);
+trailing ``section.field=value`` overrides (the grammar of every verb, :mod:`mosaic.config.cliargs`);
 the config is resolved and validated first, and an invalid one exits with status 2 and the
 message before any work. ``--print-config`` prints the resolved YAML and exits;
 ``--help-config`` prints every key with its value under the preset and its docstring.
@@ -26,14 +26,14 @@ EXIT_CONFIG = 2
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
-    from mosaic.cliargs import add_config_args
+    from mosaic.config.cliargs import add_config_args
 
     add_config_args(p)
 
 
 def _config(args):
     """The resolved config, or (None, exit code) after printing the error / --help-config / --print-config."""
-    from mosaic.cliargs import resolve_config
+    from mosaic.config.cliargs import resolve_config
 
     return resolve_config(args, args.command)
 
@@ -43,7 +43,7 @@ def _eval_args_error(args) -> str | None:
     that verifies (those skipped are printed). The message names the flag, or None when fine."""
     from mosaic.train.checkpoint import find_latest, verify_checkpoint
 
-    from mosaic.cliargs import output_error
+    from mosaic.config.cliargs import output_error
 
     bad = output_error("--out", args.out, is_dir=False) if args.out else None
     if bad:
@@ -78,7 +78,7 @@ def _run(fn_name: str):
             return code
         from mosaic.train import entrypoints
         from mosaic.train.checkpoint import CheckpointError
-        from mosaic.train.config import ConfigError
+        from mosaic.config.loader import ConfigError
 
         try:
             if fn_name == "run_eval":
@@ -148,7 +148,7 @@ def _pretrain(args) -> int:
     cfg, code = _config(args)
     if cfg is None:
         return code
-    from mosaic.cliargs import output_error
+    from mosaic.config.cliargs import output_error
     from mosaic.train.pretrain import BASE_MODELS_DIR, PretrainConfig, pretrain
 
     bad = output_error("--out", args.out, is_dir=True) if args.out else None

@@ -29,7 +29,7 @@ from mosaic.agent.models.embedded import save_model
 from mosaic.trace import load_trajectories, write_jsonl
 from mosaic.train import setup
 from mosaic.train.checkpoint import check_resume_config, find_latest, load_checkpoint, resolve_resume, save_checkpoint
-from mosaic.train.config import Config, ConfigError, dump_config, resolve_steps
+from mosaic.config.loader import Config, ConfigError, dump_config, resolve_steps
 from mosaic.train.evaluate import evaluate, paired_outcomes
 from mosaic.train.optim import build_optimizer, build_scheduler
 from mosaic.train.rl import RLState, make_reference, rl_step

@@ -20,7 +20,7 @@ import numpy as np
 
 from mosaic.agent.harness import DeepSearchEnv, Harness
 from mosaic.trace import Trajectory
-from mosaic.train.config import Config
+from mosaic.config.loader import Config
 from mosaic.train.metrics import rollout_metrics, val_keys
 from mosaic.train.scorer import score_gains as score_gains_
 from mosaic.train.setup import sampling_policy

@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from mosaic.agent.config import HarnessConfig
+from mosaic.config.harness import HarnessConfig
 from mosaic.agent.harness import DeepSearchEnv
 from mosaic.capture.records import RECORDS_FILE, CallRecord, RecordError, RewardRecord
 from mosaic.capture.reconstruct import reconstruct_rollout
@@ -60,7 +60,7 @@ from mosaic.capture.sessions import DEFAULT_COMPACTION_PATTERNS, ReconstructionR
 from mosaic.envs.rewards import score_answer
 from mosaic.trace import Trajectory
 from mosaic.trace.graph import TraceError
-from mosaic.train.sections import CALLABLE_SPEC
+from mosaic.config.sections import CALLABLE_SPEC
 
 __all__ = ["HarnessTask", "ExternalRollouts", "DROP_REASONS", "DROPS_FILE", "load_callable", "is_callable_spec",
            "check_callables"]
@@ -130,7 +130,7 @@ def load_callable(spec: str, what: str) -> Callable:
 def check_callables(rc) -> None:
     """Load ``rollout.harness`` and ``rollout.reward`` when they name Python callables: a
     :class:`ConfigError` naming the key if one cannot be (before the warm start and its evaluation)."""
-    from mosaic.train.config import ConfigError
+    from mosaic.config.loader import ConfigError
 
     for spec, what in ((rc.harness, "rollout.harness"), (rc.reward, "rollout.reward")):
         if spec and is_callable_spec(spec):

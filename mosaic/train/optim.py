@@ -1,4 +1,4 @@
-"""Optimizer and learning-rate schedule from :class:`~mosaic.train.config.OptimConfig`."""
+"""Optimizer and learning-rate schedule from :class:`~mosaic.config.loader.OptimConfig`."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from mosaic.train.config import OptimConfig
+from mosaic.config.loader import OptimConfig
 
 __all__ = ["build_optimizer", "build_scheduler", "lr_factor"]
 

@@ -39,7 +39,7 @@ from mosaic.envs.splits import load_split, split_config
 from mosaic.trace import to_rows
 from mosaic.train import setup
 from mosaic.train.batching import PackedRow, collate, pack_rows
-from mosaic.train.config import Config
+from mosaic.config.loader import Config
 from mosaic.train.evaluate import evaluate
 from mosaic.train.optim import lr_factor
 from mosaic.train.setup import BASE_MODELS_DIR, base_model_dir  # noqa: F401  (re-exported: where the base models live)

@@ -33,7 +33,7 @@ from mosaic.trace import Trajectory, turn_layout
 from mosaic.train.batch import (Scores, compute_advantages, drop_uniform_groups, estimator_params, score_for,
                                 training_rows)
 from mosaic.train.batching import collate, completion_logprobs, micro_batches, pack_rows
-from mosaic.train.config import Config
+from mosaic.config.loader import Config
 from mosaic.train.metrics import rollout_metrics
 from mosaic.train.samples import all_estimator_advantages, sample_records
 from mosaic.train.scorer import LiveScorer

@@ -1,4 +1,4 @@
-"""From a :class:`~mosaic.train.config.Config` to the objects a run needs.
+"""From a :class:`~mosaic.config.loader.Config` to the objects a run needs.
 
 Splits, the harness configuration, the policy model + tokenizer and the
 sampling policy are built here, once, so that SFT, RL and evaluation agree on
@@ -20,7 +20,8 @@ from mosaic.agent.models.corpus import build_generator_tokenizer
 from mosaic.envs.cache import resolve_cache_dir
 from mosaic.envs.splits import Split
 from mosaic.envs.splits import load_split as _load_split
-from mosaic.train.config import Config, split_config_for
+from mosaic.config.loader import Config
+from mosaic.envs.splits import split_config_for
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from mosaic.agent.expert import ExpertNoise, ExpertPolicy
 from mosaic.agent.harness import DeepSearchEnv, Harness
 from mosaic.trace import Trajectory, to_rows
 from mosaic.train.batching import collate, completion_logprobs, pack_rows
-from mosaic.train.config import Config
+from mosaic.config.loader import Config
 from mosaic.train.optim import lr_factor
 
 log = logging.getLogger(__name__)

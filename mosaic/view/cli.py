@@ -29,7 +29,7 @@ def register(sub) -> None:
 
 
 def _run(args) -> int:
-    from mosaic.cliargs import output_error
+    from mosaic.config.cliargs import output_error
     from mosaic.view.data import ViewError, load_view
     from mosaic.view.page import write_page
 

@@ -9,6 +9,7 @@ from mosaic.agent.harness import Harness, HarnessConfig
 from mosaic.agent.policy import GenResult
 from _doubles import FakeEnv, FakeTask, RecordingPolicy, TextPolicy
 from mosaic.agent.tokenizer import train_tokenizer
+from mosaic.agent.models.corpus import prompt_texts
 from mosaic.trace import turn_boundaries
 
 SEARCH = '<tool_call>{"name": "search", "arguments": {"query": "Ruo Ces works"}}</tool_call>'
@@ -165,7 +166,7 @@ def test_config_replace_and_prompt_texts():
     assert "delegate(question)" in cfg.system_text(0) and "{tools}" not in cfg.system_text(0)
     with pytest.raises(ValueError, match="no field"):
         cfg.replace(bogus=1)
-    assert all(isinstance(t, str) and t for t in cfg.prompt_texts())
+    assert all(isinstance(t, str) and t for t in prompt_texts(cfg))
 
 
 @pytest.mark.parametrize("text, kind, error", [

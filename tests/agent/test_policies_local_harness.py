@@ -11,6 +11,7 @@ from mosaic.agent.models.embedded import EmbeddedModelConfig, build_model
 from mosaic.agent.policies.local import LocalPolicy, LocalPolicyConfig
 from _doubles import FakeEnv, FakeTask, RecordingPolicy
 from mosaic.agent.tokenizer import train_tokenizer
+from mosaic.agent.models.corpus import prompt_texts
 
 SEARCH = '<tool_call>{"name": "search", "arguments": {"query": "Ruo Ces works"}}</tool_call>'
 TASKS = [FakeTask("t0", "Who is the founder of Ruo Ces?", "Ama Rell"), FakeTask("t1", "Where is Osk?", "Port Osk")]
@@ -19,7 +20,7 @@ TASKS = [FakeTask("t0", "Who is the founder of Ruo Ces?", "Ama Rell"), FakeTask(
 @pytest.fixture(scope="module")
 def chat_model():
     corpus = [SEARCH, "Doc about Ruo Ces works word word", "<answer>Ama Rell</answer>",
-              *HarnessConfig().prompt_texts()] * 30
+              *prompt_texts(HarnessConfig())] * 30
     tok = train_tokenizer(corpus, vocab_size=1024)
     model = build_model(EmbeddedModelConfig.preset("tiny", initializer_range=0.3), tok, seed=0)
     return ChatFormat(tok), model

@@ -15,7 +15,8 @@ import json
 import time
 
 from mosaic.capture.records import CallRecord
-from mosaic.testing import Renderer, _fake_logprob, decide, render_tool_calls
+from mosaic.capture.scripted import Renderer, decide, render_tool_calls
+from mosaic.capture.scripted_server import fake_logprob
 
 MAIN_SYSTEM = "You are a research agent. Use the tools, then answer."
 SUB_SYSTEM = "You are a subagent. Research the subtask and report."
@@ -50,7 +51,7 @@ class OfflineLLM:
         self.records.append(CallRecord(
             call_id=f"{self.rollout_id}-{seq}", rollout_id=self.rollout_id, seq=seq, endpoint="chat",
             messages=json.loads(json.dumps(messages)), tools=tools or [], prompt_ids=prompt, completion_ids=comp,
-            logprobs=[_fake_logprob(i, t) for i, t in enumerate(comp)], text=text, tool_calls=tool_calls,
+            logprobs=[fake_logprob(i, t) for i, t in enumerate(comp)], text=text, tool_calls=tool_calls,
             finish_reason="tool_calls" if tool_calls else "stop", t_start=float(t0), t_end=float(t0) + 0.5,
         ))
         await asyncio.sleep(0)

@@ -19,7 +19,8 @@ import itertools
 import json
 
 from mosaic.capture.records import CallRecord
-from mosaic.testing import Renderer, _fake_logprob, render_tool_calls
+from mosaic.capture.scripted import Renderer, render_tool_calls
+from mosaic.capture.scripted_server import fake_logprob
 
 LEAD_SYS = "You are the lead researcher. Search, delegate to researchers, then answer."
 SUB_SYS = "You are a researcher. Search, then report what you found."
@@ -75,7 +76,7 @@ class ScriptLLM:
             raise ContextOverflow(rec.error)
         comp = self.rnd.completion(text + render_tool_calls(tool_calls))
         rec.prompt_ids, rec.completion_ids = prompt, comp
-        rec.logprobs = [_fake_logprob(i, t) for i, t in enumerate(comp)]
+        rec.logprobs = [fake_logprob(i, t) for i, t in enumerate(comp)]
         rec.text, rec.tool_calls = text, tool_calls
         rec.finish_reason = "tool_calls" if tool_calls else "stop"
         await asyncio.sleep(0)

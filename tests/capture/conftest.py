@@ -5,7 +5,8 @@ import pytest
 from mosaic.agent.tokenizer import load_tokenizer, save_tokenizer
 from mosaic.capture.proxy import ProxyConfig, create_proxy_app
 from mosaic.serving import ServerThread
-from mosaic.testing import ScriptedConfig, build_tokenizer, create_scripted_app
+from mosaic.capture.scripted import build_tokenizer
+from mosaic.capture.scripted_server import ScriptedConfig, create_scripted_app
 
 
 @pytest.fixture(scope="session")

@@ -22,7 +22,7 @@ import pytest
 
 from mosaic.capture.reconstruct import reconstruct
 from mosaic.capture.records import content_text, load_records
-from mosaic.testing import SUMMARY_RE
+from mosaic.capture.scripted import SUMMARY_RE
 
 HARNESS = Path(__file__).with_name("deepagents_harness.py")
 

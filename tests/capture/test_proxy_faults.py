@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from mosaic.capture.records import RewardRecord, load_records
 from mosaic.cli import main as mosaic_main
 from mosaic.serving import ServerThread
-from mosaic.testing import Renderer
+from mosaic.capture.scripted import Renderer
 from mosaic.trace import load_trajectories
 
 MSGS = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Where is the river?"}]

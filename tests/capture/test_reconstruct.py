@@ -9,7 +9,7 @@ import pytest
 
 from mosaic.capture.records import CallRecord, RewardRecord
 from mosaic.capture.reconstruct import ReconstructionRules, reconstruct, reconstruct_rollout
-from mosaic.testing import Renderer, build_tokenizer
+from mosaic.capture.scripted import Renderer, build_tokenizer
 from mosaic.trace import read_jsonl, read_parquet, to_rows, validate, write_jsonl, write_parquet
 from ._harness import offline_rollout
 

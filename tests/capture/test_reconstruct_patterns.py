@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from mosaic.capture.reconstruct import ReconstructionRules, reconstruct_rollout
 from mosaic.capture.records import RewardRecord
-from mosaic.testing import Renderer, build_tokenizer
+from mosaic.capture.scripted import Renderer, build_tokenizer
 from mosaic.trace import StateRef
 
 from . import _patterns as P

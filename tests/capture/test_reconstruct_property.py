@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from mosaic.capture.reconstruct import ReconstructionRules, reconstruct_rollout
 from mosaic.capture.records import CallRecord
-from mosaic.testing import Renderer, build_tokenizer, render_tool_calls
+from mosaic.capture.scripted import Renderer, build_tokenizer, render_tool_calls
 
 
 @functools.lru_cache(maxsize=1)

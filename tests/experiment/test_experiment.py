@@ -174,7 +174,7 @@ def test_a_setting_can_have_its_own_seeds():
 
 def test_a_run_made_under_an_older_key_is_taken_over(tmp_path):
     from mosaic.experiment.runner import DONE, plan, run_dir
-    from mosaic.train.config import dump_config
+    from mosaic.config.loader import dump_config
 
     g = parse_grid(QUICK_GRID)
     r = g.runs[0]
@@ -203,7 +203,7 @@ def test_a_run_made_under_an_older_key_is_taken_over(tmp_path):
 
 def test_a_run_finished_in_another_grid_is_copied_not_retrained(tmp_path, capsys):
     from mosaic.experiment.runner import DONE, REUSED, plan, print_plan, run_dir
-    from mosaic.train.config import dump_config
+    from mosaic.config.loader import dump_config
 
     first = tmp_path / "first"
     g = parse_grid(QUICK_GRID)
@@ -239,7 +239,7 @@ def test_a_copied_run_keeps_only_evaluations_made_under_this_grids_evaluation_co
     under different harnesses (the grid's common one): the copy keeps an evaluation only when it recorded
     this grid's evaluation config; one under another harness, or too old to say, is run again."""
     from mosaic.experiment.runner import DONE, REUSED, _eval_done, plan, run_dir
-    from mosaic.train.config import dump_config, load_config
+    from mosaic.config.loader import dump_config, load_config
 
     first = tmp_path / "first"
     g = parse_grid(QUICK_GRID)
@@ -272,7 +272,7 @@ def test_a_finished_run_without_its_weights_is_retrained_when_evaluations_are_mi
     model to evaluate, so it is trained again and all its evaluations are redone on the new weights."""
     from mosaic.experiment.job import _clear_lost_run
     from mosaic.experiment.runner import DONE, plan, print_plan, run_dir
-    from mosaic.train.config import dump_config
+    from mosaic.config.loader import dump_config
 
     g = parse_grid(QUICK_GRID)
     lost, complete, kept = g.runs[0], g.runs[1], g.runs[2]

@@ -57,7 +57,7 @@ def save_tiny_base(tmp_path_factory, overrides: list[str]):
     (which name ``model.embedded_preset``) and saved as a model directory; returns ``(dir, cache_dir)``."""
     from mosaic.agent.models.embedded import save_model
     from mosaic.train import setup
-    from mosaic.train.config import load_config
+    from mosaic.config.loader import load_config
 
     cfg = load_config("cpu", overrides=overrides + [f"data.cache_dir={tmp_path_factory.mktemp('cache')}"])
     model, tok = setup.build_base_model(cfg, torch.device("cpu"), torch.float32)

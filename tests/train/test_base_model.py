@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mosaic.train import setup
-from mosaic.train.config import load_config
+from mosaic.config.loader import load_config
 from mosaic.train.pretrain import META_FILE, base_model_dir
 
 

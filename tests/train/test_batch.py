@@ -5,7 +5,7 @@ from mosaic.trace.graph import Session, Trajectory
 from mosaic.trace.rows import to_rows
 from mosaic.core.estimators import get_estimator
 from mosaic.train.batch import Scores, compute_advantages, training_rows
-from mosaic.train.config import load_config
+from mosaic.config.loader import load_config
 
 
 def _cfg(estimator):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mosaic.train import checkpoint as ck
-from mosaic.train.config import OptimConfig
+from mosaic.config.loader import OptimConfig
 from mosaic.train.optim import build_optimizer, build_scheduler, lr_factor
 
 
@@ -276,7 +276,7 @@ def test_config_diff_lists_changed_keys():
 
 def test_resume_with_a_changed_config_needs_force(tmp_path, capsys):
     # issue 11: resuming with a changed estimator and lr=0.5 gave no warning.
-    from mosaic.train.config import dump_config, load_config
+    from mosaic.config.loader import dump_config, load_config
 
     run = tmp_path / "run"
     run.mkdir()
@@ -312,7 +312,7 @@ def test_a_config_key_removed_since_the_run_started_does_not_block_resume(tmp_pa
     # A field that no longer exists cannot change what the run does (e.g. harness.subagent_states).
     import yaml
 
-    from mosaic.train.config import dump_config, load_config
+    from mosaic.config.loader import dump_config, load_config
 
     run = tmp_path / "run"
     run.mkdir()

@@ -3,7 +3,7 @@ import re
 
 import pytest
 
-from mosaic.train.config import (
+from mosaic.config.loader import (
     PRESETS,
     AlgoConfig,
     Config,
@@ -100,7 +100,7 @@ def test_yaml_file_and_round_trip(tmp_path):
 
 
 def test_harness_section_is_the_agent_harness_config():
-    from mosaic.agent.config import HarnessConfig
+    from mosaic.config.harness import HarnessConfig
 
     c = load_config(overrides=["harness.mode=fork", "harness.max_depth=2", "harness.search_k=5"])
     assert isinstance(c.harness, HarnessConfig) and (c.harness.max_depth, c.harness.search_k) == (2, 5)
@@ -125,7 +125,7 @@ def test_keys_documented_and_consistent_with_peers():
     keys = config_keys()
     assert "algo.lam" in keys and "train.group_size" in keys and len(keys) == len(set(keys))
     from mosaic.core.loss import LOSS_AGG_MODES
-    from mosaic.train.config import EMBEDDED_PRESETS, LOSS_AGG
+    from mosaic.config.loader import EMBEDDED_PRESETS, LOSS_AGG
 
     assert set(LOSS_AGG) == set(LOSS_AGG_MODES)
     from mosaic.agent.models.embedded import PRESETS as EMB

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from mosaic.train import entrypoints, setup
-from mosaic.train.config import ConfigError, load_config
+from mosaic.config.loader import ConfigError, load_config
 
 from .conftest import save_tiny_base
 

@@ -20,7 +20,7 @@ def pairs(tmp_path_factory):
     from mosaic.agent.expert import ExpertNoise, ExpertPolicy
     from mosaic.agent.harness import DeepSearchEnv, Harness
     from mosaic.train import setup
-    from mosaic.train.config import load_config
+    from mosaic.config.loader import load_config
     from mosaic.train.pretrain import base_model_dir
     from mosaic.train.scorer import score_gains
 

@@ -8,7 +8,7 @@ import pytest
 
 from mosaic.train import pretrain as pt
 from mosaic.train import setup
-from mosaic.train.config import load_config
+from mosaic.config.loader import load_config
 
 SMALL = ["model.embedded_preset=tiny", "data.n_eval_tasks=2", "harness.context_budget=300",
          "harness.max_new_tokens=16", "harness.summary_max_new_tokens=16", "harness.max_turns=3",

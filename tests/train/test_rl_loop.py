@@ -10,7 +10,7 @@ import torch
 
 from mosaic.core.estimators import ESTIMATORS
 from mosaic.train import entrypoints, rl, setup
-from mosaic.train.config import load_config
+from mosaic.config.loader import load_config
 
 from .conftest import save_tiny_base
 

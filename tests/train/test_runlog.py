@@ -1,7 +1,7 @@
 import json
 import random
 
-from mosaic.train.config import dump_config, load_config
+from mosaic.config.loader import dump_config, load_config
 from mosaic.train.metrics import rollout_metrics
 from mosaic.train.runlog import RunLogger, format_console_line, read_metrics
 
@@ -54,7 +54,7 @@ def test_rollout_metrics():
 
 
 def test_logger_list_resolves_like_verl_and_old_switches_still_work():
-    from mosaic.train.config import ConfigError
+    from mosaic.config.loader import ConfigError
 
     assert load_config().train.sinks() == ("console", "tensorboard")  # the old defaults, unchanged
     assert load_config(overrides=["train.wandb=offline", "train.tensorboard=false"]).train.sinks() == \

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from mosaic.core.estimators import ESTIMATORS
 from mosaic.trace import turn_layout
 from mosaic.train.batch import Scores, compute_advantages, estimator_params
-from mosaic.train.config import load_config
+from mosaic.config.loader import load_config
 from mosaic.train.samples import all_estimator_advantages, mask_runs, sample_records
 from tests.train.trajs import compaction_chain, fork
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from mosaic.train import setup
-from mosaic.train.config import load_config
+from mosaic.config.loader import load_config
 from mosaic.train.sft import expert_trajectories, sft_train
 
 

@@ -49,7 +49,7 @@ def chromium() -> str:
 def run_dir(tmp_path_factory) -> Path:
     """A run dir written by ``mosaic train`` with the CPU preset (the main job), one small step."""
     from mosaic.train import entrypoints
-    from mosaic.train.config import load_config
+    from mosaic.config.loader import load_config
 
     if os.environ.get("MOSAIC_VIEW_RUN_DIR"):
         return Path(os.environ["MOSAIC_VIEW_RUN_DIR"])

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from mosaic.agent.config import HarnessConfig
 from mosaic.agent.expert import sample_texts
+from mosaic.agent.tools import error_texts
+from mosaic.config.harness import TOOL_DOCS, HarnessConfig
 from mosaic.agent.tokenizer import train_tokenizer
 from mosaic.envs.questions import make_tasks
 from mosaic.envs.world import WorldConfig, generate_world
@@ -19,11 +20,18 @@ from mosaic.envs.world import WorldConfig, generate_world
 GENERATOR_SEED_BASE = 1_000_000
 
 
+def prompt_texts(cfg: HarnessConfig) -> list[str]:
+    """Every fixed text the harness shows the model: system prompts, the compaction prompt, the
+    resume template, the tools' descriptions and a sample of every error response."""
+    return [cfg.system_text(0), cfg.system_text(1), cfg.compaction_prompt,
+            cfg.resume_text("", ""), *TOOL_DOCS.values(), *error_texts()]
+
+
 def corpus_texts(documents: Iterable[str] = (), questions: Iterable[str] = (),
                  extra: Iterable[str] = ()) -> list[str]:
     """The training corpus: documents, questions, prompt texts and sample model outputs.
 
-    ``extra`` holds the harness prompts (:meth:`mosaic.agent.config.HarnessConfig.prompt_texts`)
+    ``extra`` holds the harness prompts (:func:`prompt_texts`)
     and scripted-expert outputs (:func:`mosaic.agent.expert.sample_texts`), so everything
     the model sees tokenises compactly.
     """
@@ -34,7 +42,7 @@ def build_project_tokenizer(splits, *, vocab_size: int = 2048, harness_config: H
     """Train the project tokenizer on ``splits`` (``Split`` objects: their documents and questions),
     the harness prompts and the scripted expert's sample outputs."""
     cfg = harness_config or HarnessConfig()
-    docs, questions, extra = [], [], list(cfg.prompt_texts())
+    docs, questions, extra = [], [], prompt_texts(cfg)
     for sp in splits:
         docs += [d.text for d in sp.world.documents]
         questions += [t.question for t in sp.tasks]
@@ -55,7 +63,7 @@ def generator_corpus(n_worlds: int = 40, *, n_entities: int = 60, tasks_per_worl
     name is frequent, so names split into syllable-sized pieces shared by every world.
     """
     cfg = harness_config or HarnessConfig()
-    docs, questions, extra = [], [], list(cfg.prompt_texts())
+    docs, questions, extra = [], [], prompt_texts(cfg)
     for k in range(n_worlds):
         world = generate_world(WorldConfig(seed=GENERATOR_SEED_BASE + 1000 * seed + k, n_entities=n_entities,
                                            name_partition=name_partition))

@@ -24,7 +24,7 @@ probes and on sampling are returned per trajectory (``mosaic_probe_seconds``,
 ``mosaic_rollout_seconds``) so their share of a step can be measured.
 
 Configuration: a top-level ``mosaic`` block in verl's config (Hydra ``+mosaic.harness.mode=compaction``):
-``mosaic.harness.*`` are :class:`~mosaic.agent.config.HarnessConfig` fields; ``mosaic.gains``
+``mosaic.harness.*`` are :class:`~mosaic.config.harness.HarnessConfig` fields; ``mosaic.gains``
 (default true) turns probe scoring off for the estimators that do not read gains (broadcast).
 Each row needs ``extra_info.tools_kwargs.split_config`` (written by ``mosaic data export``) to rebuild
 its world and search index; the split is built once per process and cached.
@@ -43,7 +43,7 @@ from typing import Any
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput, register
 
 from mosaic.agent.chat import ChatFormat
-from mosaic.agent.config import HarnessConfig
+from mosaic.config.harness import HarnessConfig
 from mosaic.agent.harness import DeepSearchEnv, Harness
 from mosaic.agent.policy import GenRequest, GenResult
 from mosaic.envs.export import row_to_task, split_config_from_json

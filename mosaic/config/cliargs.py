@@ -159,7 +159,7 @@ def resolve_config(args: argparse.Namespace, verb: str, *, aliases: list[str] | 
     ``aliases``: overrides an older flag stands for (``--seed 3`` → ``data.seed=3``), applied before
     the command line's own, which win. ``sections``: what ``--help-config`` lists (None: all).
     """
-    from mosaic.train.config import ConfigError, describe_config, dump_config, load_config  # lazy: torch
+    from mosaic.config.loader import ConfigError, describe_config, dump_config, load_config  # lazy: torch
 
     try:
         cfg = load_config(preset=args.preset, yaml_path=args.config,

@@ -5,7 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Literal
 
-from mosaic.agent.tools import TOOL_DOCS, error_texts
+
+TOOL_DOCS: dict[str, str] = {
+    "search": '- search(query): the best-matching encyclopedia passages. '
+              'Example: <tool_call>{"name": "search", "arguments": {"query": "NAME relation"}}</tool_call>',
+    "delegate": '- delegate(question): a helper answers a sub-question with its own searches and '
+                'returns its answer. Example: <tool_call>{"name": "delegate", "arguments": '
+                '{"question": "Who is the founder of NAME?"}}</tool_call>',
+}
+"""How each tool is described to the model (a fixed text of the harness, like the prompts below)."""
 
 Mode = Literal["single", "compaction", "fork", "compaction+fork"]
 MODES = ("single", "compaction", "fork", "compaction+fork")
@@ -114,10 +122,6 @@ class HarnessConfig:
     def resume_text(self, question: str, summary: str) -> str:
         return self.resume_template.replace("{question}", question).replace("{summary}", summary)
 
-    def prompt_texts(self) -> list[str]:
-        """Every fixed text the harness shows the model (for the tokenizer corpus)."""
-        return [self.system_text(0), self.system_text(1), self.compaction_prompt,
-                self.resume_text("", ""), *TOOL_DOCS.values(), *error_texts()]
 
     def replace(self, **overrides) -> "HarnessConfig":
         names = {f.name for f in fields(self)}

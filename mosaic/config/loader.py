@@ -1,6 +1,6 @@
 """Trainer configuration: frozen dataclasses, presets, YAML + dotted overrides.
 
-The sections (:mod:`mosaic.train.sections`) validate themselves at construction;
+The sections (:mod:`mosaic.config.sections`) validate themselves at construction;
 a bad value raises :class:`ConfigError` naming the dotted key and saying why. Loading
 (:func:`load_config`) starts from a preset, merges a YAML file, then applies
 ``key=value`` overrides (values parsed with ``yaml.safe_load``), type-checks
@@ -29,9 +29,9 @@ from typing import Any, Sequence
 
 import yaml
 
-from mosaic.agent.config import HarnessConfig
+from mosaic.config.harness import HarnessConfig
 from mosaic.core.estimators import ESTIMATORS
-from mosaic.train.sections import (
+from mosaic.config.sections import (
     EMBEDDED_PRESETS,
     LOSS_AGG,
     AlgoConfig,
@@ -79,7 +79,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     harness: HarnessConfig = field(default_factory=HarnessConfig)
-    """The agent loop (SPEC §2): mode, context budget, caps, prompts — ``mosaic.agent.config.HarnessConfig``."""
+    """The agent loop (SPEC §2): mode, context budget, caps, prompts — ``mosaic.config.harness.HarnessConfig``."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -389,26 +389,6 @@ _ABSENT = _Absent()
 
 def _show(v: Any) -> str:
     return repr(list(v) if isinstance(v, tuple) else v)
-
-
-def split_config_for(cfg: Config, split: str):
-    """The env's split config with the run's overrides (world size, task counts, hop mix)."""
-    from dataclasses import replace
-
-    from mosaic.envs.splits import split_config  # lazy: keeps loading a config light
-
-    d = cfg.data
-    n_entities = d.train_world_entities if split == "train" and d.train_world_entities else d.world_entities
-    overrides = {"n_entities": n_entities} if n_entities else {}
-    sc = split_config(split, d.preset, seed=d.seed, **overrides)
-    changes = {}
-    if split == "train" and d.n_train_tasks:
-        changes["n_tasks"] = d.n_train_tasks
-    if split != "train" and d.n_eval_tasks:
-        changes["n_tasks"] = d.n_eval_tasks
-    if d.hop_mix is not None:
-        changes["hop_mix"] = tuple((int(h), float(w)) for h, w in d.hop_mix)
-    return replace(sc, **changes) if changes else sc
 
 
 def resolve_steps(cfg: Config, n_train_tasks: int) -> int:

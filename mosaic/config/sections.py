@@ -2,8 +2,8 @@
 
 Every field has a default and a docstring; modes are ``Literal`` s; each section
 validates its values at construction and a bad value raises :class:`ConfigError`
-naming the dotted key and saying why. :mod:`mosaic.train.config` assembles them
-into :class:`~mosaic.train.config.Config`, with presets and the loader.
+naming the dotted key and saying why. :mod:`mosaic.config.loader` assembles them
+into :class:`~mosaic.config.loader.Config`, with presets and the loader.
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ class DataConfig(_Section):
 @dataclass(frozen=True)
 class RolloutConfig(_Section):
     """How the policy samples during RL rollouts (the agent loop itself is the ``harness`` section:
-    ``mosaic.agent.config.HarnessConfig``, used as it is)."""
+    ``mosaic.config.harness.HarnessConfig``, used as it is)."""
 
     _section: typing.ClassVar[str] = "rollout"
     temperature: float = 1.0
