@@ -13,7 +13,6 @@ import sys
 
 # Modules that contribute sub-commands, in the order they appear in --help.
 COMMAND_MODULES = (
-    "mosaic.trace.cli",
     "mosaic.envs.cli",
     "mosaic.agent.cli",
     "mosaic.agent.serve_cli",
@@ -37,13 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     # every verb's parser (and its own sub-commands') reports a bad argument in one line, exit 2
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
     for name in COMMAND_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:  # an area not built yet in this checkout
-            if exc.name != name:
-                raise
-            continue
-        module.register(sub)
+        importlib.import_module(name).register(sub)
     return parser
 
 

@@ -168,3 +168,13 @@ def test_the_floor_check_sees_an_upward_import(tmp_path, monkeypatch):
                                                   "mosaic.core.c (core) -> mosaic.train.t (train)"]
     assert _upward(graph, ("train", "core")) == ["mosaic.train.t (train) -> mosaic.core (core)",
                                                   "mosaic.train.t (train) -> mosaic.core.c (core)"]
+
+
+def test_every_registered_command_module_exists_and_registers():
+    """No dead registration: each module ``mosaic.cli`` lists imports and has ``register``."""
+    import importlib
+
+    from mosaic.cli import COMMAND_MODULES
+
+    for name in COMMAND_MODULES:
+        assert callable(getattr(importlib.import_module(name), "register", None)), name

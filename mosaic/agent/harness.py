@@ -43,10 +43,8 @@ trajectory.
 
 from __future__ import annotations
 
-import math
 from collections import Counter
-from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Sequence
 
 from tqdm.auto import tqdm
 
@@ -58,69 +56,10 @@ from mosaic.config.harness import (  # noqa: F401  (re-exported: the harness API
 from mosaic.agent.policy import GenRequest, GenResult, Policy
 from mosaic.agent.tools import Action, parse_action, safe_text
 from mosaic.envs.rewards import score_answer
-from mosaic.envs.search import format_hits
 from mosaic.trace.graph import Session, StateRef, Trajectory, validate
-
-
-class DeepSearchEnv:
-    """Thin adapter over the deep-search environment: a ``Split`` or a ``SearchIndex``."""
-
-    def __init__(self, split_or_index):
-        self.index = getattr(split_or_index, "index", split_or_index)
-        self.tasks = getattr(split_or_index, "tasks", None)
-        if not hasattr(self.index, "search"):
-            raise TypeError(f"DeepSearchEnv needs a Split or SearchIndex, got {type(split_or_index).__name__}")
-
-    def search(self, query: str, k: int) -> str:
-        return format_hits(self.index.search(query, k))
-
-
-@dataclass
-class _Live:
-    """A session in progress."""
-
-    session: Session
-    key: str
-    depth: int
-    question: str
-    at_boundary: bool = False  # True when the next request must first append a generation header
-    turn_start: int = 0  # context length before the current turn's header (the pre-turn boundary)
-    fork_boundary: int = 0  # (subagent) parent's pre-turn boundary at the delegate call
-
-    @property
-    def length(self) -> int:
-        return len(self.session.prompt_ids) + len(self.session.completion_ids)
-
-
-@dataclass
-class _Run:
-    """One trajectory in progress."""
-
-    traj: Trajectory
-    task: object
-    sample: int
-    question: str = ""  # the task's question, made safe
-    stack: list[_Live] = field(default_factory=list)
-    done: bool = False
-    total_turns: int = 0
-    counters: Counter = field(default_factory=Counter)
-    invalid: Counter = field(default_factory=Counter)
-    tool_calls: Counter = field(default_factory=Counter)
-
-
-class StateScorer(Protocol):
-    """What the harness tells a live gain scorer (:class:`mosaic.train.scorer.LiveScorer`)."""
-
-    def session_closed(self, traj: Trajectory, session: Session, session_key: str, cuts: list[int], *,
-                       next_key: str | None = None) -> None:
-        """``session`` (of ``traj``) has closed; ``cuts`` are the lengths of the states that lie in it
-        (prefixes of its tokens); the policy still holds its cache under ``session_key``; ``next_key``: the
-        session that takes its cache over (a compaction, whose prompt extends its context)."""
-        ...
-
-    def flush(self) -> None:
-        """A round of turns is over (called before the next round's requests are sent)."""
-        ...
+from mosaic.agent.episode import (  # noqa: F401  (DeepSearchEnv, StateScorer re-exported: the harness API)
+    DeepSearchEnv, LiveSession, RunState, StateScorer, check_result,
+)
 
 
 class Harness:
@@ -148,13 +87,13 @@ class Harness:
         ids = [t.id for t in tasks]
         if len(set(ids)) != len(ids):
             raise ValueError("tasks contain duplicate ids; group ids would collide")
-        runs: list[_Run] = []
+        runs: list[RunState] = []
         for task in tasks:
             gid = task.id if step is None else f"{step}/{task.id}"
             for g in range(group_size):
                 traj = Trajectory(id=f"{gid}/{g}", task_id=task.id, group_id=gid, sessions=[],
                                   ground_truth=task.answer)
-                run = _Run(traj, task, g)
+                run = RunState(traj, task, g)
                 run.question = self._safe(run, task.question)
                 if isinstance(task.answer, str):
                     traj.ground_truth = self._safe(run, task.answer)
@@ -198,16 +137,16 @@ class Harness:
         return [r.traj for r in runs]
 
     # ------------------------------------------------------------------ sessions
-    def _new_session(self, run: _Run, kind: str, prompt: list[int], parent: int | None, edge: str | None,
-                     depth: int, question: str) -> _Live:
+    def _new_session(self, run: RunState, kind: str, prompt: list[int], parent: int | None, edge: str | None,
+                     depth: int, question: str) -> LiveSession:
         s = Session(id=len(run.traj.sessions), kind=kind, prompt_ids=list(prompt), parent=parent, edge=edge)
         s.meta["depth"] = depth
         run.traj.sessions.append(s)
-        live = _Live(s, f"{run.traj.id}/{s.id}", depth, question)
+        live = LiveSession(s, f"{run.traj.id}/{s.id}", depth, question)
         run.stack.append(live)
         return live
 
-    def _open_main(self, run: _Run, user: str, parent: int | None) -> _Live:
+    def _open_main(self, run: RunState, user: str, parent: int | None) -> LiveSession:
         prompt, boundary = self.chat.initial_prompt(self.config.system_text(0), user)
         live = self._new_session(run, "main", prompt, parent, None if parent is None else "continues", 0,
                                  run.question)
@@ -215,7 +154,7 @@ class Harness:
         live.turn_start = boundary
         return live
 
-    def _close(self, run: _Run, live: _Live, reason: str, *, ends: bool = False, handoff: str | None = None) -> None:
+    def _close(self, run: RunState, live: LiveSession, reason: str, *, ends: bool = False, handoff: str | None = None) -> None:
         """End ``live``. ``ends``: it ends the trajectory (its own end state is never probed); ``handoff``: the
         session key of a new session whose prompt extends this one's context (it takes over the cache)."""
         s = live.session
@@ -251,7 +190,7 @@ class Harness:
                     cuts.add(key[2])
         return sorted(cuts)
 
-    def _append(self, run: _Run, live: _Live, ids: list[int], mask: list[bool] | None = None,
+    def _append(self, run: RunState, live: LiveSession, ids: list[int], mask: list[bool] | None = None,
                 logprobs: list[float] | None = None) -> None:
         s = live.session
         mask = [False] * len(ids) if mask is None else mask
@@ -260,7 +199,7 @@ class Harness:
         s.logprobs += [0.0] * len(ids) if logprobs is None else logprobs
         run.counters["tokens_inserted"] += sum(1 for m in mask if not m)
 
-    def _end_trajectory(self, run: _Run, reason: str, *, reward: float = 0.0, answer: str | None = None) -> None:
+    def _end_trajectory(self, run: RunState, reason: str, *, reward: float = 0.0, answer: str | None = None) -> None:
         top = run.stack[-1] if run.stack else None
         for live in reversed(list(run.stack)):
             if live.session.kind == "subagent":  # aborted: its result never reached the parent
@@ -273,7 +212,7 @@ class Harness:
         run.done = True
 
     # ------------------------------------------------------------------ one step
-    def _prepare(self, run: _Run) -> GenRequest | None:
+    def _prepare(self, run: RunState) -> GenRequest | None:
         """The next request of ``run``'s active session, after caps and compaction; None if it ended."""
         cfg = self.config
         live = run.stack[-1]
@@ -292,7 +231,7 @@ class Harness:
         self._end_trajectory(run, reason)
         return None
 
-    def _limit_reason(self, run: _Run, live: _Live, budget: int) -> str | None:
+    def _limit_reason(self, run: RunState, live: LiveSession, budget: int) -> str | None:
         """Why a main or subagent session cannot take another turn as it is: a cap or an overflow
         (``"compact"`` when a compaction resolves it); None when it can."""
         cfg, s = self.config, live.session
@@ -310,16 +249,15 @@ class Harness:
             return "session_cap"
         return "compact"
 
-    def _open_turn(self, run: _Run, live: _Live) -> None:
+    def _open_turn(self, run: RunState, live: LiveSession) -> None:
         """Append the generation header if the context rests at a message boundary."""
         if not live.at_boundary:
             return
-        s = live.session
         live.turn_start = live.length
         self._append(run, live, list(self.chat.generation_header_ids))
         live.at_boundary = False
 
-    def _request(self, run: _Run, live: _Live, max_new: int, budget: int) -> GenRequest:
+    def _request(self, run: RunState, live: LiveSession, max_new: int, budget: int) -> GenRequest:
         cfg, s = self.config, live.session
         meta = {
             "task_id": run.task.id, "traj_id": run.traj.id, "sample": run.sample, "seed": self._seed,
@@ -329,7 +267,7 @@ class Harness:
         }
         return GenRequest(live.key, s.prompt_ids + s.completion_ids, max_new, meta, context_budget=budget)
 
-    def _start_compaction(self, run: _Run, main: _Live) -> _Live:
+    def _start_compaction(self, run: RunState, main: LiveSession) -> LiveSession:
         prompt = main.session.tokens() + self.chat.user_delta(self.config.compaction_prompt) + list(
             self.chat.generation_header_ids)
         live = self._new_session(run, "compaction", prompt, main.session.id, "continues", 0, main.question)
@@ -340,13 +278,13 @@ class Harness:
         run.counters["compactions"] += 1
         return live
 
-    def _apply(self, run: _Run, req: GenRequest, res: GenResult) -> None:
+    def _apply(self, run: RunState, req: GenRequest, res: GenResult) -> None:
         live = run.stack[-1]
         if res.finish_reason == "error":
             run.traj.meta["error"] = self._safe(run, str(res.error or "policy error"))
             self._end_trajectory(run, "policy_error")
             return
-        _check_result(req, res)
+        check_result(req, res)
         text = self._record_turn(run, live, res)
         if live.session.kind == "compaction":
             summary = text.replace("<|im_end|>", "").strip()  # (other specials: sanitised in the prompt)
@@ -356,7 +294,7 @@ class Harness:
             return
         self._act(run, live, self._parse(live, text), text)
 
-    def _record_turn(self, run: _Run, live: _Live, res: GenResult) -> str:
+    def _record_turn(self, run: RunState, live: LiveSession, res: GenResult) -> str:
         """Append a sampled turn (and the tokens that close it); returns its text."""
         s = live.session
         sampled = list(res.token_ids)
@@ -373,7 +311,7 @@ class Harness:
         body = sampled[:-1] if sampled and sampled[-1] == self.chat.im_end_id else sampled
         return self.chat.decode(body)
 
-    def _parse(self, live: _Live, text: str) -> Action:
+    def _parse(self, live: LiveSession, text: str) -> Action:
         cfg = self.config
         allowed = ("search", "delegate") if cfg.forks else ("search",)
         action = parse_action(text, allowed, max_arg_chars=cfg.max_arg_chars)
@@ -383,7 +321,7 @@ class Harness:
                 f"{cfg.max_depth}); search yourself."))
         return action
 
-    def _act(self, run: _Run, live: _Live, action: Action, text: str) -> None:
+    def _act(self, run: RunState, live: LiveSession, action: Action, text: str) -> None:
         """Carry out a main or subagent session's action: answer, invalid, search or delegate."""
         if action.sanitized:  # its argument was made safe by parse_action
             run.counters["sanitized_text"] += 1
@@ -405,14 +343,14 @@ class Harness:
             else:
                 self._delegate(run, live, action.argument)
 
-    def _safe(self, run: _Run, text: str) -> str:
+    def _safe(self, run: RunState, text: str) -> str:
         """``text`` from outside made safe (:func:`safe_text`); a replacement is counted."""
         text, changed = safe_text(text)
         if changed:
             run.counters["sanitized_text"] += 1
         return text
 
-    def _search(self, run: _Run, query: str) -> str:
+    def _search(self, run: RunState, query: str) -> str:
         try:
             out = self.env.search(query, self.config.search_k)
             if not isinstance(out, str):
@@ -422,7 +360,7 @@ class Harness:
             out = f"Error (tool_error): search failed: {type(exc).__name__}: {exc}"
         return self._safe(run, out)
 
-    def _delegate(self, run: _Run, live: _Live, question: str) -> None:
+    def _delegate(self, run: RunState, live: LiveSession, question: str) -> None:
         if len(run.traj.sessions) + 1 > self.config.max_sessions:
             self._end_trajectory(run, "session_cap")
             return
@@ -434,7 +372,7 @@ class Harness:
         child.turn_start = boundary
         run.counters["forks"] += 1
 
-    def _return_to_parent(self, run: _Run, child: _Live, answer: str | None, reason: str) -> None:
+    def _return_to_parent(self, run: RunState, child: LiveSession, answer: str | None, reason: str) -> None:
         self._close(run, child, reason)
         parent = run.stack[-1]
         if answer is None:
@@ -446,7 +384,7 @@ class Harness:
         self._append(run, parent, self.chat.tool_delta(text))
         child.session.state_after = StateRef(session=parent.session.id, upto=parent.length)
 
-    def _finish(self, run: _Run) -> None:
+    def _finish(self, run: RunState) -> None:
         traj = run.traj
         mains = [s for s in traj.sessions if s.kind == "main"]
         mains[-1].is_final = True
@@ -476,14 +414,3 @@ class Harness:
             if extra:
                 traj.meta["policy"] = extra
         validate(traj)
-
-
-def _check_result(req: GenRequest, res: GenResult) -> None:
-    """A policy's result must respect the turn cap and carry one finite log-prob per token."""
-    n = len(res.token_ids)
-    if n > req.max_new_tokens or len(res.logprobs) != n:
-        raise RuntimeError(
-            f"policy returned {n} tokens / {len(res.logprobs)} logprobs for a turn capped "
-            f"at {req.max_new_tokens} tokens (session {req.session_key})")
-    if not all(math.isfinite(x) for x in res.logprobs):
-        raise RuntimeError(f"policy returned non-finite logprobs (session {req.session_key})")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from mosaic.capture.records import CallRecord, content_text
 from mosaic.capture.sessions import (
-    ReconstructionRules, SessionDraft, _is_prefix, _Rollout, history_texts, loose, message_key, tool_call_keys,
+    ReconstructionRules, SessionDraft, is_prefix, RolloutCalls, history_texts, loose, message_key, tool_call_keys,
     tool_call_strings,
 )
 
@@ -42,7 +42,7 @@ class Linker:
 
     def __init__(self, calls: list[CallRecord], rules: ReconstructionRules, answer: str | None = None):
         self.calls, self.rules, self.answer = calls, rules, loose(answer or "")
-        self.ro = _Rollout(calls, rules)
+        self.ro = RolloutCalls(calls, rules)
         self.sessions: list[SessionDraft] = []
         self.call_sess: list[int] = []  # the session of each call
 
@@ -93,7 +93,7 @@ class Linker:
         best: list[int] = []
         best_len = -1
         for s in sessions:
-            if len(s.tip) >= best_len and _is_prefix(s.tip, c.prompt_ids):
+            if len(s.tip) >= best_len and is_prefix(s.tip, c.prompt_ids):
                 if len(s.tip) > best_len:
                     best, best_len = [s.idx], len(s.tip)
                 else:
@@ -122,7 +122,7 @@ class Linker:
         else:
             for s in sessions:
                 first = self.calls[s.calls[0]]
-                if _is_prefix(first.prompt_ids, c.prompt_ids) and len(first.prompt_ids) < len(c.prompt_ids):
+                if is_prefix(first.prompt_ids, c.prompt_ids) and len(first.prompt_ids) < len(c.prompt_ids):
                     new.meta["diverged_from"] = s.idx
         sessions.append(new)
         self.call_sess.append(new.idx)
@@ -152,7 +152,7 @@ class Linker:
             if role != "assistant" or text != loose(p.text) or tcs != tool_call_keys(p.tool_calls):
                 continue
             start = len(p.prompt_ids)
-            if not _is_prefix(p.prompt_ids, c.prompt_ids):
+            if not is_prefix(p.prompt_ids, c.prompt_ids):
                 continue
             try:
                 q = c.prompt_ids.index(p.completion_ids[-1], start) + 1

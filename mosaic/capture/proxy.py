@@ -197,6 +197,23 @@ class RecordingProxy:
                 print(f"mosaic proxy: stopped; {self.writer.count} record(s) flushed to {self.writer.path}",
                       file=sys.stderr, flush=True)
 
+    # -- for an in-process owner (the trainer) ---------------------------------------------------
+    def record(self, rec) -> None:
+        """Append a record (a trainer-scored :class:`RewardRecord`) to this proxy's records file."""
+        if self.writer is None:
+            raise RuntimeError("the proxy has not started: no records file yet")
+        self.writer.write(rec)
+
+    def wait_idle(self, timeout: float = 10.0) -> bool:
+        """Block (from another thread than the proxy's) until no call is in flight, so every answered call
+        is recorded (a streamed call's record lands after its last byte); False when ``timeout`` ran out."""
+        t_end = time.monotonic() + timeout
+        while self.in_flight > 0:
+            if time.monotonic() >= t_end:
+                return False
+            time.sleep(0.02)
+        return True
+
     # -- helpers -------------------------------------------------------------------------------
     def _upstream_headers(self, request) -> dict[str, str]:
         # identity: the proxy relays the upstream's bytes as they come and parses them on the way

@@ -36,8 +36,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Iterator
 
-from mosaic.trace.graph import (
-    TraceError, _check_ids, _check_logprobs, _dict, _float_list, _int, _int_list, _list, _number, _str,
+from mosaic.trace.fields import (
+    TraceError, check_ids, check_logprobs, as_dict, as_float_list, as_int, as_int_list, as_list, as_number, as_str,
 )
 from mosaic.trace.storage import LineAppender, iter_json_lines
 
@@ -68,33 +68,33 @@ class BadRecordWarning(UserWarning):
 def _check_call(d: dict[str, Any]) -> None:
     """Strict types and ranges of a call record's fields (:class:`TraceError` naming the field)."""
     for name in ("call_id", "rollout_id", "endpoint"):
-        _str(d[name], name)
-    _int(d["seq"], "seq")
+        as_str(d[name], name)
+    as_int(d["seq"], "seq")
     for name in ("prompt_ids", "completion_ids"):
         if name in d:
-            _check_ids(_int_list(d[name], name), name)
+            check_ids(as_int_list(d[name], name), name)
     if "logprobs" in d:
-        _check_logprobs(_float_list(d["logprobs"], "logprobs"), "logprobs")
+        check_logprobs(as_float_list(d["logprobs"], "logprobs"), "logprobs")
     for name in ("model", "text"):
         if name in d:
-            _str(d[name], name)
+            as_str(d[name], name)
     for name in ("prompt", "finish_reason", "error"):
         if name in d:
-            _str(d[name], name, optional=True)
+            as_str(d[name], name, optional=True)
     for name in ("messages", "tools", "tool_calls"):
         if name in d:
-            _list(d[name], name)
+            as_list(d[name], name)
     for name in ("request_params", "headers"):
         if name in d:
-            _dict(d[name], name)
+            as_dict(d[name], name)
     # times order the calls (reconstruct sorts by t_start) and go into the trajectory's meta
     for name in ("t_start", "t_first", "t_end", "upstream_s"):
-        if name in d and not (name == "t_first" and d[name] is None) and not math.isfinite(_number(d[name], name)):
+        if name in d and not (name == "t_first" and d[name] is None) and not math.isfinite(as_number(d[name], name)):
             raise TraceError(f"field {name!r}: must be a finite number, got {d[name]!r}")
     if "status" in d:
-        _int(d["status"], "status")
+        as_int(d["status"], "status")
     if d.get("policy_version") is not None:
-        _int(d["policy_version"], "policy_version")
+        as_int(d["policy_version"], "policy_version")
     for name in ("retokenized", "stream", "context_overflow"):
         if name in d and not isinstance(d[name], bool):
             raise TraceError(f"field {name!r}: must be true or false, got {d[name]!r}")
@@ -218,15 +218,15 @@ class RewardRecord:
         if "rollout_id" not in d or "reward" not in d:
             raise RecordError("reward record needs 'rollout_id' and 'reward'")
         try:
-            _str(d["rollout_id"], "rollout_id")
-            r = _number(d["reward"], "reward")
+            as_str(d["rollout_id"], "rollout_id")
+            r = as_number(d["reward"], "reward")
             if not 0.0 <= r <= 1.0:  # (NaN too)
                 raise TraceError(f"field 'reward': {r} is not a number in [0, 1]")
             for name in ("ground_truth", "answer", "task_id", "group_id"):
-                _str(d.get(name), name, optional=True)
-            if not math.isfinite(_number(d.get("t", 0.0), "t")):
+                as_str(d.get(name), name, optional=True)
+            if not math.isfinite(as_number(d.get("t", 0.0), "t")):
                 raise TraceError("field 't': must be finite")
-            _dict(d.get("meta"), "meta")
+            as_dict(d.get("meta"), "meta")
         except TraceError as exc:
             raise RecordError(f"reward record {exc}") from None
         return RewardRecord(**{k: v for k, v in d.items() if k in names})

@@ -73,7 +73,7 @@ def _norm(text: str) -> str:
     return " ".join(text.split())
 
 
-def _is_prefix(prefix: Sequence[int], seq: Sequence[int]) -> bool:
+def is_prefix(prefix: Sequence[int], seq: Sequence[int]) -> bool:
     return len(prefix) <= len(seq) and list(seq[: len(prefix)]) == list(prefix)
 
 
@@ -181,7 +181,9 @@ class SessionDraft:
         self.tip = c.tip()
 
 
-class _Rollout:
+class RolloutCalls:
+    """The calls of one rollout with what reconstruction asks of them (texts, tool-call keys, prefixes)."""
+
     def __init__(self, calls: list[CallRecord], rules: ReconstructionRules):
         self.rules = rules
         self.calls = calls
@@ -232,7 +234,7 @@ class _Rollout:
         return any(p.search(last) for p in self._patterns)
 
 
-def _dedup(calls: list[CallRecord], ro: _Rollout) -> tuple[list[CallRecord], list[str]]:
+def _dedup(calls: list[CallRecord], ro: RolloutCalls) -> tuple[list[CallRecord], list[str]]:
     groups: dict[tuple[int, ...], list[int]] = {}
     for i, c in enumerate(calls):
         groups.setdefault(tuple(c.prompt_ids), []).append(i)
@@ -246,7 +248,7 @@ def _dedup(calls: list[CallRecord], ro: _Rollout) -> tuple[list[CallRecord], lis
             for j in range(i + 1, len(calls)):
                 if j in members:
                     continue
-                if _is_prefix(tip, calls[j].prompt_ids) or ro.appears_in(calls[i].text, j):
+                if is_prefix(tip, calls[j].prompt_ids) or ro.appears_in(calls[i].text, j):
                     return True
             return False
 
@@ -262,6 +264,6 @@ def _dedup(calls: list[CallRecord], ro: _Rollout) -> tuple[list[CallRecord], lis
 def dedup_retries(calls: list[CallRecord], rules: ReconstructionRules) -> tuple[list[CallRecord], list[str]]:
     """Rule 2: drop retried calls (identical prompt ids) that nothing builds on; returns the kept
     calls and the dropped call ids."""
-    return _dedup(calls, _Rollout(calls, rules))
+    return _dedup(calls, RolloutCalls(calls, rules))
 
 

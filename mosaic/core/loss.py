@@ -99,6 +99,27 @@ class PolicyLossOutput:
     ``actor/ratio_mean|max|min``, ``actor/entropy`` (when given)."""
 
 
+def _loss_metrics(w_tok: torch.Tensor, mask: torch.Tensor, pg_loss: torch.Tensor, kl_loss: torch.Tensor,
+                  log_ratio: torch.Tensor, ratio: torch.Tensor, *, clipped: torch.Tensor,
+                  entropy: torch.Tensor | None) -> dict[str, float]:
+    """The loss's metrics, each a ``w_tok``-weighted sum over the batch (``w_tok``: (B, L), 0 off-mask), so they
+    aggregate exactly as the loss does; ``clipped``: (B, L) bool, the clipped branch was taken."""
+    with torch.no_grad():
+        wd = w_tok.detach()
+        metrics = {
+            "actor/pg_loss": float(pg_loss.detach()),
+            "actor/pg_clipfrac": float((wd * clipped.to(wd.dtype)).sum()),
+            "actor/ppo_kl": float((wd * -log_ratio.detach()).sum()),
+            "actor/kl_loss": float(kl_loss.detach()),
+            "actor/ratio_mean": float((wd * ratio.detach()).sum()),
+            "actor/ratio_max": float(ratio[mask].max()) if bool(mask.any()) else 1.0,
+            "actor/ratio_min": float(ratio[mask].min()) if bool(mask.any()) else 1.0,
+        }
+        if entropy is not None:
+            metrics["actor/entropy"] = float((wd * torch.where(mask, entropy, torch.zeros_like(entropy))).sum())
+    return metrics
+
+
 def policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -163,18 +184,5 @@ def policy_loss(
     else:
         kl_loss = pg_loss.new_zeros(())
     loss = pg_loss + kl_coef * kl_loss
-
-    with torch.no_grad():
-        wd = w_tok.detach()
-        metrics = {
-            "actor/pg_loss": float(pg_loss.detach()),
-            "actor/pg_clipfrac": float((wd * (pg2 > pg1).to(wd.dtype)).sum()),
-            "actor/ppo_kl": float((wd * -log_ratio.detach()).sum()),
-            "actor/kl_loss": float(kl_loss.detach()),
-            "actor/ratio_mean": float((wd * ratio.detach()).sum()),
-            "actor/ratio_max": float(ratio[mask].max()) if bool(mask.any()) else 1.0,
-            "actor/ratio_min": float(ratio[mask].min()) if bool(mask.any()) else 1.0,
-        }
-        if entropy is not None:
-            metrics["actor/entropy"] = float((wd * torch.where(mask, entropy, torch.zeros_like(entropy))).sum())
+    metrics = _loss_metrics(w_tok, mask, pg_loss, kl_loss, log_ratio, ratio, clipped=pg2 > pg1, entropy=entropy)
     return PolicyLossOutput(loss=loss, pg_loss=pg_loss, kl_loss=kl_loss, metrics=metrics)

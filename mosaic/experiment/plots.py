@@ -3,6 +3,7 @@ sessions per trajectory, positive-gain share."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +14,13 @@ __all__ = ["make_plots"]
 
 
 def make_plots(grid: Grid, data: dict, out: Path) -> list[Path]:
+    """The report's PNGs; none (the report says so) when matplotlib is not installed (the ``lab`` extra)."""
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        print("[mosaic] matplotlib is not installed: the report has no plots (pip install 'mosaic-rl[lab]')",
+              file=sys.stderr, flush=True)
+        return []
     import matplotlib  # here, not at module level: the Agg backend must be chosen before pyplot loads
 
     matplotlib.use("Agg")

@@ -6,7 +6,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["TraceError", "MAX_TOKEN_ID", "LOGPROB_TOLERANCE"]
+__all__ = ["TraceError", "MAX_TOKEN_ID", "LOGPROB_TOLERANCE", "show_value", "as_int", "as_str", "as_bool", "as_number",
+           "as_list", "as_int_list", "as_bool_list", "as_float_list", "as_dict", "check_ids", "check_logprobs"]
 
 
 class TraceError(ValueError):
@@ -23,78 +24,78 @@ LOGPROB_TOLERANCE = 1e-3
 # ``"false"`` is not a mask value). Errors name the field (and the list index).
 
 
-def _show(v: Any) -> str:
+def show_value(v: Any) -> str:
     r = repr(v)
     return r if len(r) <= 40 else r[:37] + "..."
 
 
-def _int(v: Any, name: str, *, optional: bool = False) -> int | None:
+def as_int(v: Any, name: str, *, optional: bool = False) -> int | None:
     if v is None and optional:
         return None
     if isinstance(v, bool) or not isinstance(v, int):
-        raise TraceError(f"field {name!r}: must be an integer, got {_show(v)}")
+        raise TraceError(f"field {name!r}: must be an integer, got {show_value(v)}")
     return int(v)
 
 
-def _str(v: Any, name: str, *, optional: bool = False) -> str | None:
+def as_str(v: Any, name: str, *, optional: bool = False) -> str | None:
     if v is None and optional:
         return None
     if not isinstance(v, str):
-        raise TraceError(f"field {name!r}: must be a string, got {_show(v)}")
+        raise TraceError(f"field {name!r}: must be a string, got {show_value(v)}")
     return v
 
 
-def _bool(v: Any, name: str) -> bool:
+def as_bool(v: Any, name: str) -> bool:
     if not isinstance(v, bool):
-        raise TraceError(f"field {name!r}: must be true or false, got {_show(v)}")
+        raise TraceError(f"field {name!r}: must be true or false, got {show_value(v)}")
     return v
 
 
-def _number(v: Any, name: str) -> float:
+def as_number(v: Any, name: str) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise TraceError(f"field {name!r}: must be a number, got {_show(v)}")
+        raise TraceError(f"field {name!r}: must be a number, got {show_value(v)}")
     return float(v)
 
 
-def _list(v: Any, name: str) -> list:
+def as_list(v: Any, name: str) -> list:
     if not isinstance(v, list):
-        raise TraceError(f"field {name!r}: must be a list, got {_show(v)}")
+        raise TraceError(f"field {name!r}: must be a list, got {show_value(v)}")
     return v
 
 
-def _int_list(v: Any, name: str) -> list[int]:
-    if all(type(t) is int for t in _list(v, name)):
+def as_int_list(v: Any, name: str) -> list[int]:
+    if all(type(t) is int for t in as_list(v, name)):
         return list(v)
-    return [_int(t, f"{name}[{i}]") for i, t in enumerate(v)]  # type: ignore[misc]
+    return [as_int(t, f"{name}[{i}]") for i, t in enumerate(v)]  # type: ignore[misc]
 
 
-def _bool_list(v: Any, name: str) -> list[bool]:
-    if all(type(t) is bool for t in _list(v, name)):
+def as_bool_list(v: Any, name: str) -> list[bool]:
+    if all(type(t) is bool for t in as_list(v, name)):
         return list(v)
-    return [_bool(t, f"{name}[{i}]") for i, t in enumerate(v)]
+    return [as_bool(t, f"{name}[{i}]") for i, t in enumerate(v)]
 
 
-def _float_list(v: Any, name: str) -> list[float]:
-    if all(type(t) is float for t in _list(v, name)):
+def as_float_list(v: Any, name: str) -> list[float]:
+    if all(type(t) is float for t in as_list(v, name)):
         return list(v)
-    return [_number(t, f"{name}[{i}]") for i, t in enumerate(v)]
+    return [as_number(t, f"{name}[{i}]") for i, t in enumerate(v)]
 
 
-def _dict(v: Any, name: str) -> dict[str, Any]:
+def as_dict(v: Any, name: str) -> dict[str, Any]:
     if v is None:
         return {}
     if not isinstance(v, dict):
-        raise TraceError(f"field {name!r}: must be an object, got {_show(v)}")
+        raise TraceError(f"field {name!r}: must be an object, got {show_value(v)}")
     return dict(v)
 
 
-def _check_ids(ids: list[int], name: str) -> None:
+def check_ids(ids: list[int], name: str) -> None:
     if ids and (min(ids) < 0 or max(ids) > MAX_TOKEN_ID):
         i, t = next((i, t) for i, t in enumerate(ids) if not 0 <= t <= MAX_TOKEN_ID)
         raise TraceError(f"field '{name}[{i}]': token id {t} is outside [0, {MAX_TOKEN_ID}]")
 
 
-def _check_logprobs(lps: list[float], name: str) -> None:
+def check_logprobs(lps: list[float], name: str) -> None:
     for i, x in enumerate(lps):
         if not -math.inf < x <= LOGPROB_TOLERANCE:  # also catches NaN
             raise TraceError(f"field '{name}[{i}]': log-prob {x} is not finite and <= 0")

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Literal
 
 from mosaic.trace.fields import (  # noqa: F401  (TraceError and the limits are re-exported)
-    TraceError, MAX_TOKEN_ID, LOGPROB_TOLERANCE, _show, _int, _str, _bool, _number, _list, _int_list, _bool_list, _float_list, _dict, _check_ids, _check_logprobs,
+    TraceError, MAX_TOKEN_ID, LOGPROB_TOLERANCE, show_value, as_int, as_str, as_bool, as_number, as_list, as_int_list, as_bool_list, as_float_list, as_dict, check_ids, check_logprobs,
 )
 
 # Session kinds and their integer codes (the estimators take codes).
@@ -72,9 +72,9 @@ class StateRef:
             return None
         if not isinstance(d, dict):
             raise TraceError(f"state reference must be an object, got {type(d).__name__}")
-        return StateRef(session=_int(d.get("session"), "session", optional=True),
-                        upto=_int(d.get("upto"), "upto", optional=True),
-                        state=_int(d.get("state"), "state", optional=True))
+        return StateRef(session=as_int(d.get("session"), "session", optional=True),
+                        upto=as_int(d.get("upto"), "upto", optional=True),
+                        state=as_int(d.get("state"), "state", optional=True))
 
 
 @dataclass
@@ -147,7 +147,7 @@ class Session:
     def from_dict(d: dict[str, Any]) -> "Session":
         """Decode a session record strictly: every field must have its type (no coercion)."""
         if not isinstance(d, dict):
-            raise TraceError(f"session record must be an object, got {_show(d)}")
+            raise TraceError(f"session record must be an object, got {show_value(d)}")
         try:
             refs = {}
             for key in ("state_before", "state_after"):
@@ -156,20 +156,20 @@ class Session:
                 except TraceError as exc:
                     raise TraceError(f"field {key!r}: {exc}") from None
             return Session(
-                id=_int(d["id"], "id"),
-                kind=_str(d["kind"], "kind"),
-                parent=_int(d.get("parent"), "parent", optional=True),
-                edge=_str(d.get("edge"), "edge", optional=True),
-                prompt_ids=_int_list(d["prompt_ids"], "prompt_ids"),
-                completion_ids=_int_list(d.get("completion_ids", []), "completion_ids"),
-                loss_mask=_bool_list(d.get("loss_mask", []), "loss_mask"),
-                logprobs=_float_list(d.get("logprobs", []), "logprobs"),
-                end_reason=_str(d.get("end_reason", ""), "end_reason"),
-                is_final=_bool(d.get("is_final", False), "is_final"),
+                id=as_int(d["id"], "id"),
+                kind=as_str(d["kind"], "kind"),
+                parent=as_int(d.get("parent"), "parent", optional=True),
+                edge=as_str(d.get("edge"), "edge", optional=True),
+                prompt_ids=as_int_list(d["prompt_ids"], "prompt_ids"),
+                completion_ids=as_int_list(d.get("completion_ids", []), "completion_ids"),
+                loss_mask=as_bool_list(d.get("loss_mask", []), "loss_mask"),
+                logprobs=as_float_list(d.get("logprobs", []), "logprobs"),
+                end_reason=as_str(d.get("end_reason", ""), "end_reason"),
+                is_final=as_bool(d.get("is_final", False), "is_final"),
                 state_before=refs["state_before"],
                 state_after=refs["state_after"],
-                num_turns=_int(d.get("num_turns", 0), "num_turns"),
-                meta=_dict(d.get("meta"), "meta"),
+                num_turns=as_int(d.get("num_turns", 0), "num_turns"),
+                meta=as_dict(d.get("meta"), "meta"),
             )
         except KeyError as exc:
             raise TraceError(f"session record is missing field {exc.args[0]!r}") from None
@@ -255,7 +255,7 @@ class Trajectory:
         if not isinstance(d, dict):
             raise TraceError(f"trajectory record must be an object, got {type(d).__name__}")
         try:
-            tid = _str(d["id"], "id")
+            tid = as_str(d["id"], "id")
             sessions = d["sessions"]
             if not isinstance(sessions, list):
                 raise TraceError("trajectory field 'sessions' must be a list")
@@ -266,19 +266,19 @@ class Trajectory:
                 except TraceError as exc:
                     raise TraceError(f"trajectory {tid!r} session {k} {exc}") from None
             try:
-                states = [_int_list(st, f"states[{i}]") for i, st in enumerate(_list(d.get("states", []), "states"))]
+                states = [as_int_list(st, f"states[{i}]") for i, st in enumerate(as_list(d.get("states", []), "states"))]
                 return Trajectory(
                     id=tid,  # type: ignore[arg-type]
-                    task_id=_str(d["task_id"], "task_id"),  # type: ignore[arg-type]
-                    group_id=_str(d["group_id"], "group_id"),  # type: ignore[arg-type]
+                    task_id=as_str(d["task_id"], "task_id"),  # type: ignore[arg-type]
+                    group_id=as_str(d["group_id"], "group_id"),  # type: ignore[arg-type]
                     sessions=decoded,
-                    reward=_number(d.get("reward", 0.0), "reward"),
-                    success=_bool(d.get("success", False), "success"),
-                    answer=_str(d.get("answer"), "answer", optional=True),
-                    ground_truth=_str(d.get("ground_truth"), "ground_truth", optional=True),
-                    end_reason=_str(d.get("end_reason", ""), "end_reason"),  # type: ignore[arg-type]
+                    reward=as_number(d.get("reward", 0.0), "reward"),
+                    success=as_bool(d.get("success", False), "success"),
+                    answer=as_str(d.get("answer"), "answer", optional=True),
+                    ground_truth=as_str(d.get("ground_truth"), "ground_truth", optional=True),
+                    end_reason=as_str(d.get("end_reason", ""), "end_reason"),  # type: ignore[arg-type]
                     states=states,
-                    meta=_dict(d.get("meta"), "meta"),
+                    meta=as_dict(d.get("meta"), "meta"),
                 )
             except TraceError as exc:
                 raise TraceError(f"trajectory {tid!r} {exc}") from None
@@ -309,6 +309,40 @@ def _check_ref(traj: Trajectory, s: Session, name: str, ref: StateRef | None) ->
 
 
 # Long on purpose: one ordered list of checks, each naming the broken field; splitting it would scatter the checks' order.
+def _check_session(s: Session, k: int, n: int, where: str) -> None:
+    """One session's own invariants (id, kind, lengths, ids, log-probs, turns, parent and edge)."""
+    if s.id != k:
+        raise TraceError(f"{where} field 'id': expected {k}, got {s.id}")
+    if s.kind not in KIND_CODES:
+        raise TraceError(f"{where} field 'kind': unknown kind {s.kind!r} (known: {sorted(KIND_CODES)})")
+    if len(s.loss_mask) != len(s.completion_ids):
+        raise TraceError(
+            f"{where} field 'loss_mask': length {len(s.loss_mask)} != "
+            f"{len(s.completion_ids)} completion tokens"
+        )
+    if len(s.logprobs) != len(s.completion_ids):
+        raise TraceError(
+            f"{where} field 'logprobs': length {len(s.logprobs)} != "
+            f"{len(s.completion_ids)} completion tokens"
+        )
+    try:
+        check_ids(s.prompt_ids, "prompt_ids")
+        check_ids(s.completion_ids, "completion_ids")
+        check_logprobs(s.logprobs, "logprobs")
+    except TraceError as exc:
+        raise TraceError(f"{where} {exc}") from None
+    if s.num_turns < 0:
+        raise TraceError(f"{where} field 'num_turns': {s.num_turns} is negative")
+    if s.parent is None:
+        if s.edge is not None:
+            raise TraceError(f"{where} field 'edge': a root session has no incoming edge, got {s.edge!r}")
+    else:
+        if not 0 <= s.parent < n:
+            raise TraceError(f"{where} field 'parent': {s.parent} out of range (have {n} sessions)")
+        if s.edge not in EDGE_TYPES:
+            raise TraceError(f"{where} field 'edge': {s.edge!r} is not one of {EDGE_TYPES}")
+
+
 def validate(traj: Trajectory) -> Trajectory:
     """Check the data model's invariants; raise :class:`TraceError` naming the broken field.
 
@@ -329,42 +363,12 @@ def validate(traj: Trajectory) -> Trajectory:
         raise TraceError(f"trajectory {tid!r} field 'reward': {traj.reward} is not in [0, 1]")
     for i, st in enumerate(traj.states):
         try:
-            _check_ids(st, f"states[{i}]")
+            check_ids(st, f"states[{i}]")
         except TraceError as exc:
             raise TraceError(f"trajectory {tid!r} {exc}") from None
     n = len(traj.sessions)
     for k, s in enumerate(traj.sessions):
-        where = f"trajectory {tid!r} session {k}"
-        if s.id != k:
-            raise TraceError(f"{where} field 'id': expected {k}, got {s.id}")
-        if s.kind not in KIND_CODES:
-            raise TraceError(f"{where} field 'kind': unknown kind {s.kind!r} (known: {sorted(KIND_CODES)})")
-        if len(s.loss_mask) != len(s.completion_ids):
-            raise TraceError(
-                f"{where} field 'loss_mask': length {len(s.loss_mask)} != "
-                f"{len(s.completion_ids)} completion tokens"
-            )
-        if len(s.logprobs) != len(s.completion_ids):
-            raise TraceError(
-                f"{where} field 'logprobs': length {len(s.logprobs)} != "
-                f"{len(s.completion_ids)} completion tokens"
-            )
-        try:
-            _check_ids(s.prompt_ids, "prompt_ids")
-            _check_ids(s.completion_ids, "completion_ids")
-            _check_logprobs(s.logprobs, "logprobs")
-        except TraceError as exc:
-            raise TraceError(f"{where} {exc}") from None
-        if s.num_turns < 0:
-            raise TraceError(f"{where} field 'num_turns': {s.num_turns} is negative")
-        if s.parent is None:
-            if s.edge is not None:
-                raise TraceError(f"{where} field 'edge': a root session has no incoming edge, got {s.edge!r}")
-        else:
-            if not 0 <= s.parent < n:
-                raise TraceError(f"{where} field 'parent': {s.parent} out of range (have {n} sessions)")
-            if s.edge not in EDGE_TYPES:
-                raise TraceError(f"{where} field 'edge': {s.edge!r} is not one of {EDGE_TYPES}")
+        _check_session(s, k, n, f"trajectory {tid!r} session {k}")
     # Acyclic: follow parents from every node; a walk longer than n revisits a node.
     for k in range(n):
         seen = set()

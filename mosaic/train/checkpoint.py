@@ -32,12 +32,9 @@ with and refuses to go on unless forced (``train.resume_force=true``).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import re
 import shutil
-import struct
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,15 +45,15 @@ import yaml
 from safetensors.torch import load_file, save_file
 
 from mosaic.config.loader import config_diff
+from mosaic.train.ckpt_files import (CKPT_NAME, MANIFEST, fsync_dir, fsync_file, inside, is_complete, manifest_sizes,
+                                      sha256_file, verify_checkpoint, write_atomic)
 from mosaic.train.rng import capture_rng, restore_rng
 
 __all__ = ["CheckpointState", "CheckpointError", "save_checkpoint", "load_checkpoint", "find_latest",
            "list_checkpoints", "is_complete", "verify_checkpoint", "resolve_resume", "capture_rng", "restore_rng",
            "config_diff", "check_resume_config"]  # fmt: skip
 
-MANIFEST = "COMPLETE"
 LATEST = "latest"
-_NAME = re.compile(r"^ckpt-(\d+)$")
 
 
 class CheckpointError(RuntimeError):
@@ -71,45 +68,6 @@ class CheckpointState:
     step: int
     state: dict[str, Any] = field(default_factory=dict)
     """The free-form JSON state saved with the checkpoint (data cursor, counters, ...)."""
-
-
-# --------------------------------------------------------------------------------------
-# Durable file helpers.
-
-
-def _fsync_file(p: Path) -> None:
-    with open(p, "rb") as f:
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(p: Path) -> None:
-    fd = os.open(p, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_atomic(p: Path, text: str) -> None:
-    tmp = p.with_name(p.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, p)
-    _fsync_dir(p.parent)
-
-
-def _manifest(d: Path) -> dict[str, int]:
-    return {str(f.relative_to(d)): f.stat().st_size for f in sorted(d.rglob("*")) if f.is_file() and f.name != MANIFEST}
-
-
-def _sha256(p: Path) -> str:
-    h = hashlib.sha256()
-    with open(p, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 # --------------------------------------------------------------------------------------
@@ -154,102 +112,6 @@ def _ckpt_root(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
-def _read_manifest(d: Path) -> dict[str, Any] | None:
-    try:
-        m = json.loads((d / MANIFEST).read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(m, dict) or not isinstance(m.get("files"), dict):
-        return None
-    return m
-
-
-def _inside(p: Path, root: Path) -> bool:
-    """``p`` (symlinks resolved) is ``root`` itself or below it."""
-    try:
-        p.resolve().relative_to(root.resolve())
-    except (ValueError, OSError, RuntimeError):
-        return False
-    return True
-
-
-def is_complete(d: Path) -> bool:
-    """True when ``d`` has a manifest matching its files (names and sizes; cheap, no hashing)."""
-    if not d.is_dir() or not _NAME.match(d.name) or not (d / MANIFEST).is_file():
-        return False
-    m = _read_manifest(d)
-    return m is not None and m["files"] == _manifest(d)
-
-
-def _structure_problem(f: Path) -> str | None:
-    """Why a weights / state file cannot be read (parsed, not hashed), or None."""
-    if f.suffix == ".safetensors":
-        try:
-            with open(f, "rb") as fh:
-                raw = fh.read(8)
-                (n,) = struct.unpack("<Q", raw) if len(raw) == 8 else (-1,)
-                size = f.stat().st_size
-                if n < 2 or 8 + n > size:
-                    return f"corrupt safetensors header in {f.name} (header length {n}, file {size} bytes)"
-                header = json.loads(fh.read(n))
-            end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
-            if not isinstance(header, dict) or 8 + n + end != size:
-                return f"corrupt safetensors header in {f.name} (tensor data does not match the file size)"
-        except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError, struct.error) as exc:
-            return f"corrupt safetensors header in {f.name} ({type(exc).__name__}: {exc})"[:300]
-    elif f.suffix == ".pt":
-        try:
-            torch.load(f, map_location="cpu", weights_only=True)
-        except Exception as exc:  # noqa: BLE001 — any unpickling failure means "corrupt"
-            return f"corrupt {f.name} ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"[:300]
-    return None
-
-
-def verify_checkpoint(d: str | Path) -> str | None:
-    """None when ``d`` is a complete, intact checkpoint; otherwise the reason it is not.
-
-    Checks the manifest against the files on disk (missing, unexpected, resized files), no file is
-    a symlink leading out of the checkpoint, every file's sha256 (manifests written before hashes
-    existed: the safetensors headers are parsed and the ``*.pt`` files loaded instead), and names
-    the first problem: ``missing file …``, ``corrupt safetensors header in …``, ``corrupt optimizer.pt
-    …``, ``sha256 mismatch in …``."""
-    d = Path(d)
-    if not d.is_dir():
-        return "not a directory" if not d.exists() else "not a directory (a file)"
-    if not _NAME.match(d.name):
-        return f"not a checkpoint directory name (want ckpt-<step>, got {d.name!r})"
-    if not (d / MANIFEST).is_file():
-        return f"no {MANIFEST} manifest (unfinished write?)"
-    m = _read_manifest(d)
-    if m is None:
-        return f"unreadable {MANIFEST} manifest"
-    want: dict[str, Any] = m["files"]
-    have = _manifest(d)
-    missing = sorted(set(want) - set(have))
-    if missing:
-        return f"missing file {missing[0]}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
-    extra = sorted(set(have) - set(want))
-    if extra:
-        return f"file {extra[0]} is not in the manifest"
-    for name in sorted(want):
-        f = d / name
-        if f.is_symlink() or not _inside(f, d):
-            return f"{name} is a symlink (refused: checkpoint files must be plain files)"
-        if have[name] != want[name]:
-            return f"size mismatch in {name} ({have[name]} bytes, manifest says {want[name]}; truncated?)"
-    hashes = m.get("sha256")
-    for name in sorted(want):
-        f = d / name
-        if isinstance(hashes, dict) and name in hashes:
-            if _sha256(f) != hashes[name]:
-                return _structure_problem(f) or f"sha256 mismatch in {name} (content changed after it was saved)"
-        elif f.suffix in (".safetensors", ".pt"):  # a manifest from before content hashes
-            why = _structure_problem(f)
-            if why:
-                return why
-    return None
-
-
 def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
     """Complete checkpoints (names and sizes match; see :func:`verify_checkpoint` for contents),
     ascending by step. Directories that are symlinks leading out of the run dir are not listed."""
@@ -258,8 +120,8 @@ def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
         return []
     out = []
     for d in root.iterdir():
-        m = _NAME.match(d.name)
-        if m and _inside(d, root) and is_complete(d):
+        m = CKPT_NAME.match(d.name)
+        if m and inside(d, root) and is_complete(d):
             out.append((int(m.group(1)), d))
     return sorted(out)
 
@@ -269,16 +131,16 @@ def _pointer(root: Path) -> tuple[Path | None, str | None]:
     ptr = root / LATEST
     if not ptr.exists() and not ptr.is_symlink():
         return None, None
-    if ptr.is_symlink() and not _inside(ptr, root):
+    if ptr.is_symlink() and not inside(ptr, root):
         return None, f"{ptr} is a symlink out of the run directory (refused)"
     try:
         name = ptr.read_text().strip()
     except (OSError, UnicodeDecodeError) as exc:
         return None, f"{ptr} is unreadable ({exc})"
-    if not _NAME.match(name):
+    if not CKPT_NAME.match(name):
         return None, f"{ptr} names {name!r}, not a ckpt-<step> of this run directory (refused)"
     d = root / name
-    if d.is_symlink() and not _inside(d, root):
+    if d.is_symlink() and not inside(d, root):
         return None, f"{d} is a symlink out of the run directory (refused)"
     return d, None
 
@@ -293,10 +155,10 @@ def _candidates(run_dir: str | Path) -> tuple[list[Path], list[str]]:
     if why:
         notes.append(why)
     out = [first] if first is not None and first.is_dir() else []
-    dirs = sorted(((int(m.group(1)), d) for d in root.iterdir() if (m := _NAME.match(d.name)) and d.is_dir()),
+    dirs = sorted(((int(m.group(1)), d) for d in root.iterdir() if (m := CKPT_NAME.match(d.name)) and d.is_dir()),
                   reverse=True)  # fmt: skip
     for _, d in dirs:
-        if d not in out and _inside(d, root):
+        if d not in out and inside(d, root):
             out.append(d)
     return out, notes
 
@@ -350,22 +212,22 @@ def save_checkpoint(
     (tmp / "trainer_state.json").write_text(json.dumps({"step": int(step), "state": dict(state or {})}, indent=1))
     for f in tmp.rglob("*"):
         if f.is_file():
-            _fsync_file(f)
-    files = _manifest(tmp)
+            fsync_file(f)
+    files = manifest_sizes(tmp)
     with open(tmp / MANIFEST, "w") as f:
-        json.dump({"step": int(step), "files": files, "sha256": {n: _sha256(tmp / n) for n in files}}, f)
+        json.dump({"step": int(step), "files": files, "sha256": {n: sha256_file(tmp / n) for n in files}}, f)
         f.flush()
         os.fsync(f.fileno())
     for d in [p for p in tmp.rglob("*") if p.is_dir()] + [tmp]:
-        _fsync_dir(d)
+        fsync_dir(d)
     final = root / name
     if final.exists():  # re-saving a step (e.g. after a resume): move the old one aside first
         old = root / f"{name}.old.tmp"
         os.replace(final, old)
         shutil.rmtree(old, ignore_errors=True)
     os.replace(tmp, final)
-    _fsync_dir(root)
-    _write_atomic(root / LATEST, name)
+    fsync_dir(root)
+    write_atomic(root / LATEST, name)
     for s, d in list_checkpoints(run_dir)[:-keep_last]:
         if d != final:
             shutil.rmtree(d, ignore_errors=True)
@@ -422,7 +284,7 @@ def resolve_resume(resume: str, run_dir: str | Path) -> Path | None:
         _skip_note(resume, skipped)
         return found
     p = Path(resume)
-    if p.is_dir() and not _NAME.match(p.name):  # a run dir: its latest
+    if p.is_dir() and not CKPT_NAME.match(p.name):  # a run dir: its latest
         found = find_latest(p, verify=True, skipped=skipped)
         _skip_note(resume, skipped)
         if found is None:

@@ -33,6 +33,7 @@ from mosaic.config.loader import Config, ConfigError, dump_config, resolve_steps
 from mosaic.train.evaluate import evaluate, paired_outcomes
 from mosaic.train.optim import build_optimizer, build_scheduler
 from mosaic.train.rl import RLState, make_reference, rl_step
+from mosaic.train.sources import open_source
 from mosaic.train.runlog import RunLogger, write_summary
 from mosaic.train.samples import vocab_pieces
 from mosaic.train.sft import expert_trajectories, sft_train
@@ -191,7 +192,7 @@ def run_train(cfg: Config) -> int:
             raise ConfigError("config key 'train.logger': lists wandb but the wandb package is not installed "
                               "(pip install wandb, or drop wandb from train.logger)")
     if cfg.rollout.source == "harness":  # a harness or reward that cannot be loaded fails before any work
-        from mosaic.train.external import check_callables
+        from mosaic.train.usercode import check_callables
 
         check_callables(cfg.rollout)
     plan = prepare_run(cfg)
@@ -236,31 +237,30 @@ def _heldout_eval(cfg: Config, run_dir: Path, name: str, model, tok, chat, split
 def _rl_loop(cfg: Config, plan: RunPlan, model, tok, chat, device) -> None:
     """RL steps from the resume point to the end: metrics, samples, checkpoints."""
     train = setup.load_split(cfg, "train")
-    replay = None
-    if cfg.rollout.source == "records":
-        from mosaic.train.external import RecordsReplay
+    source, n_groups = open_source(cfg, model, tok, chat, train, plan.run_dir, log=_log)
+    try:
+        steps = resolve_steps(cfg, n_groups if n_groups is not None else len(train.tasks))
+        optimizer = build_optimizer(model, cfg.optim)
+        scheduler = build_scheduler(optimizer, cfg.optim, steps * cfg.optim.ppo_epochs * cfg.optim.mini_batches)
+        # The KL anchor is the warm start: copied before a resume loads the checkpoint's weights into `model`.
+        ref = make_reference(model) if cfg.algo.kl_coef > 0 else None
+        start = 0
+        if plan.resume_from is not None:
+            ck = load_checkpoint(plan.resume_from, model=model, optimizer=optimizer, scheduler=scheduler)
+            start = ck.step
+            check_resume_config(plan.resume_from.parent.parent, plan.config_yaml, cfg.train.resume_force,
+                                state=ck.state)
+            _log(f"resumed from {plan.resume_from} at step {start}")
+        st = RLState(cfg, model, tok, chat, train, optimizer, scheduler, device, ref_model=ref, source=source)
+        _run_steps(st, plan, start, steps)
+    finally:
+        source.close()
 
-        replay = RecordsReplay(cfg)
-        _log(f"replaying {sum(len(g) for g in replay.groups.values())} captured rollouts in {replay.n_groups} "
-             f"groups from {cfg.rollout.records} (dropped: {dict(replay.dropped) or 'none'})")
-    steps = resolve_steps(cfg, replay.n_groups if replay is not None else len(train.tasks))
-    optimizer = build_optimizer(model, cfg.optim)
-    scheduler = build_scheduler(optimizer, cfg.optim, steps * cfg.optim.ppo_epochs * cfg.optim.mini_batches)
-    start = 0
-    if plan.resume_from is not None:
-        ck = load_checkpoint(plan.resume_from, model=model, optimizer=optimizer, scheduler=scheduler)
-        start = ck.step
-        check_resume_config(plan.resume_from.parent.parent, plan.config_yaml, cfg.train.resume_force, state=ck.state)
-        _log(f"resumed from {plan.resume_from} at step {start}")
-    ref = make_reference(model) if cfg.algo.kl_coef > 0 else None
-    source = replay
-    if cfg.rollout.source == "harness":
-        from mosaic.train.external import ExternalRollouts  # fastapi / uvicorn only when asked for
 
-        source = ExternalRollouts(cfg, model, tok, train, plan.run_dir / "records")
-        _log(f"rollouts from the harness {cfg.rollout.harness!r}: policy served behind the recording proxy at "
-             f"{source.url} (records in {source.records_path})")
-    st = RLState(cfg, model, tok, chat, train, optimizer, scheduler, device, ref_model=ref, source=source)
+def _run_steps(st: RLState, plan: RunPlan, start: int, steps: int) -> None:
+    """Steps ``start``..``steps`` of a run: each step's metrics (and validation every ``train.eval_every``),
+    samples and checkpoints; the logger closes whatever happens."""
+    cfg, model, tok, chat = st.cfg, st.model, st.tokenizer, st.chat
     val = setup.load_split(cfg, cfg.data.eval_split) if cfg.train.eval_every else None
     logger = RunLogger(plan.run_dir, config_yaml=plan.config_yaml, total_steps=steps, start_step=start,
                        logger=cfg.train.logger, tensorboard=cfg.train.tensorboard, wandb=cfg.train.wandb,
@@ -284,12 +284,11 @@ def _rl_loop(cfg: Config, plan: RunPlan, model, tok, chat, device) -> None:
             if cfg.train.rollout_samples:
                 logger.log_samples(n, st.last_samples)
             if (cfg.train.save_every and n % cfg.train.save_every == 0) or n == steps:
-                save_checkpoint(plan.run_dir, n, model=model, tokenizer=tok, optimizer=optimizer, scheduler=scheduler,
-                                state={"step": n, "estimator": cfg.algo.estimator}, keep_last=cfg.train.keep_last)
+                save_checkpoint(plan.run_dir, n, model=model, tokenizer=tok, optimizer=st.optimizer,
+                                scheduler=st.scheduler, state={"step": n, "estimator": cfg.algo.estimator},
+                                keep_last=cfg.train.keep_last)
         extra = {"steps": str(steps)}
     finally:
-        if source is not None:
-            source.close()
         logger.close(extra=extra)
 
 

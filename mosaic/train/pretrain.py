@@ -216,124 +216,160 @@ def lm_step(model, rows, opt: torch.optim.Optimizer, *, pad_id: int, device: tor
 
 
 # Long on purpose: one training loop whose state (model, optimiser, schedule, data stream, periodic validation and saving) lives in its locals.
-def pretrain(cfg: Config, pc: PretrainConfig, out: str | Path, *, progress: bool = True,
-             overwrite: bool = False) -> dict:
-    """Train the embedded base model ``cfg.model.embedded_preset`` and save it to ``out``: resumes the
-    unfinished run of the same config there; refuses an unfinished run of another config, or a finished
-    run unless ``overwrite``."""
+class _Run:
+    """One pretraining run's state: model, optimiser, schedule, the row pool and the record so far.
+    Everything :meth:`save` writes is what :meth:`restore` reads back, so a resumed run goes on exactly."""
+
+    def __init__(self, cfg: Config, pc: PretrainConfig, out: Path, device: torch.device):
+        self.cfg, self.pc, self.out = cfg, pc, out
+        self.state_path = out / STATE_FILE
+        self.fingerprint = _fingerprint(cfg, pc)
+        self.tok = build_generator_tokenizer(vocab_size=pc.vocab_size, n_worlds=pc.tokenizer_worlds,
+                                             harness_config=cfg.harness)
+        self.chat = setup.chat_format(self.tok)
+        if pc.init:
+            self.model, init_tok = load_model(pc.init)
+            if init_tok.get_vocab() != self.tok.get_vocab():
+                raise PretrainError(f"PretrainConfig.init: {pc.init} has another tokenizer than this recipe builds")
+        else:
+            self.model = build_model(EmbeddedModelConfig.preset(cfg.model.embedded_preset), self.tok, seed=pc.seed)
+        self.model.to(device)
+        self.device = device
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=pc.lr, weight_decay=0.01)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, self._lr_factor)
+        self.rng = random.Random(pc.seed)
+        self.rows: list = []
+        self.names: list[str] = []
+        self.worlds: list[dict] = []
+        self.checks: list[dict] = []
+        self.losses: list[float] = []
+        self.start, self.before, self.t0 = 0, 0.0, time.perf_counter()
+        self.resumed_at: int | None = None
+
+    def _lr_factor(self, s: int) -> float:  # warm-up, then cosine down to 10 % of the peak
+        pc = self.pc
+        f = lr_factor(s, warmup_steps=pc.warmup_steps, total_steps=pc.steps, schedule="cosine")
+        return f if s < pc.warmup_steps else 0.1 + 0.9 * f
+
+    def elapsed(self) -> float:
+        """Seconds of this run, the pieces before a resume included."""
+        return self.before + time.perf_counter() - self.t0
+
+    def restore(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.opt.load_state_dict(state["opt"])
+        self.sched.load_state_dict(state["sched"])
+        self.rng.setstate(state["rng"])
+        torch.set_rng_state(state["torch_rng"])
+        self.rows, self.names, self.worlds, self.checks, self.losses = (
+            state[k] for k in ("rows", "names", "worlds", "checks", "losses"))
+        self.start, self.before = state["step"], state["seconds"]
+        self.resumed_at = state["step"]
+
+    def save(self, step: int) -> None:
+        tmp = self.state_path.with_suffix(".tmp")
+        torch.save({"config": self.fingerprint, "step": step, "model": self.model.state_dict(),
+                    "opt": self.opt.state_dict(), "sched": self.sched.state_dict(), "rng": self.rng.getstate(),
+                    "torch_rng": torch.get_rng_state(), "rows": self.rows, "names": self.names,
+                    "worlds": self.worlds, "checks": self.checks, "losses": self.losses,
+                    "seconds": self.elapsed()}, tmp)
+        tmp.replace(self.state_path)  # whole or not at all: a kill while writing keeps the previous state
+
+    def step(self, cache: Path) -> tuple[float, float]:
+        """One LM step on a batch from the pool (refilled with fresh worlds' expert rows when half empty)
+        plus copy drills; (loss, context loss)."""
+        pc = self.pc
+        if len(self.rows) < pc.pool_rows // 2:
+            while len(self.rows) < pc.pool_rows:
+                new, info = _world_rows(self.cfg, pc, len(self.worlds), self.tok, self.chat, cache)
+                self.rows += new
+                self.names = (self.names + info.pop("names"))[-2000:]
+                self.worlds.append(info)
+            self.rng.shuffle(self.rows)
+        n_drills = sum(self.rng.random() < pc.copy_share for _ in range(pc.batch_size))
+        n_rows = pc.batch_size - n_drills
+        batch = self.rows[len(self.rows) - n_rows:] + [copy_drill(self.rng, self.tok, self.names)
+                                                        for _ in range(n_drills)]
+        del self.rows[len(self.rows) - n_rows:]
+        loss, ctx_loss = lm_step(self.model, batch, self.opt, pad_id=self.tok.pad_token_id, device=self.device,
+                                 context_weight=pc.context_weight)
+        self.sched.step()
+        self.losses.append(loss)
+        return loss, ctx_loss
+
+    def check(self, step: int, val) -> str:
+        """Greedy validation accuracy now (the latest weights saved, loadable while the run goes on)."""
+        self.model.eval()
+        r = evaluate(self.cfg, self.model, self.tok, self.chat, val, n_tasks=self.pc.eval_tasks, score_gains=False,
+                     progress=False)
+        self.model.train()
+        self.checks.append({"step": step, "loss": sum(self.losses[-50:]) / len(self.losses[-50:]),
+                            "validation_accuracy": r.accuracy, "seconds": self.elapsed()})
+        save_model(self.model, self.tok, self.out)
+        return (f"pretrain step {step}: loss {self.checks[-1]['loss']:.3f}, "
+                f"validation greedy accuracy {100 * r.accuracy:.1f} % ({len(self.worlds)} worlds)")
+
+    def meta(self) -> dict:
+        cfg, pc, worlds = self.cfg, self.pc, self.worlds
+        n_traj = sum(w["trajectories"] for w in worlds)
+        return {"config": asdict(pc), "embedded_preset": cfg.model.embedded_preset,
+                "parameters": sum(p.numel() for p in self.model.parameters()),
+                "harness": {k: getattr(cfg.harness, k) for k in ("context_budget", "max_new_tokens",
+                                                                  "summary_max_new_tokens")},
+                "worlds": len(worlds), "trajectories": n_traj,
+                "expert_accuracy": sum(w["expert_accuracy"] * w["trajectories"] for w in worlds) / max(1, n_traj),
+                "final_loss": sum(self.losses[-50:]) / len(self.losses[-50:]), "checks": self.checks,
+                "seconds": self.elapsed(), "torch_threads": torch.get_num_threads(),
+                **({"resumed_at": self.resumed_at} if self.resumed_at is not None else {})}
 
 
-    t0 = time.perf_counter()
-    out = Path(out)
+def _saved_state(out: Path, fingerprint: dict, overwrite: bool) -> dict | None:
+    """The stopped run of this config in ``out`` (None when there is none); a PretrainError for another
+    config's unfinished run, or a finished run unless ``overwrite``."""
     state_path = out / STATE_FILE
-    state, fingerprint = None, _fingerprint(cfg, pc)
     if state_path.exists():  # a stopped run of this config: go on from its last saved step
         state = _load_state(state_path)
         if drift := _same_run(state["config"], fingerprint):
             raise PretrainError(f"{out} holds an unfinished pretraining run of another config ({'; '.join(drift)}); "
                                 f"pass another output dir or remove {state_path}")
-    elif (out / META_FILE).exists() and not overwrite:
+        return state
+    if (out / META_FILE).exists() and not overwrite:
         raise PretrainError(f"{out} holds a finished pretraining run ({META_FILE}); pass another output dir "
                             f"or remove it")
+    return None
+
+
+def pretrain(cfg: Config, pc: PretrainConfig, out: str | Path, *, progress: bool = True,
+             overwrite: bool = False) -> dict:
+    """Train the embedded base model ``cfg.model.embedded_preset`` and save it to ``out``: resumes the
+    unfinished run of the same config there; refuses an unfinished run of another config, or a finished
+    run unless ``overwrite``."""
+    out = Path(out)
+    state = _saved_state(out, _fingerprint(cfg, pc), overwrite)
     torch.manual_seed(pc.seed)
-    device = setup.resolve_device(cfg)
-    tok = build_generator_tokenizer(vocab_size=pc.vocab_size, n_worlds=pc.tokenizer_worlds,
-                                    harness_config=cfg.harness)
-    chat = setup.chat_format(tok)
-    if pc.init:
-
-        model, init_tok = load_model(pc.init)
-        if init_tok.get_vocab() != tok.get_vocab():
-            raise PretrainError(f"PretrainConfig.init: {pc.init} has another tokenizer than this recipe builds")
-    else:
-        model = build_model(EmbeddedModelConfig.preset(cfg.model.embedded_preset), tok, seed=pc.seed)
-    model.to(device)
-    n_params = sum(p.numel() for p in model.parameters())
-    opt = torch.optim.AdamW(model.parameters(), lr=pc.lr, weight_decay=0.01)
-    def factor(s: int) -> float:  # warm-up, then cosine down to 10 % of the peak
-        f = lr_factor(s, warmup_steps=pc.warmup_steps, total_steps=pc.steps, schedule="cosine")
-        return f if s < pc.warmup_steps else 0.1 + 0.9 * f
-
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+    run = _Run(cfg, pc, out, setup.resolve_device(cfg))
     val = setup.load_split(cfg, "validation")
-    rng = random.Random(pc.seed)
-    rows: list = []
-    names: list[str] = []
-    worlds: list[dict] = []
-    checks: list[dict] = []
-    losses: list[float] = []
-    start, before = 0, 0.0
-
-    def elapsed() -> float:  # seconds of this run, the pieces before a resume included
-        return before + time.perf_counter() - t0
-
     if state is not None:
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["opt"])
-        sched.load_state_dict(state["sched"])
-        rng.setstate(state["rng"])
-        torch.set_rng_state(state["torch_rng"])
-        rows, names, worlds, checks, losses = (state[k] for k in ("rows", "names", "worlds", "checks", "losses"))
-        start, before = state["step"], state["seconds"]
-        log.warning("pretrain: resumed from step %d of %d (%s)", start, pc.steps, state_path)
-
-    def save_state(step: int) -> None:
-        tmp = state_path.with_suffix(".tmp")
-        torch.save({"config": fingerprint, "step": step,
-                    "model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
-                    "rng": rng.getstate(), "torch_rng": torch.get_rng_state(), "rows": rows, "names": names,
-                    "worlds": worlds, "checks": checks, "losses": losses,
-                    "seconds": elapsed()}, tmp)
-        tmp.replace(state_path)  # whole or not at all: a kill while writing keeps the previous state
-
+        run.restore(state)
+        log.warning("pretrain: resumed from step %d of %d (%s)", run.start, pc.steps, run.state_path)
     out.mkdir(parents=True, exist_ok=True)
-    model.train()
-    bar = tqdm(total=pc.steps, initial=start, desc="pretrain", disable=not progress)
+    run.model.train()
+    bar = tqdm(total=pc.steps, initial=run.start, desc="pretrain", disable=not progress)
     with tempfile.TemporaryDirectory(prefix="mosaic-pretrain-") as cache:
-        for step in range(start, pc.steps):
-            if len(rows) < pc.pool_rows // 2:
-                while len(rows) < pc.pool_rows:
-                    new, info = _world_rows(cfg, pc, len(worlds), tok, chat, Path(cache))
-                    rows += new
-                    names = (names + info.pop("names"))[-2000:]
-                    worlds.append(info)
-                rng.shuffle(rows)
-            n_drills = sum(rng.random() < pc.copy_share for _ in range(pc.batch_size))
-            n_rows = pc.batch_size - n_drills
-            batch = rows[len(rows) - n_rows:] + [copy_drill(rng, tok, names) for _ in range(n_drills)]
-            del rows[len(rows) - n_rows:]
-            loss, ctx_loss = lm_step(model, batch, opt, pad_id=tok.pad_token_id, device=device,
-                                     context_weight=pc.context_weight)
-            sched.step()
-            losses.append(loss)
+        for step in range(run.start, pc.steps):
+            loss, ctx_loss = run.step(Path(cache))
             bar.update(1)
-            bar.set_postfix(loss=f"{loss:.3f}", ctx=f"{ctx_loss:.3f}", worlds=len(worlds))
-            if pc.eval_every and ((step + 1) % pc.eval_every == 0 or step + 1 == pc.steps):
-                model.eval()
-                r = evaluate(cfg, model, tok, chat, val, n_tasks=pc.eval_tasks, score_gains=False,
-                             progress=False)
-                model.train()
-                checks.append({"step": step + 1, "loss": sum(losses[-50:]) / len(losses[-50:]),
-                               "validation_accuracy": r.accuracy, "seconds": elapsed()})
-                bar.write(f"pretrain step {step + 1}: loss {checks[-1]['loss']:.3f}, "
-                          f"validation greedy accuracy {100 * r.accuracy:.1f} % ({len(worlds)} worlds)")
-                save_model(model, tok, out)  # the latest weights, loadable while the run goes on
-            if step + 1 < pc.steps and ((pc.save_every and (step + 1) % pc.save_every == 0)
-                                        or (pc.eval_every and (step + 1) % pc.eval_every == 0)):
-                save_state(step + 1)
+            bar.set_postfix(loss=f"{loss:.3f}", ctx=f"{ctx_loss:.3f}", worlds=len(run.worlds))
+            n = step + 1
+            if pc.eval_every and (n % pc.eval_every == 0 or n == pc.steps):
+                bar.write(run.check(n, val))
+            if n < pc.steps and ((pc.save_every and n % pc.save_every == 0) or (pc.eval_every and n % pc.eval_every == 0)):
+                run.save(n)
     bar.close()
-    model.eval()
-    save_model(model, tok, out)
-    meta = {"config": asdict(pc), "embedded_preset": cfg.model.embedded_preset, "parameters": n_params,
-            "harness": {k: getattr(cfg.harness, k) for k in ("context_budget", "max_new_tokens",
-                                                              "summary_max_new_tokens")},
-            "worlds": len(worlds), "trajectories": sum(w["trajectories"] for w in worlds),
-            "expert_accuracy": sum(w["expert_accuracy"] * w["trajectories"] for w in worlds)
-            / max(1, sum(w["trajectories"] for w in worlds)),
-            "final_loss": sum(losses[-50:]) / len(losses[-50:]), "checks": checks,
-            "seconds": elapsed(), "torch_threads": torch.get_num_threads(),
-            **({"resumed_at": state["step"]} if state is not None else {})}
+    run.model.eval()
+    save_model(run.model, run.tok, out)
+    meta = run.meta()
     Path(out, META_FILE).write_text(json.dumps(meta, indent=1))
-    state_path.unlink(missing_ok=True)
-    state_path.with_suffix(".tmp").unlink(missing_ok=True)  # from a save a kill interrupted
+    run.state_path.unlink(missing_ok=True)
+    run.state_path.with_suffix(".tmp").unlink(missing_ok=True)  # from a save a kill interrupted
     return meta

@@ -14,18 +14,16 @@ SPEC §4.4 asks.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from mosaic.agent.chat import ChatFormat
-from mosaic.agent.harness import DeepSearchEnv, Harness
 from mosaic.core.estimators import get_estimator
 from mosaic.core.loss import policy_loss, token_weights
 from mosaic.envs.splits import Split
@@ -36,8 +34,7 @@ from mosaic.train.batching import collate, completion_logprobs, micro_batches, p
 from mosaic.config.loader import Config
 from mosaic.train.metrics import rollout_metrics
 from mosaic.train.samples import all_estimator_advantages, sample_records
-from mosaic.train.scorer import LiveScorer
-from mosaic.train.setup import sampling_policy
+from mosaic.train.sources import HarnessRollouts, RolloutSource
 
 
 @dataclass
@@ -56,10 +53,13 @@ class RLState:
     last_trajs: list[Trajectory] = field(default_factory=list)
     last_samples: list[dict] = field(default_factory=list)
     """The ``samples.jsonl`` lines of the last step (``train.rollout_samples`` of its trajectories)."""
-    source: Any = None
-    """Where rollouts come from when not the built-in harness (``rollout.source``): an object with
-    ``collect(tasks, step) -> (trajectories, metrics)`` and ``hold()`` (a context manager the scoring and
-    the update run in: :class:`mosaic.train.external.ExternalRollouts`)."""
+    source: RolloutSource | None = None
+    """Where rollouts come from (``rollout.source``, :mod:`mosaic.train.sources`); None = the built-in
+    harness on ``model`` (:class:`~mosaic.train.sources.HarnessRollouts`), made at construction."""
+
+    def __post_init__(self) -> None:
+        if self.source is None:
+            self.source = HarnessRollouts(self.cfg, self.model, self.tokenizer, self.chat, self.split)
 
 
 def task_order(n_tasks: int, seed: int, epoch: int) -> list[int]:
@@ -94,23 +94,8 @@ def make_reference(model: PreTrainedModel) -> PreTrainedModel:
 
 
 def rollout(st: RLState, tasks: Sequence, step: int) -> list[Trajectory]:
-    """The step's trajectories (B tasks x G samples through the built-in harness)."""
-    return _rollout(st, tasks, step, live=False)[0]
-
-
-def rollout_scored(st: RLState, tasks: Sequence, step: int) -> tuple[list[Trajectory], LiveScorer]:
-    """:func:`rollout`, with the session states scored off the rollout policy's cache as sessions close."""
-    trajs, live = _rollout(st, tasks, step, live=True)
-    assert live is not None
-    return trajs, live
-
-
-def _rollout(st: RLState, tasks: Sequence, step: int, *, live: bool) -> tuple[list[Trajectory], LiveScorer | None]:
-    cfg = st.cfg
-    policy = sampling_policy(cfg, st.model, st.tokenizer, seed=cfg.train.seed * 1_000_003 + step)
-    scorer = LiveScorer(policy, st.chat.answer_probe, max_batch_tokens=cfg.algo.score_batch_tokens) if live else None
-    harness = Harness(policy, st.chat, DeepSearchEnv(st.split), cfg.harness, state_scorer=scorer)
-    return harness.run(tasks, group_size=cfg.train.group_size, seed=cfg.train.seed + step, step=step), scorer
+    """The step's trajectories from the run's rollout source."""
+    return st.source.collect(tasks, step)[0]
 
 
 def _accumulate_gradients(st: RLState, packed, w_rows: torch.Tensor, *, temperature: float) -> dict[str, float]:
@@ -206,22 +191,14 @@ def rl_step(st: RLState, step: int) -> dict[str, float]:
     est = get_estimator(cfg.algo.estimator)
     t0 = time.perf_counter()
     tasks = tasks_for_step(st.split, step, cfg.train.batch_tasks, cfg.train.seed)
-    source_metrics: dict[str, float] = {}
-    live = None
-    if st.source is None:
-        if est.needs_gains and cfg.algo.scorer == "cached" and cfg.algo.score_live:
-            trajs, live = rollout_scored(st, tasks, step)
-            live.flush()  # (the harness flushes after every round: normally nothing is left)
-        else:
-            trajs = rollout(st, tasks, step)
-    else:
-        trajs, source_metrics = st.source.collect(tasks, step)
+    trajs, source_metrics = st.source.collect(tasks, step)
+    live = st.source.live_scorer
     st.last_trajs = trajs
     t_gen = time.perf_counter() - t0
 
-    # An external source's served weights are held from here to the end of the update: no request is
-    # answered by weights being changed, and the version it stamps goes up once they have changed.
-    with st.source.hold() if st.source is not None else contextlib.nullcontext():
+    # A served policy's weights are held from here to the end of the update: no request is answered
+    # by weights being changed, and the version it stamps goes up once they have changed.
+    with st.source.hold():
         train, skipped = drop_uniform_groups(trajs) if cfg.algo.skip_uniform_groups else (list(trajs), 0)
         t1 = time.perf_counter()
         known = live.known(train) if live is not None else None

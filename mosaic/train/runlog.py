@@ -131,8 +131,28 @@ def _truncate_jsonl(p: Path, keep_upto: int) -> None:
     os.replace(tmp, p)
 
 
+_MISSING_SAID: set[str] = set()
+
+
+def _optional(package: str, what: str) -> bool:
+    """Whether an optional package (the ``lab`` extra) is installed; the first time it is not, one line
+    says what is skipped and how to get it."""
+    import importlib.util
+
+    if importlib.util.find_spec(package) is not None:
+        return True
+    if package not in _MISSING_SAID:
+        _MISSING_SAID.add(package)
+        print(f"[mosaic] {package} is not installed: no {what} (pip install 'mosaic-rl[lab]')", file=sys.stderr,
+              flush=True)
+    return False
+
+
 def make_plots(run_dir: str | Path) -> list[Path]:
-    """Regenerate ``plots/*.png`` from ``metrics.jsonl`` (matplotlib, Agg backend)."""
+    """Regenerate ``plots/*.png`` from ``metrics.jsonl`` (matplotlib, Agg backend); none, said once, when
+    matplotlib is not installed (it comes with the ``lab`` extra)."""
+    if not _optional("matplotlib", "plots/*.png"):
+        return []
     import matplotlib  # here, not at module level: the Agg backend must be chosen before pyplot loads
 
     matplotlib.use("Agg")
@@ -237,7 +257,7 @@ class RunLogger:
         self._metrics = open(self._metrics_path, "a")
         self._samples = open(self._samples_path, "a")
         self._tb = None
-        if tensorboard:
+        if tensorboard and _optional("tensorboard", "TensorBoard event files (tb/)"):
             from torch.utils.tensorboard import SummaryWriter  # heavy (loads tensorboard): only when enabled
 
             self._tb = SummaryWriter(log_dir=str(self.run_dir / "tb"), purge_step=start_step + 1 if start_step else None)

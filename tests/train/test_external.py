@@ -215,7 +215,7 @@ def test_a_harness_that_cannot_be_loaded_fails_before_the_warm_start(base_dir, t
 def test_a_harness_file_is_imported_once_and_can_import_its_neighbours(tmp_path, monkeypatch):
     """The config check and the trainer both load ``file.py:function``: the file's top-level code runs once
     while it is unchanged (again once edited), and a module beside it can be imported."""
-    from mosaic.train.external import check_callables, load_callable
+    from mosaic.train.usercode import check_callables, load_callable
 
     (tmp_path / "agent_helpers_xyz.py").write_text("ANSWER = 'helper'\n")
     agent = tmp_path / "agent_once_xyz.py"
@@ -269,7 +269,7 @@ def test_bad_harness_settings_fail_before_any_work(base_dir, tmp_path):
 
 def test_offline_replay_of_captured_records(base_dir, tmp_path):
     """Records captured through the proxy train again later, off-policy (the ratio against the recorded log-probs)."""
-    from mosaic.train.external import RecordsReplay
+    from mosaic.train.replay import RecordsReplay
 
     cfg = _cfg(base_dir, tmp_path, f"rollout.harness={H}:scripted", f"rollout.reward={H}:right_is_one")
     src, split = _source(cfg, tmp_path)

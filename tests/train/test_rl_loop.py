@@ -11,6 +11,7 @@ import torch
 from mosaic.core.estimators import ESTIMATORS
 from mosaic.train import entrypoints, rl, setup
 from mosaic.config.loader import load_config
+from mosaic.train.sources import HarnessRollouts
 
 from .conftest import save_tiny_base
 
@@ -65,6 +66,7 @@ def test_update_changes_every_parameter_and_lowers_the_loss(base_dir, tmp_path):
 
     cfg = _cfg(base_dir, tmp_path, "algo.estimator=broadcast")
     st = _state(cfg)
+    assert isinstance(st.source, HarnessRollouts)  # no source given: the built-in harness, through the one seam
     trajs = rl.rollout(st, rl.tasks_for_step(st.split, 0, 2, 0), step=0)
     rng = random.Random(0)
     rows = to_rows(trajs, [rng.uniform(-1, 1) for _ in range(sum(len(t.sessions) for t in trajs))])
@@ -168,9 +170,11 @@ def _train_killed_at(cfg, at_step, monkeypatch):
     monkeypatch.setattr(entrypoints, "rl_step", real_step)
 
 
-def test_killed_run_resumes_to_the_same_parameters_and_metrics(base_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("anchor", [[], ["algo.kl_coef=0.05"]], ids=["no-kl", "kl-anchor"])
+def test_killed_run_resumes_to_the_same_parameters_and_metrics(base_dir, tmp_path, monkeypatch, anchor):
+    """With the KL anchor too: a resumed run's reference is the warm start, not the checkpoint it resumes."""
     common = ["algo.estimator=mosaic", "train.steps=3", "train.save_every=1", "train.keep_last=5",
-              "train.eval_every=0"]
+              "train.eval_every=0", *anchor]
     full = _cfg(base_dir, tmp_path / "a", *common)
     assert entrypoints.run_train(full) == 0
 

@@ -1,0 +1,39 @@
+"""The core installs alone: ``pip install mosaic-rl`` (no extra) into a fresh virtualenv imports the
+estimators, the trace, the harness, the trainer and the verl plugin's entry module, and pulls none of
+the extras' packages (plots, TensorBoard, servers)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EXTRAS_ONLY = ("matplotlib", "tensorboard", "fastapi", "uvicorn", "httpx", "scipy")
+
+
+def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=900, **kw)
+
+
+@pytest.mark.timeout(1200)
+def test_the_core_installs_alone_and_imports(tmp_path):
+    env_dir = tmp_path / "core-venv"
+    venv.create(env_dir, with_pip=True)
+    py = str(env_dir / "bin" / "python")
+    pip = [py, "-m", "pip", "install", "-q", "--disable-pip-version-check", "-c", str(ROOT / "constraints.txt")]
+    r = _run(pip + ["torch"])  # first, alone: its CPU build (see constraints.txt)
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = _run(pip + [str(ROOT)], env={**os.environ, "PIP_NO_BUILD_ISOLATION": "0"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    probe = ("import importlib.util as u, mosaic.core.estimators, mosaic.core.loss, mosaic.trace, "
+             "mosaic.agent.harness, mosaic.train.rl, mosaic.integrations.verl, mosaic.config.loader; "
+             f"print(sorted(p for p in {EXTRAS_ONLY!r} if u.find_spec(p)))")
+    r = _run([py, "-c", probe], cwd=tmp_path)  # not the checkout: the installed package
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "[]", f"extras' packages in the core install: {r.stdout.strip()}"
+    assert sys.executable != py
