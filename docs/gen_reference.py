@@ -80,8 +80,19 @@ def block(text: str) -> list[str]:
 
 
 def render() -> str:
-    """The whole page."""
+    """The whole page (``$COLUMNS`` is set to a fixed width while it runs, then restored)."""
+    saved = os.environ.get("COLUMNS")
     os.environ["COLUMNS"] = WIDTH
+    try:
+        return _render()
+    finally:
+        if saved is None:
+            del os.environ["COLUMNS"]
+        else:
+            os.environ["COLUMNS"] = saved
+
+
+def _render() -> str:
     lines = [
         "# Reference: every verb, every config key",
         "",

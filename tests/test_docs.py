@@ -51,8 +51,8 @@ def test_pages_exist():
         assert need in names, f"docs/{need} is missing"
 
 
-@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
-def test_relative_links_resolve(page: Path):
+def broken_links(page: Path) -> list[str]:
+    """The relative links of ``page`` whose file or heading does not exist."""
     bad = []
     for target in links(page):
         if re.match(r"^[a-z][a-z0-9+.-]*:", target):  # http:, https:, mailto:
@@ -62,8 +62,22 @@ def test_relative_links_resolve(page: Path):
         if not dest.exists():
             bad.append(f"{target}: no such file")
         elif frag and dest.suffix == ".md" and frag not in anchors(dest):
-            bad.append(f"{target}: no heading #{frag} in {dest.relative_to(ROOT)}")
+            bad.append(f"{target}: no heading #{frag} in {dest.name}")
+    return bad
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_resolve(page: Path):
+    bad = broken_links(page)
     assert not bad, f"{page.relative_to(ROOT)}: " + "; ".join(bad)
+
+
+def test_broken_links_are_found(tmp_path: Path):
+    (tmp_path / "other.md").write_text("# Other\n\n## A section\n")
+    page = tmp_path / "page.md"
+    page.write_text("[ok](other.md#a-section) [gone](missing.md) [bad anchor](other.md#nope) [web](https://x.org)\n"
+                    "`[code](missing.md)`\n```\n[fenced](missing.md)\n```\n")  # fmt: skip
+    assert broken_links(page) == ["missing.md: no such file", "other.md#nope: no heading #nope in other.md"]
 
 
 def test_slug_rules():
