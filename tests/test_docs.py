@@ -118,6 +118,28 @@ def test_no_reference_outside_the_repository():
     assert not bad, "files citing SPEC instead of docs/algorithm.md: " + ", ".join(bad)
 
 
+def test_worked_example_is_the_codes_output():
+    """The numbers of docs/algorithm.md §4.6 are what ``mosaic.core.advantages`` computes."""
+    torch = pytest.importorskip("torch")
+    from mosaic.core.advantages import mosaic, normalized_session_gains
+
+    text = (ROOT / "docs" / "algorithm.md").read_text()
+    shown = {}
+    for name in ("z", "Mosaic"):
+        m = re.search(rf"^\s+{name}\s+= \[([^\]]*)\]", text, re.M)
+        assert m, f"docs/algorithm.md §4.6 lost its {name} line"
+        shown[name] = torch.tensor([float(x.replace("−", "-")) for x in m.group(1).split(",")])
+    r, g = torch.tensor([1.0, 0.0, 1.0, 0.0]), torch.zeros(4, dtype=torch.long)
+    st = torch.tensor([0, 0, 0, 1, 1, 1, 1, 1, 2, 3])
+    kinds = torch.tensor([0, 1, 0, 0, 1, 0, 1, 0, 0, 0])
+    gains = torch.tensor([0.5, -0.2, 9.0, -0.1, -1.0, 0.3, -0.4, 7.0, 5.0, 0.2])
+    fin = torch.tensor([0, 0, 1, 0, 0, 0, 0, 1, 1, 1], dtype=torch.bool)
+    z = normalized_session_gains(gains, kinds, fin)
+    out = mosaic(r, g, torch.tensor([3, 5, 1, 1]), r == 1, st, gains, kinds, fin, rho=0.2, delta=0.1, lam=0.1)
+    torch.testing.assert_close(z, shown["z"], atol=1e-4, rtol=0)
+    torch.testing.assert_close(out, shown["Mosaic"], atol=1e-4, rtol=0)
+
+
 def test_reference_is_current():
     spec = importlib.util.spec_from_file_location("gen_reference", ROOT / "docs" / "gen_reference.py")
     gen = importlib.util.module_from_spec(spec)
