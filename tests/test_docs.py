@@ -87,9 +87,15 @@ def test_slug_rules():
 
 
 def _repo_text_files():
-    out = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    for name in out.splitlines():
-        p = ROOT / name
+    """The repository's text files: git's list, or (no git, e.g. an unpacked archive) a walk that skips
+    virtual environments, caches and run outputs."""
+    try:
+        out = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+        names = [ROOT / n for n in out.splitlines()]
+    except (OSError, subprocess.CalledProcessError):
+        skip = re.compile(r"^(\.venv|\.git|\.mosaic-cache|runs|build|\.pytest_cache|\.hypothesis)")
+        names = [p for p in ROOT.rglob("*") if not skip.match(p.relative_to(ROOT).parts[0])]
+    for p in names:
         if p.suffix in (".py", ".md", ".yaml", ".yml", ".sh", ".toml", ".txt") and p.is_file():
             yield p
 
