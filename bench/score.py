@@ -1,4 +1,5 @@
-"""Cost of the information-gain scorer (SPEC §4.4) against the turn-level probe (§4.7) and a training step.
+"""Cost of the information-gain scorer (docs/algorithm.md §4.4) against the turn-level probe (§4.7)
+and a training step.
 
 On the same synthetic multi-session rollouts (2-4 sessions, several turns,
 300-700 tokens per main session; compaction chains and subagent forks), times:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The broadcast twin of run_mosaic_compaction.sh: the same harness, data, model and budget; every
-# session of a trajectory gets its GRPO advantage (SPEC §4.2), no session gains are scored.
+# session of a trajectory gets its GRPO advantage (docs/algorithm.md §4.2), no session gains are scored.
 # NOT YET RUN ON A GPU (see run_mosaic_compaction.sh).
 set -euo pipefail
 ESTIMATOR=mosaic_broadcast GAINS=false NAME=${NAME:-broadcast-compaction} \

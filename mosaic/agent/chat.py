@@ -9,7 +9,7 @@ tokenised here, and they carry ``loss_mask`` False.
 Every delta ends at a *message boundary* (right after ``<|im_end|>`` + newline),
 never after a generation header: the header is appended separately when the
 next turn is requested. So every session's context at rest ends at a boundary
-and the gain scorer (SPEC §4.4) can append :meth:`ChatFormat.answer_probe`
+and the gain scorer (docs/algorithm.md §4.4) can append :meth:`ChatFormat.answer_probe`
 uniformly.
 
 :meth:`ChatFormat.check_prefix_preservation` renders a sample conversation with
@@ -54,12 +54,12 @@ Probe = tuple[list[int], tuple[int, int]]
 ProbeFn = Callable[[str], Probe]
 
 PROBE_TEMPLATE = f"{IM_START}assistant\n<answer>{{answer}}</answer>{IM_END}"
-"""The answer probe of the information gain (SPEC §4.4): the assistant turn that would state y."""
+"""The answer probe of the information gain (docs/algorithm.md §4.4): the assistant turn that would state y."""
 
 
 def make_probe_fn(tokenizer, template: str = PROBE_TEMPLATE) -> ProbeFn:
     """A ``probe_fn`` from a fast tokenizer: tokenise the whole probe text once and locate y's tokens
-    with character offsets (SPEC §4.4; never tokenise y alone). Tokens overlapping y's character span
+    with character offsets (docs/algorithm.md §4.4; never tokenise y alone). Tokens overlapping y's character span
     count as y's tokens; results are cached per answer."""
     if template.count("{answer}") != 1:
         raise ValueError("probe template must contain '{answer}' exactly once")

@@ -1,4 +1,4 @@
-"""The agent loop (SPEC §2): batched multi-session rollouts with exact token records.
+"""The agent loop (docs/algorithm.md §2): batched multi-session rollouts with exact token records.
 
 Many trajectories run at once (all tasks × ``group_size``). Each trajectory has
 at most one session waiting for a turn at a time (a parent waits while its
@@ -12,7 +12,7 @@ request's ids; every later request is ``prompt_ids + completion_ids`` at that
 moment. Nothing is decoded and re-encoded, except a compaction summary, whose
 text is put into the *next* session's prompt (that prompt is recorded as fed).
 
-States (SPEC §4.4), all at message boundaries:
+States (docs/algorithm.md §4.4), all at message boundaries:
 - main: before = its prompt without the generation header; after = its whole
   context at its end;
 - compaction: before = the previous main's end (the same reference, so the
@@ -20,7 +20,7 @@ States (SPEC §4.4), all at message boundaries:
 - subagent ("merge" mode): before = the parent's context before the assistant
   turn that called ``delegate``; after = the parent's context right after the
   result was appended.
-The turn-level probe points (SPEC §4.7) are derived from the recorded tokens by
+The turn-level probe points (docs/algorithm.md §4.7) are derived from the recorded tokens by
 :func:`mosaic.trace.turn_boundaries` (the prompt without the header, then the end
 of each turn's tool response). A session cut off mid-turn (policy error) ends at
 the boundary before its pending generation header.
@@ -68,7 +68,7 @@ class Harness:
     def __init__(self, policy: Policy, chat: ChatFormat, env, config: HarnessConfig | None = None, *,
                  state_scorer: StateScorer | None = None):
         """``state_scorer``: told, as each main session closes and before its cache is released, the
-        states (SPEC §4.4) that lie in that session, so it can probe them off the policy's live cache."""
+        states (docs/algorithm.md §4.4) that lie in that session, so it can probe them off the policy's live cache."""
         self.policy = policy
         self.chat = chat
         self.env = env
@@ -176,8 +176,8 @@ class Harness:
 
     @staticmethod
     def _hosted_cuts(traj: Trajectory, host: Session, ends: bool) -> list[int]:
-        """Lengths of the states (SPEC §4.4) that are prefixes of ``host``: its own start and end, the fork and
-        merge points of its subagents, the compaction that ends it. All are known when it closes (its
+        """Lengths of the states (docs/algorithm.md §4.4) that are prefixes of ``host``: its own start and end,
+        the fork and merge points of its subagents, the compaction that ends it. All are known when it closes (its
         subagents closed before it). A session that ends the trajectory is final: its own states are unused
         (its start is still probed when the compaction before it ends there)."""
         cuts: set[int] = set()

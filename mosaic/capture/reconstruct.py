@@ -88,7 +88,7 @@ Rules (per rollout; settings in :class:`ReconstructionRules`):
    when posted; else the final session's last reply; if that ended in tool
    calls whose subagents' results no later call saw (the harness returned a
    result directly), the last of those results (``meta["answer_from"]``).
-7. **States (SPEC §4.4).** main: its prompt → its full context. compaction:
+7. **States (docs/algorithm.md §4.4).** main: its prompt → its full context. compaction:
    its parent's context when the compaction started → the successor's
    prompt. subagent: the parent's context before the turn that called it →
    the parent's context once the result was inserted (when the result was
@@ -210,7 +210,7 @@ def _session_tokens(s: SessionDraft, calls: list[CallRecord]) -> tuple[list[int]
 
 
 def _states(s: SessionDraft, calls: list[CallRecord], sessions: list[SessionDraft]) -> tuple:
-    """``(state_before, state_after)`` of a session (SPEC §4.4)."""
+    """``(state_before, state_after)`` of a session (docs/algorithm.md §4.4)."""
     if s.kind == "compaction":
         before = StateRef(session=s.parent, upto=s.parent_upto) if s.parent is not None else None
         after = (StateRef(session=s.successor, upto=len(calls[sessions[s.successor].calls[0]].prompt_ids))

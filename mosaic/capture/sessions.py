@@ -32,7 +32,7 @@ class ReconstructionRules:
             texts must equal a whole message's content.
         dedup_retries: apply rule 2.
         tie_break: which of several sessions with equal longest tips a call continues.
-        success_threshold: ``success = reward >= success_threshold`` (SPEC §3).
+        success_threshold: ``success = reward >= success_threshold`` (docs/algorithm.md §3).
         include_unrewarded: export rollouts no reward was posted for (reward 0,
             ``meta["reward_missing"]``); by default they are skipped.
         message_match: when no session's tip prefixes a call's prompt ids, continue the session

@@ -66,7 +66,7 @@ class HarnessConfig:
     max_arg_chars: int = 512
     """Longest accepted tool argument (characters)."""
     reward_metric: Literal["em", "f1"] = "em"
-    """Outcome reward: exact match or token F1 (SPEC §3)."""
+    """Outcome reward: exact match or token F1 (docs/algorithm.md §3)."""
     success_threshold: float = 1.0
     """``success = reward >= success_threshold``."""
     system_prompt: str = DEFAULT_SYSTEM_PROMPT

@@ -10,7 +10,7 @@ suggestion — all before any model, data or run directory is touched.
 Presets (:data:`PRESETS`): ``cpu`` (the default: the shipped ~1M-parameter embedded
 base model, small worlds, seconds per step on 2 cores), ``smollm2`` (SmolLM2-135M-Instruct on
 CPU, fp32), ``paper`` (batch 16, group 8, 1,000 tasks, one epoch, bf16 on a
-GPU; SPEC §8's setting with a smaller model — point ``model.source=dir`` and
+GPU; docs/algorithm.md §8's setting with a smaller model — point ``model.source=dir`` and
 ``model.path`` at a larger one).
 
 The estimator names come from the one registry, ``mosaic.core.estimators.ESTIMATORS``
@@ -79,7 +79,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     harness: HarnessConfig = field(default_factory=HarnessConfig)
-    """The agent loop (SPEC §2): mode, context budget, caps, prompts — ``mosaic.config.harness.HarnessConfig``."""
+    """The agent loop (docs/algorithm.md §2): mode, budget, caps, prompts — ``mosaic.config.harness.HarnessConfig``."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -107,7 +107,7 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     # sample at T 0.5 (T 1 breaks the exact copying of 7-token names); held-out accuracy is the mean
     # of 4 samples on each of 128 test questions. Groups of 8 (more groups with a success in them):
     # with groups of 4 the gain was +2.5 [-2.9, +8.0]; larger steps hurt (lr 2e-4 over 40 steps lost
-    # 12.7 points). See the README, "Status".
+    # 12.7 points). See docs/results.md.
     "cpu": {
         "model": {"source": "base", "embedded_preset": "tiny"},
         "data": {"n_eval_tasks": 128, "train_world_entities": 1000},

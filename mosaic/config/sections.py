@@ -94,7 +94,7 @@ class ModelConfig(_Section):
 
 @dataclass(frozen=True)
 class DataConfig(_Section):
-    """The deep-search worlds and task splits (SPEC §7)."""
+    """The deep-search worlds and task splits (docs/algorithm.md §7)."""
 
     _section: typing.ClassVar[str] = "data"
     preset: Literal["cpu", "paper"] = "cpu"
@@ -172,7 +172,7 @@ class RolloutConfig(_Section):
 
 @dataclass(frozen=True)
 class AlgoConfig(_Section):
-    """Advantage estimator and PPO loss (SPEC §4-§5)."""
+    """Advantage estimator and PPO loss (docs/algorithm.md §4-§5)."""
 
     _section: typing.ClassVar[str] = "algo"
     estimator: str = "mosaic"
@@ -212,7 +212,7 @@ class AlgoConfig(_Section):
     kl_coef: float = 0.0
     """β of the k3 KL to a frozen reference; 0 = no reference model."""
     loss_agg: Literal["trajectory-token-mean", "token-mean", "session-token-mean"] = "trajectory-token-mean"
-    """Length normalisation of the loss (SPEC §5)."""
+    """Length normalisation of the loss (docs/algorithm.md §5)."""
     skip_uniform_groups: bool = False
     """Drop groups whose rewards are all equal before scoring and the update (DAPO-style filtering, no
     resampling). Group-relative estimators give such groups zero advantage anyway (they only dilute the

@@ -1,4 +1,4 @@
-"""Advantage estimators for multi-session trajectories (SPEC §4).
+"""Advantage estimators for multi-session trajectories (docs/algorithm.md §4).
 
 Pure tensor functions: no I/O, no config objects. Tensors are positional,
 hyper-parameters keyword-only. Shapes: ``T`` trajectories, ``S`` sessions,
@@ -12,9 +12,9 @@ and returned as float32 (float64 when the rewards / gains come in as float64),
 so outputs are finite for any finite input.
 
 Simplifications, stated once:
-- a group of size 1 gets GRPO advantage 0 (SPEC §4.1 choice; verl returns the
+- a group of size 1 gets GRPO advantage 0 (docs/algorithm.md §4.1 choice; verl returns the
   raw score there);
-- ``session_counts`` are whatever the caller counts (SPEC: all kinds);
+- ``session_counts`` are whatever the caller counts (docs/algorithm.md §4.3: all kinds);
 - the turn-level (IGPO-style) shaping reuses the per-kind z-scoring of §4.4 over
   turns instead of sessions; its optional discounting follows IGPO.
 """
@@ -80,7 +80,7 @@ def _segment_mean_std(
 
 
 def grpo(rewards, group_ids, *, norm_by_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
-    """GRPO outcome advantage per trajectory (SPEC §4.1).
+    """GRPO outcome advantage per trajectory (docs/algorithm.md §4.1).
 
     Args:
         rewards: (T,) outcome rewards.
@@ -113,7 +113,7 @@ def grpo(rewards, group_ids, *, norm_by_std: bool = True, eps: float = 1e-6) -> 
 
 
 def centred_ranks(values, segment_ids) -> torch.Tensor:
-    """Centred average rank of ``values`` within each segment (SPEC §4.3).
+    """Centred average rank of ``values`` within each segment (docs/algorithm.md §4.3).
 
     Ascending rank with ties given their average rank ``R ∈ [1, m]``, then
     ``u = 2 (R - 1) / (m - 1) - 1 ∈ [-1, 1]``; a segment of size 1 gives 0.
@@ -170,7 +170,7 @@ def session_aware(
     norm_by_std: bool = True,
     eps: float = 1e-6,
 ) -> torch.Tensor:
-    """Mosaic trajectory-level session-aware advantage ``Â`` (SPEC §4.3).
+    """Mosaic trajectory-level session-aware advantage ``Â`` (docs/algorithm.md §4.3).
 
     Args:
         rewards: (T,) outcome rewards.
@@ -213,7 +213,7 @@ def session_aware(
 
 
 def normalized_session_gains(gains, kinds, is_final, *, eps: float = 1e-6) -> torch.Tensor:
-    """Per-kind z-scores of session information gains over the batch (SPEC §4.4).
+    """Per-kind z-scores of session information gains over the batch (docs/algorithm.md §4.4).
 
     Args:
         gains: (S,) ``g_k = L(state_after) - L(state_before)``.
@@ -249,7 +249,7 @@ def normalized_session_gains(gains, kinds, is_final, *, eps: float = 1e-6) -> to
 
 
 def broadcast(traj_adv, session_traj) -> torch.Tensor:
-    """Copy each trajectory's advantage to its sessions (SPEC §4.2).
+    """Copy each trajectory's advantage to its sessions (docs/algorithm.md §4.2).
 
     Args:
         traj_adv: (T,) per-trajectory advantage.
@@ -281,7 +281,7 @@ def mosaic(
     norm_by_std: bool = True,
     eps: float = 1e-6,
 ) -> torch.Tensor:
-    """Mosaic per-session advantage ``A_{i,k} = Â_i + lam z_{i,k}`` (SPEC §4.3-4.4).
+    """Mosaic per-session advantage ``A_{i,k} = Â_i + lam z_{i,k}`` (docs/algorithm.md §4.3-4.4).
 
     Args:
         rewards, group_ids, session_counts, success: (T,) as in :func:`session_aware`.
@@ -304,7 +304,7 @@ def mosaic(
 
 
 def turn_level_gains(loglik_before, loglik_after, kinds, is_final, *, eps: float = 1e-6) -> torch.Tensor:
-    """IGPO-style per-turn information gains, z-scored per kind (SPEC §4.7).
+    """IGPO-style per-turn information gains, z-scored per kind (docs/algorithm.md §4.7).
 
     IGPO rewards each turn by how much it raised the policy's belief in the
     ground truth. Here, as in §4.4, a turn's gain is ``L(after) - L(before)``
@@ -346,7 +346,7 @@ def turn_level(
     norm_by_std: bool = True,
     eps: float = 1e-6,
 ) -> torch.Tensor:
-    """Per-turn advantage ``Â_i + lam * sum_{t' >= t} gamma^(t'-t) z_{t'}`` (SPEC §4.7).
+    """Per-turn advantage ``Â_i + lam * sum_{t' >= t} gamma^(t'-t) z_{t'}`` (docs/algorithm.md §4.7).
 
     ``gamma = 0`` credits each turn with its own gain only (the session-level
     recipe at turn granularity); ``gamma > 0`` adds IGPO's discounted sum of the

@@ -9,7 +9,7 @@ of metrics.
 | name | advantage |
 | --- | --- |
 | ``grpo`` | single-session GRPO: ``A_i`` on the trajectory's one session (fails loud on more) |
-| ``broadcast`` | ``A_i`` copied to every session (SPEC §4.2) |
+| ``broadcast`` | ``A_i`` copied to every session (docs/algorithm.md §4.2) |
 | ``mosaic-traj`` | session-aware ``Â_i`` broadcast, no gains (§4.3) |
 | ``mosaic-session`` | ``A_i + lam z`` (GRPO broadcast plus gains, §4.4 without §4.3) |
 | ``mosaic`` | ``Â_i + lam z`` (§4.3 + §4.4) |
@@ -63,7 +63,7 @@ class AdvantageBatch:
     turn_session: torch.Tensor | None = None
     """(U,) index into S of each turn's session (turns of a session in order)."""
     turn_gains: torch.Tensor | None = None
-    """(U,) per-turn information gains ``L(after turn) - L(before turn)`` (SPEC §4.7)."""
+    """(U,) per-turn information gains ``L(after turn) - L(before turn)`` (docs/algorithm.md §4.7)."""
     turn_is_final: torch.Tensor | None = None
     """(U,) bool, True for the answer turn (the last turn of a final session)."""
     turn_over_half: torch.Tensor | None = None
@@ -238,7 +238,7 @@ ESTIMATORS: dict[str, Estimator] = {
     e.name: e
     for e in (
         Estimator("grpo", _grpo, "single-session GRPO: A_i on the trajectory's one session", single_session=True),
-        Estimator("broadcast", _broadcast, "A_i copied to every session (SPEC 4.2)"),
+        Estimator("broadcast", _broadcast, "A_i copied to every session (4.2)"),
         Estimator("mosaic-traj", _mosaic_traj, "session-aware trajectory advantage, broadcast (4.3)"),
         Estimator("mosaic-session", _mosaic_session, "A_i + lam z_session (4.4 without 4.3)",
                   needs=frozenset({"gains"})),

@@ -1,4 +1,4 @@
-"""PPO clipped token loss with whole-batch normalisers (SPEC §5).
+"""PPO clipped token loss with whole-batch normalisers (docs/algorithm.md §5).
 
 One training row per session: ``(B, L)`` completion tokens with a boolean
 ``loss_mask``. **Mask convention (the only one in this project): True = a token
@@ -134,7 +134,7 @@ def policy_loss(
     kl_coef: float = 0.0,
     entropy: torch.Tensor | None = None,
 ) -> PolicyLossOutput:
-    """PPO clipped surrogate with clip-higher and optional k3 KL (SPEC §5).
+    """PPO clipped surrogate with clip-higher and optional k3 KL (docs/algorithm.md §5).
 
     Args:
         logprobs: (B, L) current policy log-probs of the completion tokens (with grad).

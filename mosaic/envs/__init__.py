@@ -1,4 +1,4 @@
-"""mosaic.envs: the offline deep-search environment (SPEC §7).
+"""mosaic.envs: the offline deep-search environment (docs/algorithm.md §7).
 
 - ``deepsearch``  the public entry point (re-exports the pieces below)
 - ``names``       fictional names from a syllable grammar; disjoint name partitions

@@ -2,7 +2,7 @@
 
 An expert makes ``searches_per_hop`` searches per hop (the gold query), each a
 turn of ``think_tokens`` of notes plus the call, answered by the real
-``format_hits`` of the real index. The context follows SPEC §2: before a turn,
+``format_hits`` of the real index. The context follows docs/algorithm.md §2: before a turn,
 if ``context + max_new_tokens > context_budget`` the main session ends and a new
 one starts from ``system + question + summary`` (summary = ``summary_base +
 summary_per_hop`` × hops solved so far). The final turn writes the answer. We

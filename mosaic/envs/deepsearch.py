@@ -1,4 +1,4 @@
-"""The offline deep-search environment (SPEC §7): one import point.
+"""The offline deep-search environment (docs/algorithm.md §7): one import point.
 
 A seeded world of fictional entities (:mod:`mosaic.envs.world`), multi-hop
 questions with unique answers (:mod:`mosaic.envs.questions`), BM25 search

@@ -1,4 +1,4 @@
-"""Outcome rewards (SPEC §3): answer extraction, normalisation, exact match, token F1.
+"""Outcome rewards (docs/algorithm.md §3): answer extraction, normalisation, exact match, token F1.
 
 Answer format: the harness's final action is an assistant message containing
 ``<answer>NAME</answer>``. :func:`extract_answer` takes the **last complete**

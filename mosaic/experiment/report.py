@@ -28,7 +28,7 @@ from mosaic.experiment.plots import make_plots
 
 __all__ = ["collect", "write_report"]
 
-PAPER = {  # SPEC §8 (Qwen3.5-4B, BrowseComp; one run, no intervals)
+PAPER = {  # docs/algorithm.md §8 (Qwen3.5-4B, BrowseComp; one run, no intervals)
     "compaction": {"mosaic - broadcast (points)": 3.5, "broadcast - grpo (points)": 0.6,
                    "sessions per trajectory": "about 25 % fewer with mosaic",
                    "positive-gain share": "47.7 % -> 59.9 %"},
@@ -307,7 +307,7 @@ def write_report(work: Path, out: Path) -> list[Path]:
     if health:
         md += _md_health(health)
     if results["paper"]:
-        md += ["### The paper (SPEC §8; one run, no intervals)", ""] + [f"- {k}: {v}" for k, v in results["paper"].items()] + [""]
+        md += ["### The paper (docs/algorithm.md §8; one run, no intervals)", ""] + [f"- {k}: {v}" for k, v in results["paper"].items()] + [""]
     md += ["### Plots", ""] + [f"![{p.stem}](plots/{p.name})" for p in plots] + [""]
     (out / "report.md").write_text("\n".join(md))
     return [out / "report.md", out / "results.json", *plots]

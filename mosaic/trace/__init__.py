@@ -1,4 +1,4 @@
-"""The session-graph data model (SPEC §1) and its storage."""
+"""The session-graph data model (docs/algorithm.md §1) and its storage."""
 
 from mosaic.trace.graph import (
     KIND_CODES,

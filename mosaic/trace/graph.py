@@ -1,13 +1,13 @@
 """The session graph: what a multi-session rollout is, token for token.
 
-A trajectory is a DAG of sessions (SPEC §1). Each session stores the exact
+A trajectory is a DAG of sessions (docs/algorithm.md §1). Each session stores the exact
 prompt ids the model was fed and the completion ids that followed, with a
 parallel boolean ``loss_mask`` (True = sampled by the policy, trained on;
 template and tool tokens False) and the sampling log-probs (0.0 where the
 mask is False). Edges point from a parent to a child: ``continues``
 (main → compaction → main) and ``forks`` (main → subagent).
 
-States for the information-gain scorer (SPEC §4.4) are *references* rather
+States for the information-gain scorer (docs/algorithm.md §4.4) are *references* rather
 than copies: a :class:`StateRef` names a session and a length ``upto`` into
 that session's ``prompt_ids + completion_ids``. Sessions that share a state
 (a compaction's ``state_before`` is the previous main session's end) name the
@@ -93,7 +93,7 @@ class Session:
         logprobs: (len(completion_ids),) sampling log-probs; 0.0 where loss_mask is False.
         end_reason: why the session ended (``answer``, ``compaction``, ``turn_cap``, ...).
         is_final: True for the last main session of the trajectory (exactly one).
-        state_before / state_after: the gain scorer's states (SPEC §4.4).
+        state_before / state_after: the gain scorer's states (docs/algorithm.md §4.4).
         num_turns: assistant turns sampled in this session.
         meta: free-form, JSON-serialisable extras (tool errors, timings, ...).
     """

@@ -2,7 +2,7 @@
 
 - :func:`flatten` lays a batch of trajectories out as flat per-trajectory (T,)
   and per-session (S,) arrays — the inputs of ``mosaic.core.advantages``.
-- :func:`to_rows` makes one training row per session (SPEC §5): the prompt
+- :func:`to_rows` makes one training row per session (docs/algorithm.md §5): the prompt
   (never trained) and the completion with its ``loss_mask`` and sampling
   log-probs, copied from the record as-is (token-in, token-out: no decoding).
 """
@@ -42,7 +42,7 @@ class FlatBatch:
 
 
 def flatten(trajs: Sequence[Trajectory], *, count_kinds: Sequence[str] | None = None) -> FlatBatch:
-    """Flatten trajectories; ``count_kinds=None`` counts sessions of every kind (SPEC §4.3)."""
+    """Flatten trajectories; ``count_kinds=None`` counts sessions of every kind (docs/algorithm.md §4.3)."""
     group_codes: dict[str, int] = {}
     rewards, success, groups, counts = [], [], [], []
     s_traj, s_kind, s_final, s_idx = [], [], [], []

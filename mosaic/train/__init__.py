@@ -3,7 +3,7 @@
 | module | what |
 | --- | --- |
 | ``config`` | frozen, validated config sections, presets (cpu / smollm2 / paper), YAML + ``key=value`` overrides |
-| ``scorer`` | information gains (SPEC §4.4): deduped states, one cached pass per session, batched probes; slow reference; turn-level variant (§4.7) |
+| ``scorer`` | information gains (docs/algorithm.md §4.4): deduped states, one cached pass per session, batched probes; slow reference; turn-level variant (§4.7) |
 | ``checkpoint`` | atomic checkpoints (model, tokenizer, optimizer, scheduler, RNGs, cursor), resume, pruning |
 | ``optim`` | AdamW and the warm-up / cosine LR schedule |
 | ``runlog`` | the run directory: config.yaml, metrics.jsonl, TensorBoard, samples, console line, plots, summary.md |

@@ -120,7 +120,7 @@ def training_rows(trajs: Sequence[Trajectory], adv: torch.Tensor, est: Estimator
 
 def score_for(est: Estimator, trajs: Sequence[Trajectory], model, chat, algo: AlgoConfig, *,
               known: Sequence | None = None) -> Scores:
-    """Score what ``est`` needs with ``model`` (the rollout policy, before the update; SPEC §4.4, §4.7);
+    """Score what ``est`` needs with ``model`` (the rollout policy, before the update; docs/algorithm.md §4.4, §4.7);
     ``known``: states already scored live (:class:`~mosaic.train.scorer.LiveScorer`)."""
     out = Scores(metrics={})
     if est.needs_gains:

@@ -1,6 +1,6 @@
 """Training rows → padded tensors, and the per-token log-probs of a policy on them.
 
-A row is one session (SPEC §5): ``prompt_ids`` (never trained) followed by
+A row is one session (docs/algorithm.md §5): ``prompt_ids`` (never trained) followed by
 ``completion_ids`` with a boolean ``loss_mask`` (True = sampled by the policy).
 The model reads ``prompt + completion`` once; the logits at position ``t``
 predict token ``t + 1``, so the completion's log-probs come from positions
@@ -24,7 +24,7 @@ class PackedRow:
     """One forward sequence carrying the trained tokens of one or more sessions of a trajectory.
 
     A main session's whole context is the prefix of the compaction session that
-    summarises it (SPEC §2), so both train from one pass over the longer
+    summarises it (docs/algorithm.md §2), so both train from one pass over the longer
     sequence: the logits of a prefix do not depend on what follows it. Fields
     mirror :class:`~mosaic.trace.rows.TrainingRow`; ``token_rows[k]`` is the index
     (into the unpacked rows) of the session completion token ``k`` belongs to,

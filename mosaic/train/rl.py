@@ -3,13 +3,13 @@
 The step knows the algorithm only through names: the estimator comes from
 ``mosaic.core.estimators`` by ``algo.estimator``, the loss is
 ``mosaic.core.loss.policy_loss`` with whole-batch weights from
-``token_weights``. Each session is one training row (SPEC §5).
+``token_weights``. Each session is one training row (docs/algorithm.md §5).
 
 Simplifications (said once): the PPO ratio uses the sampling log-probs the
 rollout policy recorded (no recompute pass: rollouts and update run the same
 fp32 weights in one process, so they are the old policy's log-probs); the
 information gain is scored with the rollout policy before the update, as
-SPEC §4.4 asks.
+docs/algorithm.md §4.4 asks.
 """
 
 from __future__ import annotations

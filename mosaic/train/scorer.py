@@ -1,4 +1,4 @@
-"""Information-gain scorer (SPEC §4.4) and the turn-level IGPO-style variant (§4.7).
+"""Information-gain scorer (docs/algorithm.md §4.4) and the turn-level IGPO-style variant (§4.7).
 
 ``L(c)`` is the rollout policy's mean log-probability per token of the ground
 truth ``y`` when the context ``c`` is followed by the answer probe (the
@@ -76,7 +76,7 @@ class ScoreResult:
 
 @dataclass
 class TurnScoreResult:
-    """Turn-level likelihoods (SPEC §4.7), one list per session in flatten order."""
+    """Turn-level likelihoods (docs/algorithm.md §4.7), one list per session in flatten order."""
 
     loglik: list[torch.Tensor]
     """Per session: (1 + n_turns,) ``L`` at the prompt and after every turn."""
@@ -200,7 +200,7 @@ def score_gains(
     max_batch_size: int = 64,
     known: Sequence[Mapping[tuple[int, int], float] | None] | None = None,
 ) -> ScoreResult:
-    """Session gains of a batch of trajectories (SPEC §4.4).
+    """Session gains of a batch of trajectories (docs/algorithm.md §4.4).
 
     Args:
         trajs: T trajectories; every non-final session needs ``state_before`` /
@@ -243,7 +243,7 @@ def score_gains(
 
 
 class LiveScorer:
-    """Session states scored off the rollout policy's live KV cache (SPEC §4.4: the rollout policy).
+    """Session states scored off the rollout policy's live KV cache (docs/algorithm.md §4.4: the rollout policy).
 
     Every state the scorer needs is a prefix of a main session (its prompt, its end, its subagents' fork
     and merge points), and the policy encoded those tokens while it generated. The harness
@@ -354,7 +354,7 @@ def score_turns(
     max_batch_tokens: int = 16384,
     max_batch_size: int = 64,
 ) -> TurnScoreResult:
-    """Turn-level ``L`` (SPEC §4.7, IGPO-style): one probe at every session's prompt
+    """Turn-level ``L`` (docs/algorithm.md §4.7, IGPO-style): one probe at every session's prompt
     and after every turn. ``method="reference"`` re-encodes each turn's context
     from scratch, as IGPO does; ``cached`` reuses the session's KV cache.
     ``include_final=False`` skips final sessions (their gains are unused);

@@ -1,6 +1,6 @@
 """Accuracy with confidence intervals, and paired comparisons of two runs.
 
-The paper reports no seeds or intervals (SPEC §8); this project does. Outcomes
+The paper reports no seeds or intervals (docs/algorithm.md §8); this project does. Outcomes
 are per question, possibly several samples (or seeds) per question: an array
 ``(Q,)`` or ``(Q, R)``, with NaN for missing samples. Questions are the unit of
 resampling (samples of one question are not independent), so:

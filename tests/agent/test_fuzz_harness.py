@@ -1,4 +1,4 @@
-"""Fuzz: >= 10,000 malformed model outputs through the agent loop never crash it (SPEC §2)."""
+"""Fuzz: >= 10,000 malformed model outputs through the agent loop never crash it (docs/algorithm.md §2)."""
 
 import pytest
 

@@ -1,4 +1,4 @@
-"""Exact token records and session graphs of the harness (SPEC §1, §2, §4.4)."""
+"""Exact token records and session graphs of the harness (docs/algorithm.md §1, §2, §4.4)."""
 
 from collections import Counter
 
@@ -110,7 +110,7 @@ def test_compaction_graph_and_shared_states(split, chat):
             summary = chat.decode([i for i, m in zip(comp.completion_ids, comp.loss_mask) if m])
             summary = summary.replace("<|im_end|>", "").strip()
             assert summary in chat.decode(nxt.prompt_ids)
-        # shared states are one key: k compactions need 2k + 1 probes (SPEC §4.4)
+        # shared states are one key: k compactions need 2k + 1 probes (docs/algorithm.md §4.4)
         keys = {t.state_key(r) for s in t.sessions[:-1] for r in (s.state_before, s.state_after)}
         assert len(keys) == 2 * t.meta["compactions"] + 1
     assert all(t.success for t in trajs)

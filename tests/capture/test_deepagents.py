@@ -92,7 +92,7 @@ def test_deepagents_compaction_and_subagents_rebuilt(deepagents_python, upstream
 
 
 def test_the_deepagents_example_trains_through_the_proxy(deepagents_python, tmp_path):
-    """examples/harness/deepagents_agent.py, the README's command: deepagents' own loop and
+    """examples/harness/deepagents_agent.py, docs/capture.md's command: deepagents' own loop and
     SummarizationMiddleware drive the shipped model through the trainer's proxy; a step rebuilds its
     graphs from the records, logs the same metrics as the built-in rollout and saves a checkpoint."""
     from mosaic.train.checkpoint import find_latest

@@ -168,7 +168,7 @@ def test_export_refuses_an_existing_file_and_replaces_it_whole_with_force(upstre
         _post(f"{px.url}/rollouts/{rid}/v1/chat/completions", {"model": "m", "messages": MSGS})
         _post(f"{px.url}/rollouts/{rid}/reward", {"reward": 1.0})
     px.stop()
-    # The README's layout: the export sits in the records directory; the next export reads past it.
+    # docs/capture.md's layout: the export sits in the records directory; the next export reads past it.
     out = f"{px.out_dir}/sessions.jsonl"
     assert mosaic_main(["proxy", "export", "--records", px.out_dir, "--out", out]) == 0
     assert mosaic_main(["proxy", "export", "--records", px.out_dir, "--out", out]) == 2

@@ -1,4 +1,4 @@
-"""Advantage estimators: SPEC §4.6 worked example, §4.5 properties, loop reference, registry."""
+"""Advantage estimators: docs/algorithm.md §4.6 worked example, §4.5 properties, loop reference, registry."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from mosaic.core.estimators import ESTIMATORS, AdvantageBatch, get_estimator
 SETTINGS = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 # --------------------------------------------------------------------------- loop reference
-# Deliberately naive: Python loops over groups / sessions, straight from SPEC §4.
+# Deliberately naive: Python loops over groups / sessions, straight from docs/algorithm.md §4.
 
 
 def ref_grpo(r, g, *, norm_by_std=True, eps=1e-6):
@@ -182,7 +182,7 @@ def test_numpy_inputs_and_dtypes():
 
 
 def test_grpo_conventions():
-    # Singleton group → 0 (SPEC §4.1 choice); constant group → 0; Dr. GRPO centring only.
+    # Singleton group → 0 (docs/algorithm.md §4.1 choice); constant group → 0; Dr. GRPO centring only.
     r = torch.tensor([0.7, 1.0, 1.0, 0.0, 1.0])
     g = torch.tensor([9, 4, 4, -2, -2])
     torch.testing.assert_close(grpo(r, g), torch.tensor([0.0, 0.0, 0.0, -0.7071, 0.7071]), atol=1e-4, rtol=0)
@@ -206,7 +206,7 @@ def test_uniform_groups_get_fallback_terms():
 
 
 def test_fractional_ordering_needs_failures_at_or_below_the_mean():
-    """Pins a SPEC §4.5 caveat: with fractional rewards a failure above the group mean
+    """Pins a docs/algorithm.md §4.5 caveat: with fractional rewards a failure above the group mean
     has a positive A, and the (1 - ρu) multipliers can lift it over a success."""
     r = torch.tensor([1.0, 1.0, 0.95, 0.0, 0.0])
     ok = r >= 1.0

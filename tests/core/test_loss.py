@@ -1,4 +1,4 @@
-"""PPO loss and whole-batch aggregation (SPEC §5): hand-computed values, masks,
+"""PPO loss and whole-batch aggregation (docs/algorithm.md §5): hand-computed values, masks,
 micro-batch invariance, clip-higher, k3 KL."""
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ the ``CI`` environment variable is set and skip with the reason otherwise.
 Convention differences found by reading verl's code (asserted below):
 - singleton group: verl's ``compute_grpo_outcome_advantage`` uses mean 0 and
   std 1, so the advantage is the raw score ``r / (1 + eps)``; Mosaic gives 0
-  (SPEC §4.1 choice). Compared only on groups of size >= 2, plus one test that
+  (docs/algorithm.md §4.1 choice). Compared only on groups of size >= 2, plus one test that
   pins the difference.
 - verl returns (B, L) token matrices (score * response_mask); Mosaic returns one
   value per trajectory / session. verl reads the outcome as the sum of
@@ -162,7 +162,7 @@ def test_grpo_matches_verl_on_groups_of_two_or_more(verl_out):
 
 
 def test_singleton_group_convention_differs_from_verl(verl_out):
-    """SPEC §4.1 choice: a singleton gets 0; verl returns the raw score (mean 0, std 1)."""
+    """docs/algorithm.md §4.1 choice: a singleton gets 0; verl returns the raw score (mean 0, std 1)."""
     case = grpo_cases()["singleton"]
     ref = verl_out["singleton"]["scalar"]
     ours = grpo(torch.from_numpy(case["rewards"]), torch.from_numpy(case["index"])).numpy()

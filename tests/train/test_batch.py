@@ -21,7 +21,7 @@ def _traj(i, reward, kinds_finals):
 
 
 def test_spec_worked_example_through_the_glue():
-    # SPEC §4.6: rewards [1, 0, 1, 0], session counts [3, 5, 1, 1].
+    # docs/algorithm.md §4.6: rewards [1, 0, 1, 0], session counts [3, 5, 1, 1].
     trajs = [
         _traj(0, 1.0, [("main", False), ("compaction", False), ("main", True)]),
         _traj(1, 0.0, [("main", False), ("compaction", False), ("main", False), ("compaction", False), ("main", True)]),

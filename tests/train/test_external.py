@@ -169,7 +169,7 @@ def test_mosaic_train_on_a_harness_updates_the_weights_and_logs_session_metrics(
 
 
 def test_the_plain_example_harness_trains_and_a_killed_run_resumes(base_dir, tmp_path, monkeypatch):
-    """examples/harness/plain.py itself (the README's command, on the tiny model): a step trains on its
+    """examples/harness/plain.py itself (docs/capture.md's command, on the tiny model): a step trains on its
     rollouts and logs per-session metrics; a run killed after its checkpoint resumes there, with no
     half-step (metrics for each step once, the final weights differ from the resumed-from ones)."""
     cfg = _cfg(base_dir, tmp_path, f"rollout.harness={ROOT / 'examples/harness/plain.py'}:run", "train.steps=2",

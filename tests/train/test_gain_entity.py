@@ -1,4 +1,4 @@
-"""SPEC §4.4 on a trained policy: a summary that keeps the entity the next hop needs scores a higher
+"""docs/algorithm.md §4.4 on a trained policy: a summary that keeps the entity the next hop needs scores a higher
 information gain than one that drops it.
 
 The policy is the shipped embedded base model (``mosaic pretrain``: supervised on scripted-expert

@@ -10,7 +10,7 @@ the outputs ``{uid}_{session_id}_{index}``), each with the session's exact ``pro
 (= our ``loss_mask``), sampling log-probs, and the graph metadata as ``extra_fields``
 (:data:`mosaic.integrations.verl.rows.COLUMNS`, plus the session id, parent and edge).
 
-**Session gains: scored on the rollout servers** (SPEC §4.4), not in the actor's log-prob pass.
+**Session gains: scored on the rollout servers** (docs/algorithm.md §4.4), not in the actor's log-prob pass.
 Each state + answer probe is one request with ``max_tokens=1`` and ``prompt_logprobs=0``; vLLM
 returns the prompt tokens' log-probs (verl's server puts them in ``extra_fields["prompt_logprobs"]``,
 the path its distillation teacher uses). Why here: the states are prefixes of contexts the server
@@ -19,7 +19,7 @@ while other trajectories still roll out, instead of adding padded rows (every st
 session) to the actor's synchronous log-prob pass; and the trainer receives gains as plain row
 fields, so the actor workers stay unmodified. The price: the probe uses the rollout engine's
 numerics (bf16 vLLM kernels), which differ slightly from the actor's — the same policy the samples
-came from, which is what SPEC §4.4 asks for ("score with the rollout policy"). Seconds spent on
+came from, which is what docs/algorithm.md §4.4 asks for ("score with the rollout policy"). Seconds spent on
 probes and on sampling are returned per trajectory (``mosaic_probe_seconds``,
 ``mosaic_rollout_seconds``) so their share of a step can be measured.
 
@@ -93,7 +93,7 @@ class ServerPolicy:
         try:
             res = await self.server_manager.generate(request_id=f"{self.traj_key}/{req.session_key}",
                                                      prompt_ids=list(req.prompt_ids), sampling_params=params)
-        except Exception as exc:  # noqa: BLE001 - a failed call is an errored record, not a crash (SPEC §2)
+        except Exception as exc:  # noqa: BLE001 - a failed call is an errored record (docs/algorithm.md §2)
             return GenResult([], [], "error", error=f"rollout server: {type(exc).__name__}: {exc}")
         if res.stop_reason == "aborted":
             return GenResult([], [], "error", error="rollout server aborted the request")
@@ -114,7 +114,7 @@ def _state_tokens(traj: Trajectory, key: tuple) -> list[int]:
 
 async def score_session_gains(traj: Trajectory, probe: tuple[list[int], tuple[int, int]],
                               logprob_fn: LogprobFn) -> list[float]:  # fmt: skip
-    """(S,) gains ``L(after) - L(before)`` of ``traj``'s sessions (NaN for the final one), SPEC §4.4.
+    """(S,) gains ``L(after) - L(before)`` of ``traj``'s sessions (NaN for the final one), docs/algorithm.md §4.4.
 
     ``probe``: ``(suffix_ids, (start, end))`` from :meth:`ChatFormat.answer_probe`; ``L(c)`` is the mean
     log-prob of ``suffix_ids[start:end]`` after ``c + suffix_ids[:start]``. Each distinct state is

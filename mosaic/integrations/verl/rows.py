@@ -42,7 +42,7 @@ class VerlParams:
     """Knobs of the verl estimators: ``algorithm.mosaic.<name>`` in verl's config (all optional)."""
 
     rho: float = 0.2
-    """ρ, session-count rank term in mixed groups (SPEC §4.3)."""
+    """ρ, session-count rank term in mixed groups (docs/algorithm.md §4.3)."""
     delta: float = 0.1
     """δ, all-success / all-failure fallback term (§4.3)."""
     lam: float = 0.1

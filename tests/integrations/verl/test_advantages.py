@@ -77,7 +77,7 @@ def test_mosaic_broadcast_equals_verls_own_multi_trajectory_grpo():
 
 
 def test_spec_worked_example_through_verl():
-    """SPEC §4.6: one group, rewards [1,0,1,0], session counts [3,5,1,1], the listed gains."""
+    """docs/algorithm.md §4.6: one group, rewards [1,0,1,0], session counts [3,5,1,1], the listed gains."""
     traj = [0, 0, 0, 1, 1, 1, 1, 1, 2, 3]
     kind = ["main", "compaction", "main", "main", "compaction", "main", "compaction", "main", "main", "main"]
     gain = [0.5, -0.2, 9.0, -0.1, -1.0, 0.3, -0.4, 7.0, 5.0, 0.2]

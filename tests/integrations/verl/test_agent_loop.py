@@ -156,7 +156,7 @@ def test_gains_are_scored_on_the_server_once_per_distinct_state(split, tokenizer
     live = [o for o in outs if not o.extra_fields["mosaic_final"]]
     assert live and all(math.isfinite(o.extra_fields["mosaic_gain"]) for o in live)
     assert math.isnan(outs[-1].extra_fields["mosaic_gain"])
-    # a chain of k compactions (2k non-final sessions) has 2k + 1 distinct states (SPEC §4.4)
+    # a chain of k compactions (2k non-final sessions) has 2k + 1 distinct states (docs/algorithm.md §4.4)
     n_comp = sum(o.extra_fields["mosaic_kind"] == "compaction" for o in outs)
     assert len(probes) == 2 * n_comp + 1
     assert all(r[2]["max_tokens"] == 1 and r[2]["prompt_logprobs"] == 0 for r in probes)
