@@ -1,6 +1,6 @@
 """The core installs alone: ``pip install mosaic-rl`` (no extra) into a fresh virtualenv imports the
 estimators, the trace, the harness, the trainer and the verl plugin's entry module, and pulls none of
-the extras' packages (plots, TensorBoard, servers)."""
+the extras' packages (plots, TensorBoard, servers). In ``make slow`` (8.6 min on a loaded 2-core machine)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=900, **kw)
 
 
+@pytest.mark.slow  # several minutes of pip (torch, transformers) into a fresh venv: `make slow`
 @pytest.mark.timeout(1200)
 def test_the_core_installs_alone_and_imports(tmp_path):
     env_dir = tmp_path / "core-venv"
