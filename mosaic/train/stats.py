@@ -31,7 +31,6 @@ from typing import Literal
 
 import numpy as np
 from statistics import NormalDist
-from itertools import combinations
 
 __all__ = ["wilson_ci", "accuracy_ci", "AccuracyCI", "paired_bootstrap", "PairedComparison",
            "load_outcomes", "align_outcomes", "compare_outcome_files", "format_comparison", "sign_test",
