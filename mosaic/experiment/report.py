@@ -319,19 +319,19 @@ def _md_aa(aa: dict[str, dict]) -> list[str]:
            "halves are too small for the test to reach 0.05.", "",
            "| arm | seeds | splits (halves) | seed permutation | Welch over seeds | sign test on questions "
            "(conditional) | bootstrap interval excludes 0 |", "|" + " --- |" * 7]  # fmt: skip
-    tot = {k: 0.0 for k in ("splits", "rate_seeds", "rate_welch", "rate_sign")}
+    tot = {k: 0.0 for k in ("splits", "rate_seeds", "rate_welch", "rate_sign", "rate_interval")}
     for key, c in aa.items():
         h = c["halves"]
         note = f", smallest p {c['min_p_seeds']:.2g}" if c["min_p_seeds"] >= c["alpha"] else ""
         out.append(f"| {key} | {c['seeds']} | {c['splits']} ({h[0]} v {h[1]}) | {_pct(c['rate_seeds'])} %{note} | "
                    f"{_pct(c['rate_welch'])} % | {_pct(c['rate_sign'])} % | {_pct(c['rate_interval'])} % |")
         tot["splits"] += c["splits"]
-        for k in ("rate_seeds", "rate_welch", "rate_sign"):
-            tot[k] += c[k] * c["splits"]
+        for k in ("rate_seeds", "rate_welch", "rate_sign", "rate_interval"):
+            tot[k] += c[k] * c["splits"]  # (the interval's rate: on up to 50 splits per arm, weighted alike)
     if len(aa) > 1:
         n = tot["splits"]
         out.append(f"| every arm | – | {int(n)} | {_pct(tot['rate_seeds'] / n)} % | {_pct(tot['rate_welch'] / n)} % | "
-                   f"{_pct(tot['rate_sign'] / n)} % | – |")
+                   f"{_pct(tot['rate_sign'] / n)} % | {_pct(tot['rate_interval'] / n)} % |")
     return out
 
 
