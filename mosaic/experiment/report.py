@@ -1,13 +1,17 @@
 """``mosaic experiment report WORK_DIR``: a grid's results as ``report.md``, ``results.json`` and plots.
 
 Per arm (and setting): accuracy over seeds and questions with a 95 % interval (two-stage bootstrap),
-its paired difference to the warm start, sessions per trajectory by kind, the positive-gain share by
-kind, sampled tokens per trajectory and seconds per training step. Per pair of arms on the same
-questions: the difference with its interval, an exact sign test on per-question differences and an
-exact permutation test over training seeds, both Holm-corrected across the pairs shown. The
-evaluations named ``pool`` (default: every ``test`` evaluation) are also pooled into one headline
-table (questions of every world together). The smallest difference the grid can detect at 80 % power
-is estimated from the measured variances.
+its paired difference to the warm start (hierarchical bootstrap interval, exact sign-flip test over
+seeds), sessions per trajectory by kind, the positive-gain share by kind, sampled tokens per trajectory
+and seconds per training step. Per pair of arms on the same questions, with **the training seed as the
+unit** (``mosaic.train.seedstats``): the difference with a hierarchical bootstrap interval (seeds, then
+questions), an exact permutation test over seeds (the headline p), Welch's test over seeds, the power of
+the seed test to detect the paper's +3.5 points from the measured seed-to-seed SD and the seeds per arm
+for 80 %; the question-level exact sign test stays, labelled conditional on the trained models. Every
+p is Holm-corrected across the pairs shown. Every table ends with an A/A calibration: each arm with
+>= 4 seeds against itself over every split of its seeds into halves, the share of splits where each
+test gives p < 0.05. The evaluations named ``pool`` (default: every ``test`` evaluation) are also
+pooled into one headline table (questions of every world together).
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ from mosaic.experiment.runner import DONE, REUSED, adopt, warm_dir
 from mosaic.config.loader import dump_config
 from mosaic.experiment.spec import Grid, load_grid
 from mosaic.train.runlog import read_metrics
-from mosaic.train.stats import compare_arms, detectable_difference, holm, seed_question_ci
+from mosaic.train.seedstats import PAPER_EFFECT, aa_calibration, compare_seeds, hierarchical_bootstrap, vs_reference
+from mosaic.train.stats import detectable_difference, holm, seed_question_ci, sign_test
 from mosaic.experiment.plots import make_plots
 
 __all__ = ["collect", "write_report"]
@@ -197,8 +202,9 @@ def _table(grid: Grid, data: dict, evals: list[str], label: str) -> dict:
         if all(e in w for e in evals):
             wq = np.array([w[e][0][q.split(":", 1)[1]] for e in evals for q in qids if q.startswith(f"{e}:")])
             row["warm_start"] = float(wq.mean())
-            vs = compare_arms(x, wq[None, :])
-            row["vs_warm_start"] = {k: getattr(vs, k) for k in ("diff", "lo", "hi", "p_sign")}
+            lo, hi = hierarchical_bootstrap(x, wq[None, :], questions="shared")  # one fixed model: paired questions
+            row["vs_warm_start"] = {"diff": float(x.mean() - wq.mean()), "lo": lo, "hi": hi,
+                                    "p_seeds": vs_reference(x, wq), "p_sign": sign_test(x.mean(0) - wq)}  # fmt: skip
             row["seeds_improving"] = int((x.mean(1) > wq.mean()).sum())
         row["sessions"] = _mean_metric(g["seeds"], evals, "session/count/")
         row["pos_gain_share"] = _mean_metric(g["seeds"], evals, "session/pos_gain_share/")
@@ -212,17 +218,16 @@ def _table(grid: Grid, data: dict, evals: list[str], label: str) -> dict:
             a, b = keys[i], keys[j]
             if arms[a]["setting"] != arms[b]["setting"] or qsets[a] != qsets[b]:
                 continue
-            c = compare_arms(mats[a], mats[b])
-            pairs.append({"a": a, "b": b, **asdict(c)})
+            pairs.append({"a": a, "b": b, **asdict(compare_seeds(mats[a], mats[b]))})
     ablations = []
     if grid.baseline:  # each setting against the baseline setting, arm by arm (same questions, other runs)
         for a in keys:
             b = next((k for k in keys if arms[k]["arm"] == arms[a]["arm"] and arms[k]["setting"] == grid.baseline), None)
             if b is None or a == b or qsets[a] != qsets[b]:
                 continue
-            ablations.append({"a": a, "b": b, "vs_baseline": True, **asdict(compare_arms(mats[a], mats[b]))})
+            ablations.append({"a": a, "b": b, "vs_baseline": True, **asdict(compare_seeds(mats[a], mats[b]))})
     for family in (pairs, ablations):  # Holm within each table: arms against arms, settings against the baseline
-        for name in ("p_sign", "p_seeds"):
+        for name in ("p_sign", "p_seeds", "p_welch"):
             for p, adj in zip(family, holm([p[name] for p in family])):
                 p[f"{name}_holm"] = adj
     power = None
@@ -234,7 +239,9 @@ def _table(grid: Grid, data: dict, evals: list[str], label: str) -> dict:
     cand = [v for v in seeded if len(v) >= 2]
     if cand:
         power = asdict(detectable_difference(max(cand, key=len)))
-    return {"label": label, "evals": evals, "arms": arms, "pairs": pairs, "ablations": ablations, "power": power}
+    aa = {k: asdict(aa_calibration(x)) for k, x in mats.items() if x.shape[0] >= 4}
+    return {"label": label, "evals": evals, "arms": arms, "pairs": pairs, "ablations": ablations, "power": power,
+            "aa": aa}
 
 
 def _pct(x: float) -> str:
@@ -243,7 +250,7 @@ def _pct(x: float) -> str:
 
 def _md_table(t: dict) -> list[str]:
     out = [f"### {t['label']}", "", "| arm | setting | seeds | questions | accuracy % [95 % CI] | warm start % | "
-           "Δ vs warm start [95 % CI] | seeds > warm | sessions/traj (main, compaction, subagent) | "
+           "Δ vs warm start [95 % CI], sign-flip p over seeds | seeds > warm | sessions/traj (main, compaction, subagent) | "
            "positive-gain share | sampled tokens/traj | s/step |", "|" + " --- |" * 12]  # fmt: skip
     for r in t["arms"].values():
         s = r["sessions"]
@@ -251,29 +258,81 @@ def _md_table(t: dict) -> list[str]:
         out.append(
             f"| {r['arm']} | {r['setting']} | {r['seeds']} | {r['questions']} | {_pct(r['accuracy'])} "
             f"[{_pct(r['lo'])}, {_pct(r['hi'])}] | {_pct(r['warm_start']) if 'warm_start' in r else '–'} | "
-            + (f"{float(vw['diff']) * 100:+.1f} [{float(vw['lo']) * 100:+.1f}, {float(vw['hi']) * 100:+.1f}]" if vw else "–")
+            + (f"{float(vw['diff']) * 100:+.1f} [{float(vw['lo']) * 100:+.1f}, {float(vw['hi']) * 100:+.1f}]"
+               + (f", seeds p {vw['p_seeds']:.2g}" if "p_seeds" in vw else "") if vw else "–")
             + f" | {r.get('seeds_improving', '–')}/{r['seeds']} | {s.get('main', 0):.2f}, {s.get('compaction', 0):.2f}, "
             f"{s.get('subagent', 0):.2f} | {r['pos_gain_share'].get('all', float('nan')):.3f} | "
             f"{r['tokens_per_traj']:.0f} | {r['step_s']:.1f} |")  # fmt: skip
+    explain = True
     for family, title in ((t["pairs"], "Arms against each other within a setting"),
                           (t.get("ablations") or [], "Each setting against the baseline setting, arm by arm")):
-        if not family:
-            continue
-        out += ["", f"{title} (paired on the same questions; Holm within this table):", "",
-                "| A − B | Δ points [95 % CI] | wins/losses/ties | sign test p (Holm) | seed permutation p (Holm) |",
-                "| --- | --- | --- | --- | --- |"]  # fmt: skip
-        for p in family:
-            out.append(f"| {p['a']} − {p['b']} | {100 * p['diff']:+.1f} [{100 * p['lo']:+.1f}, {100 * p['hi']:+.1f}] | "
-                       f"{p['wins']}/{p['losses']}/{p['ties']} | {p['p_sign']:.3g} ({p['p_sign_holm']:.3g}) | "
-                       f"{p['p_seeds']:.3g} ({p['p_seeds_holm']:.3g}) |")  # fmt: skip
+        if family:
+            out += _md_pairs(family, title, explain)
+            explain = False
+    out += _md_aa(t.get("aa") or {})
     if t["power"]:
         pw = t["power"]
-        out += ["", f"Smallest difference detectable at 80 % power (two-sided 5 %) with this grid "
+        out += ["", f"With questions counted as a second source of noise (for new questions as well; normal "
+                f"approximation), the smallest difference detectable at 80 % power (two-sided 5 %) with this grid "
                 f"({pw['seeds']} seeds × {pw['questions']} questions): **{100 * pw['mde']:.1f} points** "
                 f"(seed-to-seed variance {pw['seed_var']:.2e}, per-question difference variance "
                 f"{pw['question_var']:.2e}). Other sizes: "
                 + "; ".join(f"{k}: {100 * v:.1f}" for k, v in pw["table"].items()) + "."]  # fmt: skip
     return out + [""]
+
+
+def _md_pairs(family: list[dict], title: str, explain: bool = True) -> list[str]:
+    """A table of pairs; the training seed is the unit of the headline test and of the interval."""
+    eff = 100 * (family[0].get("effect") or PAPER_EFFECT)
+    out = ["", f"{title} (same questions; Holm within this table)" + (". **The unit is the training seed**: the "
+           "interval is a hierarchical bootstrap (each arm's seeds resampled, then the questions) and the "
+           "headline p an exact permutation test over the per-seed accuracies. Power: of that test, from the "
+           f"pair's pooled seed-to-seed SD, to detect ±{eff:.1f} points (the paper's compaction figure), and the "
+           "seeds per arm it would need for 80 %. The question-level sign test is **conditional on the trained "
+           "models**: it asks whether these particular checkpoints differ on these questions, not whether the "
+           "two training settings do." if explain else ":"), "",
+           "| A − B | seeds | Δ points [95 % CI] | seed permutation p (Holm) | Welch p over seeds (Holm) | "
+           "seed SD (points) | power (seeds/arm for 80 %) | sign test on questions, conditional p (Holm) | "
+           "wins/losses/ties |", "|" + " --- |" * 9]  # fmt: skip
+    for p in family:
+        welch = f"{p['p_welch']:.3g} ({p['p_welch_holm']:.3g})" if p["p_welch"] == p["p_welch"] else "–"
+        power = (f"{p['power']:.2f} ({p['seeds_needed'] if p['seeds_needed'] > 0 else '> 10,000'})"
+                 if p["power"] == p["power"] else "–")  # fmt: skip
+        floor = " †" if p["min_p_seeds"] >= 0.05 else ""
+        out.append(f"| {p['a']} − {p['b']} | {p['seeds_a']} + {p['seeds_b']} | {100 * p['diff']:+.1f} "
+                   f"[{100 * p['lo']:+.1f}, {100 * p['hi']:+.1f}] | {p['p_seeds']:.3g} ({p['p_seeds_holm']:.3g}){floor} | "
+                   f"{welch} | {100 * p['sd']:.1f} | {power} | {p['p_sign']:.3g} ({p['p_sign_holm']:.3g}) | "
+                   f"{p['wins']}/{p['losses']}/{p['ties']} |")  # fmt: skip
+    if any(p["min_p_seeds"] >= 0.05 for p in family):
+        out += ["", "† with so few seeds the exact permutation test cannot give p < 0.05 (its smallest p is "
+                "2 / C(S_a + S_b, S_a), or 1 / C when the arms differ in size); its power there is 0."]  # fmt: skip
+    return out
+
+
+def _md_aa(aa: dict[str, dict]) -> list[str]:
+    """The A/A calibration: each arm with >= 4 seeds against itself."""
+    if not aa:
+        return []
+    out = ["", "A/A calibration: each arm against itself, its seeds split into two equal halves every possible "
+           "way (with an odd count, each seed left out in turn). Share of splits where each test gives "
+           "p < 0.05 (for the interval: where it excludes 0); a valid test stays near 5 %, below it when the "
+           "halves are too small for the test to reach 0.05.", "",
+           "| arm | seeds | splits (halves) | seed permutation | Welch over seeds | sign test on questions "
+           "(conditional) | bootstrap interval excludes 0 |", "|" + " --- |" * 7]  # fmt: skip
+    tot = {k: 0.0 for k in ("splits", "rate_seeds", "rate_welch", "rate_sign", "rate_interval")}
+    for key, c in aa.items():
+        h = c["halves"]
+        note = f", smallest p {c['min_p_seeds']:.2g}" if c["min_p_seeds"] >= c["alpha"] else ""
+        out.append(f"| {key} | {c['seeds']} | {c['splits']} ({h[0]} v {h[1]}) | {_pct(c['rate_seeds'])} %{note} | "
+                   f"{_pct(c['rate_welch'])} % | {_pct(c['rate_sign'])} % | {_pct(c['rate_interval'])} % |")
+        tot["splits"] += c["splits"]
+        for k in ("rate_seeds", "rate_welch", "rate_sign", "rate_interval"):
+            tot[k] += c[k] * c["splits"]  # (the interval's rate: on up to 50 splits per arm, weighted alike)
+    if len(aa) > 1:
+        n = tot["splits"]
+        out.append(f"| every arm | – | {int(n)} | {_pct(tot['rate_seeds'] / n)} % | {_pct(tot['rate_welch'] / n)} % | "
+                   f"{_pct(tot['rate_sign'] / n)} % | {_pct(tot['rate_interval'] / n)} % |")
+    return out
 
 
 def write_report(work: Path, out: Path) -> list[Path]:

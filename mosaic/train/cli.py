@@ -5,7 +5,9 @@ trailing ``section.field=value`` overrides (the grammar of every verb, :mod:`mos
 the config is resolved and validated first, and an invalid one exits with status 2 and the
 message before any work. ``--print-config`` prints the resolved YAML and exits;
 ``--help-config`` prints every key with its value under the preset and its docstring.
-``compare`` runs a paired bootstrap on two per-question outcome files. Bad
+``compare`` compares two arms from per-question outcome files: one file per arm tests the two trained
+models on these questions (the unit is the question: conditional on the models); several files per arm
+(one per training seed, comma-separated) test the arms over seeds (``mosaic.train.seedstats``). Bad
 flags (``eval --checkpoint`` that is missing or does not verify, ``compare``
 with a missing file, ``--n-boot 0``, ``--ci 2``) exit with status 2 and one
 line naming the flag.
@@ -112,10 +114,13 @@ def _compare_args_error(args) -> str | None:
         return f"--n-boot must be >= 1, got {args.n_boot}"
     if not 0 < args.ci < 1:
         return f"--ci must be in (0, 1), got {args.ci}"
-    for name, path in (("a", args.a), ("b", args.b)):
-        p = Path(path)
-        if not p.is_file():
-            return f"outcome file {name} ({path}): " + ("is a directory" if p.is_dir() else "no such file")
+    for name, paths in (("a", args.a), ("b", args.b)):
+        for path in paths.split(","):
+            p = Path(path)
+            if not p.is_file():
+                return f"outcome file {name} ({path}): " + ("is a directory" if p.is_dir() else "no such file")
+    if (args.a.count(",") == 0) != (args.b.count(",") == 0):
+        return "give one outcome file per arm, or several (one per training seed, comma-separated) for both"
     return None
 
 
@@ -128,6 +133,8 @@ def _compare(args) -> int:
         return EXIT_CONFIG
 
     try:
+        if "," in args.a:
+            return _compare_seeds(args)
         c = compare_outcome_files(args.a, args.b, ci=args.ci, n_boot=args.n_boot, seed=args.seed,
                                   on_mismatch="intersect" if args.intersect else "error")  # fmt: skip
     except (OSError, ValueError) as exc:
@@ -138,9 +145,29 @@ def _compare(args) -> int:
     if args.json:
         from dataclasses import asdict
 
-        print(json.dumps(asdict(c), indent=1))
+        print(json.dumps({"unit": "questions", **asdict(c)}, indent=1))
     else:
+        print("unit: questions, conditional on the two trained models (one run each): this says whether these "
+              "checkpoints differ on these questions, not whether their training settings do; for that, give "
+              "several runs (seeds) per arm: mosaic compare A1,A2,... B1,B2,...")  # fmt: skip
         print(format_comparison(c, args.name_a or "A", args.name_b or "B"))
+    return 0
+
+
+def _compare_seeds(args) -> int:
+    """Several outcome files per arm, one per training seed: the seed is the unit."""
+    from dataclasses import asdict
+
+    from mosaic.train.seedstats import aa_calibration, compare_seeds, format_seed_comparison, seed_matrices
+
+    _, a, b = seed_matrices(args.a.split(","), args.b.split(","), on_mismatch="intersect" if args.intersect else "error")
+    c = compare_seeds(a, b, ci=args.ci, n_boot=args.n_boot, seed=args.seed)
+    names = (args.name_a or "A", args.name_b or "B")
+    aa = {n: aa_calibration(x, seed=args.seed) for n, x in zip(names, (a, b)) if x.shape[0] >= 4}
+    if args.json:
+        print(json.dumps({"unit": "seeds", **asdict(c), "aa": {n: asdict(r) for n, r in aa.items()}}, indent=1))
+    else:
+        print(format_seed_comparison(c, aa, *names))
     return 0
 
 
@@ -223,9 +250,11 @@ def register(subparsers) -> None:
     _add_config_args(p)
     p.set_defaults(func=_run("run_eval"))
 
-    p = subparsers.add_parser("compare", help="paired bootstrap CI of the accuracy difference of two outcome files")
-    p.add_argument("a", help="outcome file of run A (JSONL: question_id + correct, one line per sample)")
-    p.add_argument("b", help="outcome file of run B, same questions")
+    p = subparsers.add_parser("compare", help="compare two arms: one outcome file each (questions as the unit, "
+                              "conditional on the two models) or one per training seed (seeds as the unit)")
+    p.add_argument("a", help="outcome file of arm A (JSONL: question_id + correct, one line per sample), or "
+                   "several, one per training seed, comma-separated: then the seed is the unit")
+    p.add_argument("b", help="outcome file(s) of arm B, same questions")
     p.add_argument("--n-boot", type=int, default=10000, help="bootstrap resamples (default 10000)")
     p.add_argument("--seed", type=int, default=0, help="bootstrap seed")
     p.add_argument("--ci", type=float, default=0.95, help="interval level (default 0.95)")

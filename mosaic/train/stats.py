@@ -31,7 +31,6 @@ from typing import Literal
 
 import numpy as np
 from statistics import NormalDist
-from itertools import combinations
 
 __all__ = ["wilson_ci", "accuracy_ci", "AccuracyCI", "paired_bootstrap", "PairedComparison",
            "load_outcomes", "align_outcomes", "compare_outcome_files", "format_comparison", "sign_test",
@@ -296,22 +295,11 @@ def sign_flip_test(d, *, n_perm: int = 200_000, seed: int = 0, exact_max: int = 
 
 def seed_permutation_test(a, b) -> float:
     """Exact two-sided permutation test that two arms' per-seed accuracies ``a`` (S_a,) and ``b`` (S_b,)
-    come from one distribution: every split of the pooled runs into groups of S_a and S_b
-    (``scipy.stats.permutation_test`` with ``permutation_type='independent'`` and all splits). The unit
-    is the training run, so seed-to-seed variance is in the test; with 5 + 5 seeds the smallest p is 2/252."""
+    come from one distribution (:func:`mosaic.train.seedstats.seed_permutation_test`, which also falls back
+    to random splits when there are too many to enumerate). With 5 + 5 seeds the smallest p is 2/252."""
+    from mosaic.train.seedstats import seed_permutation_test as exact  # (seedstats imports this module)
 
-    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
-    pooled = np.concatenate([a, b])
-    n, k = len(pooled), len(a)
-    obs = abs(a.mean() - b.mean())
-    total = pooled.sum()
-    hits = count = 0
-    for idx in combinations(range(n), k):
-        sa = pooled[list(idx)].sum()
-        diff = abs(sa / k - (total - sa) / (n - k))
-        hits += diff >= obs - 1e-12
-        count += 1
-    return hits / count
+    return exact(a, b)
 
 
 def holm(p_values) -> list[float]:

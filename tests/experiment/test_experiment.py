@@ -38,7 +38,8 @@ def test_quick_grid_runs_end_to_end_and_reports(quick):
     assert "4 of 4 runs finished" in md
     assert "pooled over test, test-d1 (headline)" in md  # the two test worlds pooled
     assert "| broadcast | base | 2 | 8 |" in md and "| mosaic | base | 2 | 8 |" in md
-    assert "broadcast/base − mosaic/base" in md and "sign test p (Holm)" in md
+    assert "broadcast/base − mosaic/base" in md and "seed permutation p (Holm)" in md
+    assert "sign test on questions, conditional p (Holm)" in md
     assert "Smallest difference detectable at 80 % power" in md
     assert "### Policy health" in md and "| warm start | base | 1 |" in md
     health = {(r["arm"], r["setting"]): r for r in json.loads((rep / "results.json").read_text())["health"]}
@@ -351,3 +352,31 @@ def test_a_baseline_setting_is_compared_with_every_other_setting_arm_by_arm():
     assert parse_grid({**QUICK_GRID}).baseline is None
     with pytest.raises(GridError, match="baseline"):
         parse_grid({**doc, "baseline": "nope"})
+
+
+def test_the_report_tests_seeds_and_prints_an_aa_calibration():
+    """Pairs carry the seed-level tests (permutation, Welch), the power for the paper's +3.5 and the
+    conditional sign test; every arm with >= 4 seeds gets an A/A row; arms with fewer get none."""
+    import numpy as np
+
+    from mosaic.experiment.report import _md_table, _table
+
+    grid = parse_grid({**QUICK_GRID})
+    rng = np.random.default_rng(1)
+    qs = [f"q{i}" for i in range(50)]
+
+    def seed(p):
+        return {"evals": {"val": ({q: float(rng.random() < p) for q in qs}, {"metrics": {}})}, "step_s": 1.0}
+
+    data = {"groups": {"broadcast/base": {"arm": "broadcast", "setting": "base", "seeds": {k: seed(0.3) for k in range(4)}},
+                       "mosaic/base": {"arm": "mosaic", "setting": "base", "seeds": {k: seed(0.35) for k in range(3)}}},
+            "warm": {"base": {"val": ({q: 0.0 for q in qs}, {})}}}
+    t = _table(grid, data, ["val"], "val")
+    (pair,) = t["pairs"]
+    assert pair["seeds_a"] == 4 and pair["seeds_b"] == 3 and 0 < pair["p_seeds"] <= 1 and 0 <= pair["p_welch"] <= 1
+    assert pair["min_p_seeds"] == pytest.approx(1 / 35) and 0 <= pair["power"] <= 1 and pair["effect"] == 0.035
+    assert set(t["aa"]) == {"broadcast/base"} and t["aa"]["broadcast/base"]["splits"] == 3
+    assert "p_seeds" in t["arms"]["broadcast/base"]["vs_warm_start"]
+    md = "\n".join(_md_table(t))
+    assert "**The unit is the training seed**" in md and "conditional on the trained models" in md
+    assert "| broadcast/base | 4 | 3 (2 v 2) |" in md and "A/A calibration" in md
