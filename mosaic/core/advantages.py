@@ -45,19 +45,21 @@ _F64 = torch.float64
 # --------------------------------------------------------------------------- helpers
 
 
+KNOB_TABLE: dict = {}
+"""The knob table (``mosaic.core.estimators.KNOBS``, the same dict: that module hands it over when it loads, and
+``mosaic.core`` loads it first): where the hyper-parameters' defaults are declared, once."""
+
+
 def _knob_defaults(fn):
-    """Fill the keyword-only hyper-parameters a caller leaves out with their defaults declared once in
-    :data:`mosaic.core.estimators.KNOBS` (read at call time: that module imports this one)."""
+    """Fill the keyword-only hyper-parameters a caller leaves out with their defaults from :data:`KNOB_TABLE`."""
     names = [p.name for p in inspect.signature(fn).parameters.values()
              if p.kind is p.KEYWORD_ONLY and p.default is p.empty]  # fmt: skip
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        missing = [n for n in names if n not in kwargs]
-        if missing:
-            from mosaic.core.estimators import KNOBS
-
-            kwargs.update({n: KNOBS[n].default for n in missing})
+        for n in names:
+            if n not in kwargs:
+                kwargs[n] = KNOB_TABLE[n].default
         return fn(*args, **kwargs)
 
     return wrapper

@@ -40,7 +40,7 @@ from typing import Literal
 
 import torch
 
-from mosaic.core import advantages as adv
+import mosaic.core.advantages as adv
 
 __all__ = ["AdvantageBatch", "Knob", "KNOBS", "add_knob", "Estimator", "EstimatorParams", "ESTIMATORS", "register",
            "aliases", "resolve_name", "alias_note", "knob_table", "get_estimator", "advantage_metrics"]
@@ -133,8 +133,9 @@ class Knob:
         return f"{text} {self.why}".rstrip()
 
 
-KNOBS: dict[str, Knob] = {}
-"""Every estimator knob by name, in declaration order (each estimator lists the ones it reads)."""
+KNOBS: dict[str, Knob] = adv.KNOB_TABLE
+"""Every estimator knob by name, in declaration order (each estimator lists the ones it reads); the same dict
+the core functions of :mod:`.advantages` take their defaults from."""
 
 
 def add_knob(knob: Knob) -> Knob:
