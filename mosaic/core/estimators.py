@@ -207,6 +207,13 @@ class EstimatorParams:
     def __repr__(self) -> str:
         return f"EstimatorParams({', '.join(f'{k}={v!r}' for k, v in self._values.items())})"
 
+    def __reduce__(self):  # copy / pickle through the constructor (attribute assignment is refused)
+        return (_params_from, (dict(self._values),))
+
+
+def _params_from(values: dict) -> EstimatorParams:
+    return EstimatorParams(**values)
+
 
 def advantage_metrics(
     advantages: torch.Tensor,

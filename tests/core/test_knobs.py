@@ -3,8 +3,10 @@ the estimators and their names' other spellings."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
+import pickle
 import re
 
 import pytest
@@ -57,6 +59,7 @@ def test_params_are_immutable_and_refuse_unknown_knobs():
     assert p == EstimatorParams(rho=0.3) and hash(p) == hash(EstimatorParams(rho=0.3)) and p != EstimatorParams()
     with pytest.raises(dataclasses.FrozenInstanceError):
         p.rho = 0.1
+    assert copy.deepcopy(p) == p and pickle.loads(pickle.dumps(p)) == p
     with pytest.raises(TypeError, match="unknown estimator knobs \\['rhoo'\\]"):
         EstimatorParams(rhoo=0.1)
     with pytest.raises(AttributeError, match="no estimator knob 'rhoo'"):
