@@ -3,5 +3,5 @@
 # session of a trajectory gets its GRPO advantage (docs/algorithm.md §4.2), no session gains are scored.
 # NOT YET RUN ON A GPU (see run_mosaic_compaction.sh).
 set -euo pipefail
-ESTIMATOR=mosaic_broadcast GAINS=false NAME=${NAME:-broadcast-compaction} \
+ESTIMATOR=broadcast GAINS=false NAME=${NAME:-broadcast-compaction} \
     exec "$(dirname "$0")/run_mosaic_compaction.sh" "$@"

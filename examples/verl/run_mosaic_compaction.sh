@@ -16,7 +16,7 @@ MODEL=${MODEL:?set MODEL to a local model directory (SmolLM2-135M-Instruct or a 
 NGPU=${NGPU:-1}
 STEPS=${STEPS:-2}
 DATA=${DATA:-$PWD/runs/verl-data}
-ESTIMATOR=${ESTIMATOR:-mosaic}          # mosaic | mosaic_traj | mosaic_session | mosaic_broadcast
+ESTIMATOR=${ESTIMATOR:-mosaic}          # mosaic | mosaic-traj | mosaic-session | broadcast (mosaic.core.estimators names)
 GAINS=${GAINS:-true}                    # score session gains on the rollout servers (mosaic, mosaic_session)
 NAME=${NAME:-$ESTIMATOR-compaction}
 

@@ -167,6 +167,8 @@ def resolve_config(args: argparse.Namespace, verb: str, *, aliases: list[str] | 
     except ConfigError as exc:
         print(f"mosaic {verb}: config error: {exc}", file=sys.stderr)
         return None, EXIT_USAGE
+    for line in cfg.algo.notes():  # a value in another spelling (algo.estimator=mosaic_traj): said once
+        print(f"mosaic {verb}: {line}", file=sys.stderr)
     if args.help_config:
         print(describe_config(cfg, sections))
         return None, 0

@@ -299,17 +299,18 @@ def load_config(preset: str | None = None, yaml_path: str | Path | None = None,
 
 
 def field_docs(cls: type) -> dict[str, str]:
-    """The attribute docstrings of a dataclass (the string literal under each field), read from its source."""
+    """The attribute docstrings of a dataclass (the string literal under each field, read from its source),
+    or a field's ``metadata["doc"]`` (fields made from a registry: the estimator knobs)."""
     import ast
     import inspect
     import textwrap
 
+    out = {f.name: " ".join(f.metadata["doc"].split()) for f in fields(cls) if "doc" in f.metadata}
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     except (OSError, TypeError):  # no source (frozen app): no docs
-        return {}
+        return out
     body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
-    out = {}
     for node, nxt in zip(body, body[1:]):
         if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr) \
                 and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):  # fmt: skip

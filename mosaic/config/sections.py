@@ -12,10 +12,10 @@ import math
 import re
 import types
 import typing
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_args, get_origin
 
-from mosaic.core.estimators import ESTIMATORS
+from mosaic.core.estimators import ESTIMATORS, KNOBS, resolve_name
 
 __all__ = ["ConfigError", "ModelConfig", "DataConfig", "RolloutConfig", "AlgoConfig", "OptimConfig", "TrainConfig",
            "SFTConfig", "EMBEDDED_PRESETS", "LOSS_AGG", "coerce"]
@@ -170,29 +170,35 @@ class RolloutConfig(_Section):
         self._need(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
 
 
+def _with_knobs(cls: type) -> type:
+    """Give ``cls`` one field per estimator knob of the registry (``mosaic.core.estimators.KNOBS``), right
+    after ``estimator``: name, type, default, doc and range come from there, declared once."""
+    ann: dict[str, Any] = {}
+    for name, tp in cls.__dict__["__annotations__"].items():
+        ann[name] = tp
+        if name == "estimator":
+            for k in KNOBS.values():
+                ann[k.name] = k.type
+                users = [n for n, e in ESTIMATORS.items() if k.name in e.knobs]
+                read = "" if len(users) == len(ESTIMATORS) else f" (read by {', '.join(users) or 'none'})"
+                doc = f"{k.doc}" + (f"; in {k.bounds}" if k.bounds else "") + read + "."
+                setattr(cls, k.name, field(default=k.default, metadata={"doc": doc}))
+    cls.__annotations__ = ann
+    return cls
+
+
+def _estimator_doc() -> str:
+    return ("A name of ``mosaic.core.estimators.ESTIMATORS`` (the underscore spelling, e.g. ``mosaic_traj``, is "
+            "accepted with a note): " + "; ".join(f"``{n}``: {e.doc}" for n, e in ESTIMATORS.items()) + ".")
+
+
 @dataclass(frozen=True)
+@_with_knobs
 class AlgoConfig(_Section):
-    """Advantage estimator and PPO loss (docs/algorithm.md §4-§5)."""
+    """Advantage estimator, its knobs (``mosaic.core.estimators.KNOBS``) and the PPO loss (docs/algorithm.md §4-§5)."""
 
     _section: typing.ClassVar[str] = "algo"
-    estimator: str = "mosaic"
-    """A name of ``mosaic.core.estimators.ESTIMATORS``: ``grpo`` (single-session only), ``broadcast`` (§4.2),
-    ``mosaic-traj`` (§4.3), ``mosaic-session`` (GRPO + gains), ``mosaic`` (§4.3 + §4.4), ``turn-level``
-    (IGPO-style, §4.7), ``fold`` (FoldGRPO-style, §4.8)."""
-    rho: float = 0.2
-    """ρ, strength of the session-count rank term in mixed groups (§4.3)."""
-    delta: float = 0.1
-    """δ, the all-success / all-failure fallback term (§4.3, our choice)."""
-    lam: float = 0.1
-    """λ, weight of the per-kind z-scored information gain (§4.4)."""
-    norm_by_std: bool = True
-    """Divide by the group std (GRPO); False = Dr. GRPO."""
-    eps: float = 1e-6
-    """Added to standard deviations."""
-    gamma: float = 0.0
-    """Discount of later turns' gains in the ``turn-level`` estimator (0: each turn its own gain)."""
-    fold_penalty: float = 1.0
-    """p of the ``fold`` estimator: subtracted on main turns taken past half the context budget."""
+    estimator: str = field(default="mosaic", metadata={"doc": _estimator_doc()})
     count_kinds: tuple[str, ...] | None = None
     """Session kinds counted in ``n_i`` (§4.3); None = all kinds."""
     scorer: Literal["cached", "reference"] = "cached"
@@ -219,13 +225,30 @@ class AlgoConfig(_Section):
     loss); Mosaic's fallback term (δ) and its gains give them a signal on purpose, which this removes."""
 
     def _validate(self) -> None:
-        self._need(self.estimator in ESTIMATORS, "estimator", f"must be one of {', '.join(sorted(ESTIMATORS))}")
-        self._need(0 <= self.rho < 1, "rho", "must be in [0, 1) so the multiplier stays positive")
-        self._need(0 <= self.gamma <= 1, "gamma", "must be in [0, 1]")
-        self._positive("delta", "lam", "kl_coef", "fold_penalty", allow_zero=True)
-        self._positive("eps", "score_batch_tokens", "clip_low", "clip_high")
+        try:
+            name = resolve_name(self.estimator)
+        except ValueError:
+            name = None
+        self._need(name is not None, "estimator", f"must be one of {', '.join(sorted(ESTIMATORS))}")
+        if name != self.estimator:  # another spelling: the config holds (and saves) the registered one
+            object.__setattr__(self, "_note", f"algo.estimator={self.estimator} is another spelling; "
+                                              f"write algo.estimator={name}")
+            object.__setattr__(self, "estimator", name)
+        for k in KNOBS.values():
+            why = k.check(getattr(self, k.name))
+            self._need(why is None, k.name, why or "")
+        self._positive("kl_coef", allow_zero=True)
+        self._positive("score_batch_tokens", "clip_low", "clip_high")
         self._need(self.clip_low < 1, "clip_low", "must be < 1")
         self._need(self.clip_ratio_c is None or self.clip_ratio_c > 1, "clip_ratio_c", "must be > 1 or null")
+
+    def knobs(self) -> dict[str, Any]:
+        """The estimator knobs' values (``mosaic.core.estimators.EstimatorParams`` takes them)."""
+        return {k: getattr(self, k) for k in KNOBS}
+
+    def notes(self) -> list[str]:
+        """One line per value given in another spelling (printed once by the CLI)."""
+        return [self.__dict__["_note"]] if "_note" in self.__dict__ else []
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """Advantage estimators for multi-session trajectories (docs/algorithm.md §4).
 
 Pure tensor functions: no I/O, no config objects. Tensors are positional,
-hyper-parameters keyword-only. Shapes: ``T`` trajectories, ``S`` sessions,
+hyper-parameters keyword-only; one left out takes its default from the knob table
+(``mosaic.core.estimators.KNOBS``), where each is declared once. Shapes: ``T`` trajectories, ``S`` sessions,
 ``U`` turns. Every estimator groups by an explicit ``group_ids`` array (any
 integer values, groups of any size), never by reshaping.
 
@@ -21,6 +22,9 @@ Simplifications, stated once:
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import numpy as np
 import torch
 
@@ -39,6 +43,26 @@ _F64 = torch.float64
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+KNOB_TABLE: dict = {}
+"""The knob table (``mosaic.core.estimators.KNOBS``, the same dict: that module hands it over when it loads, and
+``mosaic.core`` loads it first): where the hyper-parameters' defaults are declared, once."""
+
+
+def _knob_defaults(fn):
+    """Fill the keyword-only hyper-parameters a caller leaves out with their defaults from :data:`KNOB_TABLE`."""
+    names = [p.name for p in inspect.signature(fn).parameters.values()
+             if p.kind is p.KEYWORD_ONLY and p.default is p.empty]  # fmt: skip
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        for n in names:
+            if n not in kwargs:
+                kwargs[n] = KNOB_TABLE[n].default
+        return fn(*args, **kwargs)
+
+    return wrapper
 
 
 def _as_tensor(x, name: str, *, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -79,7 +103,8 @@ def _segment_mean_std(
 # --------------------------------------------------------------------------- §4.1 GRPO
 
 
-def grpo(rewards, group_ids, *, norm_by_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
+@_knob_defaults
+def grpo(rewards, group_ids, *, norm_by_std: bool, eps: float) -> torch.Tensor:
     """GRPO outcome advantage per trajectory (docs/algorithm.md §4.1).
 
     Args:
@@ -159,16 +184,17 @@ def centred_ranks(values, segment_ids) -> torch.Tensor:
 # --------------------------------------------------------------------------- §4.3 Â
 
 
+@_knob_defaults
 def session_aware(
     rewards,
     group_ids,
     session_counts,
     success,
     *,
-    rho: float = 0.2,
-    delta: float = 0.1,
-    norm_by_std: bool = True,
-    eps: float = 1e-6,
+    rho: float,
+    delta: float,
+    norm_by_std: bool,
+    eps: float,
 ) -> torch.Tensor:
     """Mosaic trajectory-level session-aware advantage ``Â`` (docs/algorithm.md §4.3).
 
@@ -212,7 +238,8 @@ def session_aware(
 # --------------------------------------------------------------------------- §4.4 z
 
 
-def normalized_session_gains(gains, kinds, is_final, *, eps: float = 1e-6) -> torch.Tensor:
+@_knob_defaults
+def normalized_session_gains(gains, kinds, is_final, *, eps: float) -> torch.Tensor:
     """Per-kind z-scores of session information gains over the batch (docs/algorithm.md §4.4).
 
     Args:
@@ -265,6 +292,7 @@ def broadcast(traj_adv, session_traj) -> torch.Tensor:
     return a.index_select(0, idx)
 
 
+@_knob_defaults
 def mosaic(
     rewards,
     group_ids,
@@ -275,11 +303,11 @@ def mosaic(
     kinds,
     is_final,
     *,
-    rho: float = 0.2,
-    delta: float = 0.1,
-    lam: float = 0.1,
-    norm_by_std: bool = True,
-    eps: float = 1e-6,
+    rho: float,
+    delta: float,
+    lam: float,
+    norm_by_std: bool,
+    eps: float,
 ) -> torch.Tensor:
     """Mosaic per-session advantage ``A_{i,k} = Â_i + lam z_{i,k}`` (docs/algorithm.md §4.3-4.4).
 
@@ -303,7 +331,8 @@ def mosaic(
 # --------------------------------------------------------------------------- §4.7 turns
 
 
-def turn_level_gains(loglik_before, loglik_after, kinds, is_final, *, eps: float = 1e-6) -> torch.Tensor:
+@_knob_defaults
+def turn_level_gains(loglik_before, loglik_after, kinds, is_final, *, eps: float) -> torch.Tensor:
     """IGPO-style per-turn information gains, z-scored per kind (docs/algorithm.md §4.7).
 
     IGPO rewards each turn by how much it raised the policy's belief in the
@@ -328,6 +357,7 @@ def turn_level_gains(loglik_before, loglik_after, kinds, is_final, *, eps: float
     return normalized_session_gains(gains, kinds, is_final, eps=eps).to(_out_dtype(before, after))
 
 
+@_knob_defaults
 def turn_level(
     rewards,
     group_ids,
@@ -339,12 +369,12 @@ def turn_level(
     kinds,
     is_final,
     *,
-    rho: float = 0.2,
-    delta: float = 0.1,
-    lam: float = 0.1,
-    gamma: float = 0.0,
-    norm_by_std: bool = True,
-    eps: float = 1e-6,
+    rho: float,
+    delta: float,
+    lam: float,
+    gamma: float,
+    norm_by_std: bool,
+    eps: float,
 ) -> torch.Tensor:
     """Per-turn advantage ``Â_i + lam * sum_{t' >= t} gamma^(t'-t) z_{t'}`` (docs/algorithm.md §4.7).
 

@@ -16,22 +16,34 @@ of metrics.
 | ``turn-level`` | per turn: ``A_i + lam z_turn`` (IGPO-style, §4.7) |
 | ``fold`` | per turn: ``A_i``, minus ``p`` on main turns past half the context budget (FoldGRPO-style, §4.8) |
 
-Adding an estimator means adding one entry to :data:`ESTIMATORS` (and its function) here: the
-trainer scores gains or lays out turns from ``Estimator.needs`` and ``Estimator.level``.
+Each knob is declared once, in :data:`KNOBS` (name, type, default, one-line doc, range); an estimator
+lists the ones it reads. The trainer config (``algo.<knob>``), ``--help-config``, the verl plugin
+(``algorithm.mosaic.<knob>``) and the core functions' defaults (:mod:`.advantages`) read them from here.
+
+Names: one spelling, with hyphens (``mosaic-traj``), as the project's other value names
+(``algo.loss_agg=trajectory-token-mean``, verl's own ``loss_agg_mode=seq-mean-token-mean``) and every saved
+run, report and experiment; the underscore spelling (``mosaic_traj``) and the old verl name
+``mosaic_broadcast`` are accepted as aliases (:func:`resolve_name`) with a one-line note.
+
+Adding an estimator, knobs included, touches this file only: ``add_knob(Knob(...))`` for a new knob,
+``register(Estimator(...))`` with its function; the trainer scores gains or lays out turns from
+``Estimator.needs`` and ``Estimator.level``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
-from mosaic.core import advantages as adv
+import mosaic.core.advantages as adv
 
-__all__ = ["AdvantageBatch", "Estimator", "EstimatorParams", "ESTIMATORS", "get_estimator", "advantage_metrics"]
+__all__ = ["AdvantageBatch", "Knob", "KNOBS", "add_knob", "Estimator", "EstimatorParams", "ESTIMATORS", "register",
+           "aliases", "resolve_name", "alias_note", "knob_table", "get_estimator", "advantage_metrics"]
 
 
 @dataclass(frozen=True)
@@ -91,23 +103,116 @@ class AdvantageBatch:
 
 
 @dataclass(frozen=True)
-class EstimatorParams:
-    """The knobs estimators read (each estimator uses the ones it needs; ``algo.*`` in the trainer config)."""
+class Knob:
+    """One estimator knob, declared once: ``algo.<name>`` in the trainer config, ``algorithm.mosaic.<name>``
+    in verl's; the config, ``--help-config``, the docs and the verl plugin read it from :data:`KNOBS`."""
 
-    rho: float = 0.2
-    """ρ, session-count rank term in mixed groups (§4.3)."""
-    delta: float = 0.1
-    """δ, all-success / all-failure fallback term (§4.3)."""
-    lam: float = 0.1
-    """λ, weight of the z-scored information gain (§4.4, §4.7)."""
-    gamma: float = 0.0
-    """Discount of later turns' gains in the turn-level estimator (0: each turn its own gain; §4.7)."""
-    fold_penalty: float = 1.0
-    """p, FoldGRPO-style penalty on main turns taken past half the context budget (§4.8)."""
-    norm_by_std: bool = True
-    """Divide by the group std (GRPO); False = Dr. GRPO."""
-    eps: float = 1e-6
-    """Added to standard deviations."""
+    name: str
+    type: type
+    """``float``, ``int`` or ``bool``."""
+    default: float | int | bool
+    doc: str
+    """One line: what it does (with its section of docs/algorithm.md)."""
+    bounds: str = ""
+    """The range a value must lie in, ``[lo, hi)`` style (``inf`` for none); empty: any value of the type."""
+    why: str = ""
+    """Said after the range when a value falls outside it."""
+
+    def check(self, value: float | int | bool) -> str | None:
+        """Why ``value`` is not valid for this knob (``must be in [0, 1)``), or None."""
+        if not self.bounds:
+            return None
+        lo_c, lo, hi, hi_c = self.bounds[0], *(float(x) for x in self.bounds[1:-1].split(",")), self.bounds[-1]
+        ok = (value >= lo if lo_c == "[" else value > lo) and (value <= hi if hi_c == "]" else value < hi)
+        if ok:
+            return None
+        if hi == math.inf:
+            text = f"must be {'>=' if lo_c == '[' else '>'} {lo:g}"
+        else:
+            text = f"must be in {self.bounds}"
+        return f"{text} {self.why}".rstrip()
+
+
+KNOBS: dict[str, Knob] = adv.KNOB_TABLE
+"""Every estimator knob by name, in declaration order (each estimator lists the ones it reads); the same dict
+the core functions of :mod:`.advantages` take their defaults from."""
+
+
+def add_knob(knob: Knob) -> Knob:
+    """Declare ``knob`` (idempotent for an equal declaration; a second, different one is an error)."""
+    if KNOBS.get(knob.name, knob) != knob:
+        raise ValueError(f"estimator knob {knob.name!r} is already declared differently: {KNOBS[knob.name]}")
+    if knob.type not in (float, int, bool) or type(knob.default) is not knob.type or knob.check(knob.default):
+        raise ValueError(f"estimator knob {knob.name!r}: default {knob.default!r} is not a valid {knob.type.__name__}")
+    KNOBS[knob.name] = knob
+    return knob
+
+
+for _k in (
+    Knob("rho", float, 0.2, "ρ, strength of the session-count rank term in mixed groups (§4.3)", "[0, 1)",
+         "so the multiplier stays positive"),
+    Knob("delta", float, 0.1, "δ, the all-success / all-failure fallback term (§4.3, our choice)", "[0, inf)"),
+    Knob("lam", float, 0.1, "λ, weight of the per-kind z-scored information gain (§4.4, §4.7)", "[0, inf)"),
+    Knob("norm_by_std", bool, True, "Divide by the group std (GRPO); false = Dr. GRPO"),
+    Knob("eps", float, 1e-6, "Added to standard deviations", "(0, inf)"),
+    Knob("gamma", float, 0.0, "Discount of later turns' gains in turn-level (0: each turn its own gain; §4.7)",
+         "[0, 1]"),
+    Knob("fold_penalty", float, 1.0, "p of fold: subtracted on main turns taken past half the context budget (§4.8)",
+         "[0, inf)"),
+):
+    add_knob(_k)
+
+
+class EstimatorParams:
+    """Values of the knobs in :data:`KNOBS` (each estimator reads the ones it lists); immutable.
+
+    ``EstimatorParams(rho=0.3)``: the others at their declared defaults. An unknown name is a TypeError,
+    a value outside its knob's range a ValueError naming the knob."""
+
+    __slots__ = ("_values",)
+
+    def __init__(self, **values: float | int | bool) -> None:
+        unknown = sorted(set(values) - set(KNOBS))
+        if unknown:
+            raise TypeError(f"unknown estimator knobs {unknown}; known: {', '.join(KNOBS)}")
+        out = {name: k.default for name, k in KNOBS.items()}
+        for name, v in values.items():
+            why = KNOBS[name].check(v)
+            if why:
+                raise ValueError(f"estimator knob {name!r}: {why} (got {v!r})")
+            out[name] = v
+        object.__setattr__(self, "_values", out)
+
+    def __getattr__(self, name: str):
+        try:
+            return object.__getattribute__(self, "_values")[name]
+        except KeyError:
+            raise AttributeError(f"no estimator knob {name!r}; known: {', '.join(KNOBS)}") from None
+
+    def __setattr__(self, name: str, value) -> None:
+        raise dataclasses.FrozenInstanceError(f"cannot assign to knob {name!r}: use .replace({name}=...)")
+
+    def replace(self, **changes: float | int | bool) -> EstimatorParams:
+        return EstimatorParams(**{**self._values, **changes})
+
+    def as_dict(self) -> dict[str, float | int | bool]:
+        return dict(self._values)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, EstimatorParams) and self._values == other._values
+
+    def __hash__(self) -> int:
+        return hash(tuple(sorted(self._values.items())))
+
+    def __repr__(self) -> str:
+        return f"EstimatorParams({', '.join(f'{k}={v!r}' for k, v in self._values.items())})"
+
+    def __reduce__(self):  # copy / pickle through the constructor (attribute assignment is refused)
+        return (_params_from, (dict(self._values),))
+
+
+def _params_from(values: dict) -> EstimatorParams:
+    return EstimatorParams(**values)
 
 
 def advantage_metrics(
@@ -140,7 +245,9 @@ class Estimator:
 
     ``needs`` names the optional :class:`AdvantageBatch` fields it reads (the trainer scores gains
     or lays out turns only when an estimator asks); ``level`` says whether it returns one advantage
-    per session (S,) or per turn (U,); ``single_session`` estimators refuse multi-session rollouts.
+    per session (S,) or per turn (U,); ``single_session`` estimators refuse multi-session rollouts;
+    ``knobs`` lists the :data:`KNOBS` it reads; ``aliases`` older spellings it still answers to
+    (the underscore spelling of its name always is one).
     """
 
     name: str
@@ -149,6 +256,8 @@ class Estimator:
     needs: frozenset[str] = frozenset()
     level: Literal["session", "turn"] = "session"
     single_session: bool = False
+    knobs: tuple[str, ...] = ()
+    aliases: tuple[str, ...] = ()
 
     @property
     def needs_gains(self) -> bool:
@@ -158,6 +267,11 @@ class Estimator:
     def needs_turns(self) -> bool:
         return self.level == "turn" or any(n.startswith("turn_") for n in self.needs)
 
+    def spellings(self) -> tuple[str, ...]:
+        """The other names it answers to: the underscore spelling, then ``aliases``."""
+        under = self.name.replace("-", "_")
+        return tuple(dict.fromkeys(([under] if under != self.name else []) + list(self.aliases)))
+
     def __call__(
         self,
         batch: AdvantageBatch,
@@ -166,8 +280,9 @@ class Estimator:
         kind_names: Mapping[int, str] | None = None,
         **overrides: float | bool,
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        """Returns (advantages (S,) or (U,) by ``level``, metrics). ``overrides`` replace fields of ``params``."""
-        p = dataclasses.replace(params or EstimatorParams(), **overrides)
+        """Returns (advantages (S,) or (U,) by ``level``, metrics). ``overrides`` replace knobs of ``params``."""
+        p = params or EstimatorParams()
+        p = p.replace(**overrides) if overrides else p
         for field_name in sorted(self.needs):
             if getattr(batch, field_name) is None:
                 raise ValueError(f"estimator {self.name!r} needs AdvantageBatch.{field_name}")
@@ -234,28 +349,75 @@ def _fold(b: AdvantageBatch, p: EstimatorParams) -> torch.Tensor:
     return a - p.fold_penalty * b.turn_over_half.to(a.dtype)
 
 
-ESTIMATORS: dict[str, Estimator] = {
-    e.name: e
-    for e in (
-        Estimator("grpo", _grpo, "single-session GRPO: A_i on the trajectory's one session", single_session=True),
-        Estimator("broadcast", _broadcast, "A_i copied to every session (4.2)"),
-        Estimator("mosaic-traj", _mosaic_traj, "session-aware trajectory advantage, broadcast (4.3)"),
-        Estimator("mosaic-session", _mosaic_session, "A_i + lam z_session (4.4 without 4.3)",
-                  needs=frozenset({"gains"})),
-        Estimator("mosaic", _mosaic, "session-aware advantage + lam z_session (4.3 + 4.4)",
-                  needs=frozenset({"gains"})),
-        Estimator("turn-level", _turn_level, "IGPO-style: A_i + lam z_turn on each turn's tokens (4.7)",
-                  needs=frozenset({"turn_gains", "turn_is_final"}), level="turn"),
-        Estimator("fold", _fold, "FoldGRPO-style: A_i, minus p on main turns past half the budget (4.8)",
-                  needs=frozenset({"turn_over_half"}), level="turn"),
-    )
-}
-"""The one registry of estimators: the trainer config, the CLI and the docs read their names from here."""
+ESTIMATORS: dict[str, Estimator] = {}
+"""The one registry of estimators: the trainer config, the CLI, the docs and the verl plugin read their
+names and knobs from here."""
+_ALIASES: dict[str, str] = {}
+
+
+def register(est: Estimator) -> Estimator:
+    """Add ``est`` to :data:`ESTIMATORS` (its knobs must be declared in :data:`KNOBS`; no name or
+    spelling may be taken)."""
+    unknown = [k for k in est.knobs if k not in KNOBS]
+    if unknown:
+        raise ValueError(f"estimator {est.name!r} reads undeclared knobs {unknown}: add_knob(Knob(...)) first")
+    for n in (est.name, *est.spellings()):
+        if n in ESTIMATORS or n in _ALIASES:
+            raise ValueError(f"estimator name {n!r} is already taken")
+    ESTIMATORS[est.name] = est
+    _ALIASES.update({a: est.name for a in est.spellings()})
+    return est
+
+
+_SESSION_KNOBS = ("norm_by_std", "eps")
+for _e in (
+    Estimator("grpo", _grpo, "single-session GRPO: A_i on the trajectory's one session", single_session=True,
+              knobs=_SESSION_KNOBS),
+    Estimator("broadcast", _broadcast, "A_i copied to every session (4.2)", knobs=_SESSION_KNOBS,
+              aliases=("mosaic_broadcast",)),
+    Estimator("mosaic-traj", _mosaic_traj, "session-aware trajectory advantage, broadcast (4.3)",
+              knobs=("rho", "delta", *_SESSION_KNOBS)),
+    Estimator("mosaic-session", _mosaic_session, "A_i + lam z_session (4.4 without 4.3)",
+              needs=frozenset({"gains"}), knobs=("lam", *_SESSION_KNOBS)),
+    Estimator("mosaic", _mosaic, "session-aware advantage + lam z_session (4.3 + 4.4)",
+              needs=frozenset({"gains"}), knobs=("rho", "delta", "lam", *_SESSION_KNOBS)),
+    Estimator("turn-level", _turn_level, "IGPO-style: A_i + lam z_turn on each turn's tokens (4.7)",
+              needs=frozenset({"turn_gains", "turn_is_final"}), level="turn", knobs=("lam", "gamma", *_SESSION_KNOBS)),
+    Estimator("fold", _fold, "FoldGRPO-style: A_i, minus p on main turns past half the budget (4.8)",
+              needs=frozenset({"turn_over_half"}), level="turn", knobs=("fold_penalty", *_SESSION_KNOBS)),
+):
+    register(_e)
+
+
+def aliases() -> dict[str, str]:
+    """Every other spelling -> the registered name it stands for (``mosaic_traj`` -> ``mosaic-traj``)."""
+    return dict(_ALIASES)
+
+
+def resolve_name(name: str) -> str:
+    """The registered name ``name`` is (itself, or the estimator it is another spelling of); ValueError
+    listing the valid names otherwise."""
+    if name in ESTIMATORS:
+        return name
+    if name in _ALIASES:
+        return _ALIASES[name]
+    raise ValueError(f"unknown advantage estimator {name!r}; valid: {', '.join(sorted(ESTIMATORS))}")
+
+
+def alias_note(name: str) -> str | None:
+    """One line when ``name`` is another spelling (``mosaic_traj is another spelling of mosaic-traj``), else None."""
+    return f"{name} is another spelling of {_ALIASES[name]}; write {_ALIASES[name]}" if name in _ALIASES else None
+
+
+def knob_table() -> str:
+    """The knobs as a Markdown table (name, type, default, range, the estimators that read it, doc): the docs' table."""
+    lines = ["| knob | type | default | range | read by | what |", "| --- | --- | --- | --- | --- | --- |"]
+    for k in KNOBS.values():
+        users = ", ".join(f"`{n}`" for n, e in ESTIMATORS.items() if k.name in e.knobs) or "none"
+        lines.append(f"| `{k.name}` | {k.type.__name__} | `{k.default!r}` | {k.bounds or 'any'} | {users} | {k.doc} |")
+    return "\n".join(lines)
 
 
 def get_estimator(name: str) -> Estimator:
-    """The estimator registered under ``name``; ValueError listing the valid names otherwise."""
-    try:
-        return ESTIMATORS[name]
-    except KeyError:
-        raise ValueError(f"unknown advantage estimator {name!r}; valid: {', '.join(sorted(ESTIMATORS))}") from None
+    """The estimator registered under ``name`` or one of its other spellings; ValueError listing the valid names otherwise."""
+    return ESTIMATORS[resolve_name(name)]

@@ -10,19 +10,20 @@ estimators). What an estimator needs is read from its registry entry
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
 import torch
 
-from mosaic.core.estimators import AdvantageBatch, Estimator, EstimatorParams, get_estimator
+from mosaic.core.estimators import ESTIMATORS, AdvantageBatch, Estimator, EstimatorParams, get_estimator
 from mosaic.trace.graph import KIND_CODES, Trajectory, kind_names
 from mosaic.trace.rows import TrainingRow, TurnLayout, flatten, to_rows, turn_layout, turn_spans
 from mosaic.config.loader import AlgoConfig, Config
 from mosaic.train.scorer import score_gains, score_turns
 
-__all__ = ["Scores", "drop_uniform_groups", "estimator_params", "advantage_batch", "compute_advantages", "training_rows", "score_for"]
+__all__ = ["Scores", "StepAdvantages", "drop_uniform_groups", "estimator_params", "advantage_batch", "step_advantages",
+           "compute_advantages", "every_estimator", "training_rows", "score_for"]
 
 
 @dataclass
@@ -48,8 +49,8 @@ def drop_uniform_groups(trajs: Sequence[Trajectory]) -> tuple[list[Trajectory], 
 
 
 def estimator_params(algo: AlgoConfig) -> EstimatorParams:
-    """The estimator knobs of ``algo`` (fields of the same name)."""
-    return EstimatorParams(**{f.name: getattr(algo, f.name) for f in fields(EstimatorParams)})
+    """The estimator knobs of ``algo`` (one field per knob of the registry)."""
+    return EstimatorParams(**algo.knobs())
 
 
 def advantage_batch(trajs: Sequence[Trajectory], gains=None, *, count_kinds: Sequence[str] | None = None,
@@ -80,22 +81,76 @@ def advantage_batch(trajs: Sequence[Trajectory], gains=None, *, count_kinds: Seq
     )  # fmt: skip
 
 
-def compute_advantages(trajs: Sequence[Trajectory], cfg: Config, scores: Scores | None = None, *,
-                       layout: TurnLayout | None = None) -> tuple[torch.Tensor, dict[str, float]]:  # fmt: skip
-    """Advantages with ``cfg.algo.estimator`` — (S,) per session or (U,) per turn (``Estimator.level``) —
-    and the estimator's metrics. ``layout`` is built here when the estimator needs turns and none is given."""
+@dataclass
+class StepAdvantages:
+    """A step's advantages, each estimator run once: the trained one's and, for ``samples.jsonl``, every other's."""
+
+    advantages: torch.Tensor
+    """(S,) or (U,) of the trained estimator (``Estimator.level``)."""
+    metrics: dict[str, float]
+    """The trained estimator's metrics."""
+    layout: TurnLayout | None
+    """The turn layout the advantages were computed on (None when nothing needed turns)."""
+    every: dict[str, torch.Tensor] = field(default_factory=dict)
+    """``every=True``: each registered estimator's advantages on this batch (the trained one's is the same tensor)."""
+    unavailable: dict[str, str] = field(default_factory=dict)
+    """``every=True``: why an estimator is missing from ``every`` (inputs not scored, batch refused)."""
+
+
+def step_advantages(trajs: Sequence[Trajectory], cfg: Config, scores: Scores | None = None, *,
+                    layout: TurnLayout | None = None, every: bool = False) -> StepAdvantages:  # fmt: skip
+    """Advantages with ``cfg.algo.estimator`` and its metrics; with ``every``, also every other registered
+    estimator on the same batch and knobs (for ``samples.jsonl``): one batch, one params object, each
+    estimator run once. ``layout`` is built here when an estimator needs turns and none is given."""
     est = get_estimator(cfg.algo.estimator)
     scores = scores or Scores()
     if est.needs_gains and scores.gains is None:
         raise ValueError(f"algo.estimator={est.name!r} needs information gains: score the batch first")
     if "turn_gains" in est.needs and scores.turn_gains is None:
         raise ValueError(f"algo.estimator={est.name!r} needs turn-level gains: score the turns first")
-    if est.needs_turns and layout is None:
+    turns = every or est.needs_turns
+    if turns and layout is None:
         layout = turn_layout(trajs)
-    batch = advantage_batch(trajs, scores.gains if est.needs_gains else None, count_kinds=cfg.algo.count_kinds,
-                            layout=layout if est.needs_turns else None, turn_gains=scores.turn_gains,
-                            context_budget=cfg.harness.context_budget if "turn_over_half" in est.needs else None)
-    return est(batch, estimator_params(cfg.algo), kind_names=kind_names())
+    budget = every or "turn_over_half" in est.needs
+    batch = advantage_batch(trajs, scores.gains if every or est.needs_gains else None, count_kinds=cfg.algo.count_kinds,
+                            layout=layout if turns else None, turn_gains=scores.turn_gains,
+                            context_budget=cfg.harness.context_budget if budget else None)  # fmt: skip
+    params = estimator_params(cfg.algo)
+    adv, metrics = est(batch, params, kind_names=kind_names())
+    out = StepAdvantages(adv, metrics, layout if turns else None)
+    if every:
+        out.every, out.unavailable = every_estimator(batch, params, known={est.name: adv})
+    return out
+
+
+def every_estimator(batch: AdvantageBatch, params: EstimatorParams, *, known: dict[str, torch.Tensor] | None = None,
+                    ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:  # fmt: skip
+    """Every registered estimator on ``batch``, in registry order: ``({name: advantages}, {name: why not})``;
+    ``known`` ones are taken as given, not run again. An estimator whose inputs are missing, or that refuses
+    the batch (``grpo`` on multi-session rollouts), is listed with the reason instead."""
+    out: dict[str, torch.Tensor] = {}
+    why: dict[str, str] = {}
+    for name, e in ESTIMATORS.items():
+        if known and name in known:
+            out[name] = known[name]
+            continue
+        missing = sorted(n for n in e.needs if getattr(batch, n) is None)
+        if missing:
+            why[name] = f"needs {', '.join(missing)} (not recorded for this step)"
+            continue
+        try:
+            out[name], _ = e(batch, params)
+        except ValueError as exc:  # e.g. grpo on a multi-session batch
+            why[name] = str(exc)
+    return out, why
+
+
+def compute_advantages(trajs: Sequence[Trajectory], cfg: Config, scores: Scores | None = None, *,
+                       layout: TurnLayout | None = None) -> tuple[torch.Tensor, dict[str, float]]:  # fmt: skip
+    """Advantages with ``cfg.algo.estimator`` — (S,) per session or (U,) per turn (``Estimator.level``) —
+    and the estimator's metrics (:func:`step_advantages` without the other estimators)."""
+    res = step_advantages(trajs, cfg, scores, layout=layout)
+    return res.advantages, res.metrics
 
 
 def training_rows(trajs: Sequence[Trajectory], adv: torch.Tensor, est: Estimator,

@@ -27,13 +27,12 @@ from mosaic.agent.chat import ChatFormat
 from mosaic.core.estimators import get_estimator
 from mosaic.core.loss import policy_loss, token_weights
 from mosaic.envs.splits import Split
-from mosaic.trace import Trajectory, turn_layout
-from mosaic.train.batch import (Scores, compute_advantages, drop_uniform_groups, estimator_params, score_for,
-                                training_rows)
+from mosaic.trace import Trajectory
+from mosaic.train.batch import Scores, StepAdvantages, drop_uniform_groups, score_for, step_advantages, training_rows
 from mosaic.train.batching import collate, completion_logprobs, micro_batches, pack_rows
 from mosaic.config.loader import Config
 from mosaic.train.metrics import rollout_metrics
-from mosaic.train.samples import all_estimator_advantages, sample_records
+from mosaic.train.samples import sample_records
 from mosaic.train.sources import HarnessRollouts, RolloutSource
 
 
@@ -169,17 +168,14 @@ def update(st: RLState, rows, *, temperature: float) -> dict[str, float]:
     return out
 
 
-def _samples(cfg: Config, trajs: list[Trajectory], scores, layout, step: int) -> list[dict]:
+def _samples(cfg: Config, trajs: list[Trajectory], scores, res: StepAdvantages, step: int) -> list[dict]:
     """The first ``train.rollout_samples`` trajectories as ``samples.jsonl`` lines, with the advantage every
-    estimator gives them on this batch (cheap: no model call; gains only where the step scored them)."""
-    layout = layout if layout is not None else turn_layout(trajs)
-    advs, why = all_estimator_advantages(trajs, estimator_params(cfg.algo), gains=scores.gains,
-                                         turn_gains=scores.turn_gains, layout=layout,
-                                         context_budget=cfg.harness.context_budget,
-                                         count_kinds=cfg.algo.count_kinds)  # fmt: skip
+    estimator gives them on this batch, as :func:`step_advantages` computed them (the trained one's are
+    the trained values; gains only where the step scored them)."""
     keep = range(min(cfg.train.rollout_samples, len(trajs)))
-    return sample_records(trajs, keep, step=step, estimator=cfg.algo.estimator, advantages=advs, unavailable=why,
-                          gains=scores.gains, turn_gains=scores.turn_gains, layout=layout)  # fmt: skip
+    return sample_records(trajs, keep, step=step, estimator=cfg.algo.estimator, advantages=res.every,
+                          unavailable=res.unavailable, gains=scores.gains, turn_gains=scores.turn_gains,
+                          layout=res.layout)  # fmt: skip
 
 
 _ADDITIVE = frozenset({"score/probes", "score/unique_states", "score/tokens_encoded"})
@@ -213,10 +209,10 @@ def rl_step(st: RLState, step: int) -> dict[str, float]:
         rows, adv_metrics, upd = [], {}, {}
         st.last_samples = []
         if train:  # every group uniform and skipped (or every rollout dropped): nothing to learn from
-            layout = turn_layout(train) if est.needs_turns else None
-            adv, adv_metrics = compute_advantages(train, cfg, scores, layout=layout)
-            rows = training_rows(train, adv, est, layout)
-            st.last_samples = _samples(cfg, train, scores, layout, step + 1) if cfg.train.rollout_samples else []
+            res = step_advantages(train, cfg, scores, every=cfg.train.rollout_samples > 0)  # each estimator once
+            adv_metrics = res.metrics
+            rows = training_rows(train, res.advantages, est, res.layout)
+            st.last_samples = _samples(cfg, train, scores, res, step + 1) if cfg.train.rollout_samples else []
         t2 = time.perf_counter()
         if rows:
             upd = update(st, rows, temperature=cfg.rollout.temperature)

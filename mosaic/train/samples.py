@@ -55,27 +55,16 @@ def all_estimator_advantages(trajs: Sequence[Trajectory], params: EstimatorParam
                              ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:  # fmt: skip
     """Every registered estimator on one batch: ``({name: (S,) or (U,) advantages}, {name: why not})``.
 
+    For batches no step trained on (``mosaic view`` of a rollouts file); the trainer gets the same from
+    :func:`mosaic.train.batch.step_advantages`, which runs each estimator once per step.
     ``gains``: (S,) in flatten order; ``turn_gains``: (U,) in ``layout`` order; ``context_budget``
-    enables the half-budget flags of ``fold``. An estimator whose inputs are missing, or that refuses
-    the batch (``grpo`` on multi-session rollouts), is listed with the reason instead."""
-    from mosaic.core.estimators import ESTIMATORS
-    from mosaic.train.batch import advantage_batch
+    enables the half-budget flags of ``fold``."""
+    from mosaic.train.batch import advantage_batch, every_estimator
 
     layout = layout if layout is not None else turn_layout(trajs)
     batch = advantage_batch(trajs, gains, count_kinds=count_kinds, layout=layout, turn_gains=turn_gains,
                             context_budget=context_budget)  # fmt: skip
-    out: dict[str, torch.Tensor] = {}
-    why: dict[str, str] = {}
-    for name, est in ESTIMATORS.items():
-        missing = sorted(n for n in est.needs if getattr(batch, n) is None)
-        if missing:
-            why[name] = f"needs {', '.join(missing)} (not recorded for this step)"
-            continue
-        try:
-            out[name], _ = est(batch, params)
-        except ValueError as exc:  # e.g. grpo on a multi-session batch
-            why[name] = str(exc)
-    return out, why
+    return every_estimator(batch, params)
 
 
 def mask_runs(mask: Sequence[bool]) -> list[int]:

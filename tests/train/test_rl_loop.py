@@ -228,3 +228,50 @@ def test_resume_with_a_changed_config_is_refused_unless_forced(base_dir, tmp_pat
     assert "changed config" in err and "algo.estimator: 'broadcast' -> 'mosaic'" in err and "Traceback" not in err
     assert main(argv + ["train.resume_force=true"]) == 0
     assert (run / "checkpoints" / "ckpt-2").exists()
+
+
+@pytest.mark.parametrize("estimator, mode", [("mosaic", "compaction"), ("fold", "compaction")])
+def test_a_step_runs_each_estimator_once_and_samples_hold_the_trained_advantages(base_dir, tmp_path, monkeypatch,
+                                                                                estimator, mode):  # fmt: skip
+    """samples.jsonl reuses the step's values: no estimator runs twice, the trained one's equal the rows'."""
+    import dataclasses
+
+    calls: dict[str, int] = {}
+
+    def counted(name, fn):
+        def run(b, p):
+            calls[name] = calls.get(name, 0) + 1
+            return fn(b, p)
+
+        return run
+
+    for name, est in list(ESTIMATORS.items()):
+        monkeypatch.setitem(ESTIMATORS, name, dataclasses.replace(est, fn=counted(name, est.fn)))
+    trained: list = []
+    monkeypatch.setattr(rl, "update", lambda st, rows, temperature: trained.extend(rows) or {})
+    cfg = _cfg(base_dir, tmp_path, f"algo.estimator={estimator}", f"harness.mode={mode}", "train.rollout_samples=4")
+    st = _state(cfg)
+    rl.rl_step(st, 0)
+    assert calls and set(calls.values()) == {1}, calls  # every estimator that ran, ran once
+    assert estimator in calls and len(trained) == sum(len(t.sessions) for t in st.last_trajs)
+    by_traj: dict[int, list] = {}
+    for r in trained:
+        by_traj.setdefault(r.traj_index, []).append(r)
+    level = ESTIMATORS[estimator].level
+    for i, rec in enumerate(st.last_samples):
+        rows = sorted(by_traj[i], key=lambda r: r.session_index)
+        assert len(rows) == len(rec["sessions"])
+        for row, s in zip(rows, rec["sessions"]):
+            if level == "session":
+                assert s["adv"][estimator] == pytest.approx(row.advantage, rel=1e-5, abs=1e-6)
+            else:  # each turn's value on its sampled tokens, in order (equal neighbours collapse alike)
+                got = _runs([a for a, m in zip(row.token_advantages, row.loss_mask) if m])
+                assert got == pytest.approx(_runs(s["turn_adv"][estimator]), rel=1e-5, abs=1e-6)
+
+
+def _runs(values):
+    out = []
+    for v in values:
+        if not out or abs(out[-1] - v) > 1e-5 * max(1.0, abs(v)):
+            out.append(v)
+    return out

@@ -14,16 +14,19 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 from typing import Any
 
 import numpy as np
 import torch
 
-from mosaic.integrations.verl import ESTIMATOR_NAMES
+from mosaic.core.estimators import alias_note
+from mosaic.integrations.verl import estimator_names
 from mosaic.integrations.verl.rows import COLUMNS, VerlParams, row_advantages
 
 __all__ = ["register_estimators", "install_row_hook", "estimator_fn", "LAST_METRICS"]
 
+_NOTED: set[str] = set()
 LAST_METRICS: dict[str, float] = {}
 """Metrics of the last estimator call in this process (``critic/advantages/*``, ``session/*``);
 the v1 hook also merges them into the step's metrics dict."""
@@ -50,6 +53,9 @@ def estimator_fn(verl_name: str):
         if uid is None:
             raise ValueError(f"advantage estimator {verl_name!r} needs the group ids (non_tensor_batch['uid'])")
         params = VerlParams.from_config(config)
+        if verl_name not in _NOTED and alias_note(verl_name):  # another spelling: said once per process
+            _NOTED.add(verl_name)
+            print(f"mosaic (verl): algorithm.adv_estimator={alias_note(verl_name)}", file=sys.stderr)
         if norm_adv_by_std_in_grpo is None:
             norm_adv_by_std_in_grpo = bool(config.get("norm_adv_by_std_in_grpo", True)) if config is not None else True
         mask = response_mask.to(torch.float32)
@@ -66,15 +72,24 @@ def estimator_fn(verl_name: str):
     return fn
 
 
-_FNS = {name: estimator_fn(name) for name in ESTIMATOR_NAMES}
+_FNS: dict[str, Any] = {}
 
 
-def register_estimators() -> None:
-    """Register every Mosaic estimator with ``verl.trainer.ppo.core_algos`` (idempotent)."""
+def _fn(name: str):
+    if name not in _FNS:
+        _FNS[name] = estimator_fn(name)
+    return _FNS[name]
+
+
+def register_estimators() -> list[str]:
+    """Register every name of :func:`~mosaic.integrations.verl.estimator_names` (the registry's estimators
+    and their other spellings) with ``verl.trainer.ppo.core_algos`` (idempotent); returns the names."""
     from verl.trainer.ppo import core_algos
 
-    for name, fn in _FNS.items():
-        core_algos.register_adv_est(name)(fn)
+    names = list(estimator_names())
+    for name in names:
+        core_algos.register_adv_est(name)(_fn(name))
+    return names
 
 
 def _name(adv_estimator: Any) -> str:
@@ -85,7 +100,7 @@ def _ours(sig: inspect.Signature, args, kwargs) -> dict[str, Any] | None:
     """A dispatcher call's arguments (defaults applied) when its estimator is a Mosaic one, else None."""
     bound = sig.bind(*args, **kwargs)
     bound.apply_defaults()
-    return bound.arguments if _name(bound.arguments["adv_estimator"]) in ESTIMATOR_NAMES else None
+    return bound.arguments if _name(bound.arguments["adv_estimator"]) in estimator_names() else None
 
 
 def _wrap_compute_advantage(orig):
@@ -101,7 +116,7 @@ def _wrap_compute_advantage(orig):
             from verl.trainer.ppo.ray_trainer import compute_response_mask
 
             data.batch["response_mask"] = compute_response_mask(data)
-        adv, _ = _FNS[name](data.batch["token_level_rewards"], data.batch["response_mask"], config=a["config"],
+        adv, _ = _fn(name)(data.batch["token_level_rewards"], data.batch["response_mask"], config=a["config"],
                             non_tensor_batch=data.non_tensor_batch,
                             norm_adv_by_std_in_grpo=a["norm_adv_by_std_in_grpo"])  # fmt: skip
         data.batch["advantages"] = adv

@@ -21,32 +21,35 @@ verl's multi-output advantage reads the last output's reward.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
 import torch
 
-from mosaic.core.estimators import AdvantageBatch, EstimatorParams, get_estimator
+from mosaic.core.estimators import ESTIMATORS, KNOBS, AdvantageBatch, EstimatorParams, get_estimator
 from mosaic.core.loss import token_weights
 from mosaic.trace.graph import KIND_CODES, kind_names
 
-__all__ = ["COLUMNS", "VerlParams", "advantage_batch_from_rows", "row_advantages", "trajectory_token_scale"]
+__all__ = ["COLUMNS", "VERL_OWN_KEYS", "VerlParams", "advantage_batch_from_rows", "row_advantages", "trajectory_token_scale"]
 
 COLUMNS = ("mosaic_traj", "mosaic_kind", "mosaic_final", "mosaic_sessions", "mosaic_gain")
 """The ``non_tensor_batch`` columns the Mosaic estimators read (besides verl's ``uid``)."""
 
 
+VERL_OWN_KEYS = {"norm_by_std": "norm_adv_by_std_in_grpo"}
+"""Estimator knobs verl already has a key for (``algorithm.<key>``): read from there, refused under ``mosaic``."""
+
+
 @dataclass(frozen=True)
 class VerlParams:
-    """Knobs of the verl estimators: ``algorithm.mosaic.<name>`` in verl's config (all optional)."""
+    """Knobs of the verl estimators: ``algorithm.mosaic.<name>`` in verl's config (all optional): every
+    estimator knob of the registry (``mosaic.core.estimators.KNOBS``: ``rho``, ``delta``, ``lam``, ...) that
+    a registered verl estimator reads, but those in :data:`VERL_OWN_KEYS`, plus the two fields below.
+    ``params.rho`` reads a knob."""
 
-    rho: float = 0.2
-    """ρ, session-count rank term in mixed groups (docs/algorithm.md §4.3)."""
-    delta: float = 0.1
-    """δ, all-success / all-failure fallback term (§4.3)."""
-    lam: float = 0.1
-    """λ, weight of the z-scored session gain (§4.4)."""
+    knobs: EstimatorParams = field(default_factory=EstimatorParams)
+    """The estimator knobs (the registry's defaults where the config is silent)."""
     success_threshold: float = 1.0
     """A trajectory succeeds when its reward is at least this (§3)."""
     loss_agg: Literal["trajectory-token-mean", "as-is"] = "trajectory-token-mean"
@@ -57,9 +60,19 @@ class VerlParams:
         if self.loss_agg not in ("trajectory-token-mean", "as-is"):
             raise ValueError(f"algorithm.mosaic.loss_agg must be 'trajectory-token-mean' or 'as-is', "
                              f"got {self.loss_agg!r}")  # fmt: skip
-        for name in ("rho", "delta", "lam"):
-            if not float(getattr(self, name)) >= 0:
-                raise ValueError(f"algorithm.mosaic.{name} must be >= 0, got {getattr(self, name)!r}")
+
+    def __getattr__(self, name: str):
+        if name == "knobs":  # not set yet (copy, unpickling)
+            raise AttributeError(name)
+        return getattr(self.knobs, name)
+
+    @staticmethod
+    def keys() -> list[str]:
+        """The valid ``algorithm.mosaic`` keys: the knobs the registered verl estimators read (``Estimator.knobs``)."""
+        from mosaic.integrations.verl import estimator_names
+
+        read = {k for name in set(estimator_names().values()) for k in ESTIMATORS[name].knobs}
+        return [k for k in KNOBS if k in read and k not in VERL_OWN_KEYS] + ["success_threshold", "loss_agg"]
 
     @staticmethod
     def from_config(config: Any) -> VerlParams:
@@ -67,11 +80,24 @@ class VerlParams:
         sub = config.get("mosaic") if config is not None and hasattr(config, "get") else None
         if sub is None:
             return VerlParams()
-        known = {f.name for f in fields(VerlParams)}
-        extra = set(sub.keys()) - known
+        own = sorted(set(sub.keys()) & set(VERL_OWN_KEYS))
+        if own:
+            raise ValueError(f"algorithm.mosaic.{own[0]}: set verl's own algorithm.{VERL_OWN_KEYS[own[0]]} instead")
+        extra = set(sub.keys()) - set(VerlParams.keys())
         if extra:
-            raise ValueError(f"unknown algorithm.mosaic keys {sorted(extra)}; valid: {sorted(known)}")
-        return VerlParams(**{k: sub[k] for k in sub.keys()})
+            raise ValueError(f"unknown algorithm.mosaic keys {sorted(extra)}; valid: {sorted(VerlParams.keys())}")
+        knobs = {}
+        for k in set(sub.keys()) & set(KNOBS):
+            knob, v = KNOBS[k], sub[k]
+            ok = isinstance(v, bool) if knob.type is bool else isinstance(v, (int, float)) and not isinstance(v, bool)
+            if not ok or (knob.type is int and not isinstance(v, int)):
+                raise ValueError(f"algorithm.mosaic.{k} must be a {knob.type.__name__}, got {v!r}")
+            why = knob.check(v)
+            if why:
+                raise ValueError(f"algorithm.mosaic.{k} {why}, got {v!r}")
+            knobs[k] = knob.type(v)
+        rest = {k: sub[k] for k in ("success_threshold", "loss_agg") if k in sub}
+        return VerlParams(EstimatorParams(**knobs), **rest)
 
 
 def _codes(values: Sequence[Any]) -> np.ndarray:
@@ -158,19 +184,20 @@ def row_advantages(
     row_tokens: torch.Tensor,
     params: VerlParams,
     *,
-    norm_by_std: bool = True,
+    norm_by_std: bool | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """(R,) per-row advantages of the verl estimator ``verl_name`` (scaled by :func:`trajectory_token_scale`
     unless ``params.loss_agg == "as-is"``) and its metrics (``critic/advantages/*`` of the unscaled
     values, ``session/pos_gain_share/<kind>``)."""
-    from mosaic.integrations.verl import ESTIMATOR_NAMES
+    from mosaic.integrations.verl import estimator_names
 
-    if verl_name not in ESTIMATOR_NAMES:
-        raise ValueError(f"unknown Mosaic verl estimator {verl_name!r}; valid: {sorted(ESTIMATOR_NAMES)}")
+    names = estimator_names()
+    if verl_name not in names:
+        raise ValueError(f"unknown Mosaic verl estimator {verl_name!r}; valid: {sorted(names)}")
     batch = advantage_batch_from_rows(row_rewards, uid, columns, success_threshold=params.success_threshold)
-    est = get_estimator(ESTIMATOR_NAMES[verl_name])
-    ep = EstimatorParams(rho=params.rho, delta=params.delta, lam=params.lam, norm_by_std=norm_by_std)
-    adv, metrics = est(batch, ep, kind_names=kind_names())
+    est = get_estimator(names[verl_name])
+    knobs = params.knobs if norm_by_std is None else params.knobs.replace(norm_by_std=norm_by_std)  # verl's own key
+    adv, metrics = est(batch, knobs, kind_names=kind_names())
     adv = adv.to(torch.float32)
     if params.loss_agg == "trajectory-token-mean":
         adv = adv * trajectory_token_scale(row_tokens, batch.session_traj)

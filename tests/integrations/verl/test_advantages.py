@@ -17,7 +17,7 @@ from verl.trainer.ppo.v1 import utils as v1_utils
 
 from _batch import random_case
 from mosaic.core.estimators import get_estimator
-from mosaic.integrations.verl import ESTIMATOR_NAMES, plugin
+from mosaic.integrations.verl import estimator_names, plugin
 from mosaic.integrations.verl.advantages import estimator_fn
 
 AS_IS = OmegaConf.create({"norm_adv_by_std_in_grpo": True, "mosaic": {"loss_agg": "as-is"}})
@@ -32,7 +32,7 @@ def _data(case) -> DataProto:
 
 def test_import_verl_registers_everything_through_the_entry_point():
     assert plugin.LOAD_ERROR is None
-    for name in ESTIMATOR_NAMES:
+    for name in estimator_names():  # the registry's names and their other spellings (mosaic-traj, mosaic_traj)
         assert core_algos.get_adv_estimator_fn(name).__name__ == f"compute_{name}_advantage"
     from verl.experimental.agent_loop.agent_loop import _agent_loop_registry
 
@@ -49,21 +49,21 @@ def test_mosaic_core_never_imports_verl():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-@pytest.mark.parametrize("verl_name", sorted(ESTIMATOR_NAMES))
+@pytest.mark.parametrize("verl_name", sorted(estimator_names()))
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_estimator_through_verl_compute_advantage_equals_ours(verl_name, seed):
     case = random_case(seed)
-    ours, _ = get_estimator(ESTIMATOR_NAMES[verl_name])(case.batch)  # (S,)
+    ours, _ = get_estimator(verl_name)(case.batch)  # (S,)
     out = ray_trainer.compute_advantage(_data(case), adv_estimator=verl_name, config=AS_IS)
     expect = ours[:, None].to(torch.float32) * case.response_mask
     torch.testing.assert_close(out.batch["advantages"], expect, rtol=1e-5, atol=1e-6)
     assert ours.abs().max() > 0.1  # not a vacuous comparison
 
 
-@pytest.mark.parametrize("verl_name", sorted(ESTIMATOR_NAMES))
+@pytest.mark.parametrize("verl_name", sorted(estimator_names()))
 def test_estimator_through_verl_v1_multi_trajectory_path_equals_ours(verl_name):
     case = random_case(7)
-    ours, _ = get_estimator(ESTIMATOR_NAMES[verl_name])(case.batch)
+    ours, _ = get_estimator(verl_name)(case.batch)
     out = v1_utils.compute_advantage_for_multi_trajectories(_data(case), case.keys, verl_name, config=AS_IS)
     torch.testing.assert_close(out.batch["advantages"], ours[:, None].float() * case.response_mask, rtol=1e-5, atol=1e-6)
 
