@@ -29,7 +29,7 @@ from statistics import NormalDist
 
 import numpy as np
 
-from mosaic.train.stats import sign_flip_test, sign_test
+from mosaic.train.stats import seed_permutation_test, sign_flip_test, sign_test  # noqa: F401  (re-exported)
 
 __all__ = ["PAPER_EFFECT", "betainc", "t_cdf", "t_ppf", "welch_test", "seed_permutation_test",
            "min_permutation_p", "hierarchical_bootstrap", "seed_power", "seeds_for_power", "half_splits",
@@ -118,31 +118,6 @@ def min_permutation_p(n_a: int, n_b: int) -> float:
     """The smallest p the exact two-sided permutation test can give (no ties): 1/C(n, n_a), doubled
     when the arms are the same size (a split and its mirror give the same |difference|)."""
     return (2 if n_a == n_b else 1) / math.comb(n_a + n_b, n_a)
-
-
-def seed_permutation_test(a, b, *, max_exact: int = 200_000, n_perm: int = 100_000, seed: int = 0) -> float:
-    """Two-sided permutation test that per-seed accuracies ``a`` and ``b`` come from one distribution,
-    statistic ``|mean(a) - mean(b)|``: exact over every split of the pooled runs into groups of S_a and S_b
-    when there are at most ``max_exact`` (``scipy.stats.permutation_test``, ``independent``, all splits),
-    else ``n_perm`` random splits with ``(1 + hits) / (1 + n_perm)``."""
-    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
-    pooled = np.concatenate([a, b])
-    n, k = len(pooled), len(a)
-    if k == 0 or k == n:
-        raise ValueError("both arms need at least one seed")
-    obs = abs(a.mean() - b.mean())
-    tol = 1e-12 + 1e-9 * obs
-    total = pooled.sum()
-    if math.comb(n, k) <= max_exact:
-        idx = np.array(list(combinations(range(n), k)))
-        sa = pooled[idx].sum(1)
-        return float((np.abs(sa / k - (total - sa) / (n - k)) >= obs - tol).mean())
-    rng, hits = np.random.default_rng(seed), 0
-    for start in range(0, n_perm, 10_000):
-        perm = rng.permuted(np.tile(pooled, (min(10_000, n_perm - start), 1)), axis=1)
-        sa = perm[:, :k].sum(1)
-        hits += int((np.abs(sa / k - (total - sa) / (n - k)) >= obs - tol).sum())
-    return (1 + hits) / (1 + n_perm)
 
 
 def hierarchical_bootstrap(a, b, *, ci: float = 0.95, n_boot: int = 4000, seed: int = 0,

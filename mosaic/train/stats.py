@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
+from itertools import combinations
 from pathlib import Path
 from typing import Literal
 
@@ -293,13 +294,29 @@ def sign_flip_test(d, *, n_perm: int = 200_000, seed: int = 0, exact_max: int = 
     return (1 + hits) / (1 + n_perm)
 
 
-def seed_permutation_test(a, b) -> float:
-    """Exact two-sided permutation test that two arms' per-seed accuracies ``a`` (S_a,) and ``b`` (S_b,)
-    come from one distribution (:func:`mosaic.train.seedstats.seed_permutation_test`, which also falls back
-    to random splits when there are too many to enumerate). With 5 + 5 seeds the smallest p is 2/252."""
-    from mosaic.train.seedstats import seed_permutation_test as exact  # (seedstats imports this module)
-
-    return exact(a, b)
+def seed_permutation_test(a, b, *, max_exact: int = 200_000, n_perm: int = 100_000, seed: int = 0) -> float:
+    """Two-sided permutation test that per-seed accuracies ``a`` and ``b`` come from one distribution,
+    statistic ``|mean(a) - mean(b)|``: exact over every split of the pooled runs into groups of S_a and S_b
+    when there are at most ``max_exact`` (``scipy.stats.permutation_test``, ``independent``, all splits),
+    else ``n_perm`` random splits with ``(1 + hits) / (1 + n_perm)``."""
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    pooled = np.concatenate([a, b])
+    n, k = len(pooled), len(a)
+    if k == 0 or k == n:
+        raise ValueError("both arms need at least one seed")
+    obs = abs(a.mean() - b.mean())
+    tol = 1e-12 + 1e-9 * obs
+    total = pooled.sum()
+    if math.comb(n, k) <= max_exact:
+        idx = np.array(list(combinations(range(n), k)))
+        sa = pooled[idx].sum(1)
+        return float((np.abs(sa / k - (total - sa) / (n - k)) >= obs - tol).mean())
+    rng, hits = np.random.default_rng(seed), 0
+    for start in range(0, n_perm, 10_000):
+        perm = rng.permuted(np.tile(pooled, (min(10_000, n_perm - start), 1)), axis=1)
+        sa = perm[:, :k].sum(1)
+        hits += int((np.abs(sa / k - (total - sa) / (n - k)) >= obs - tol).sum())
+    return (1 + hits) / (1 + n_perm)
 
 
 def holm(p_values) -> list[float]:
