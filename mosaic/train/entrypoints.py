@@ -241,8 +241,10 @@ def _rl_loop(cfg: Config, plan: RunPlan, model, tok, chat, device) -> None:
         from mosaic.train.external import RecordsReplay
 
         replay = RecordsReplay(cfg)
+        if plan.resume_from is None:  # (a resumed run has them already)
+            replay.write_drops(plan.run_dir)
         _log(f"replaying {sum(len(g) for g in replay.groups.values())} captured rollouts in {replay.n_groups} "
-             f"groups from {cfg.rollout.records} (dropped: {dict(replay.dropped) or 'none'})")
+             f"groups from {cfg.rollout.records} (dropped: {replay.report.summary()})")
     steps = resolve_steps(cfg, replay.n_groups if replay is not None else len(train.tasks))
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, steps * cfg.optim.ppo_epochs * cfg.optim.mini_batches)

@@ -54,7 +54,7 @@ from typing import Any, Callable, Sequence
 
 from mosaic.agent.config import HarnessConfig
 from mosaic.agent.harness import DeepSearchEnv
-from mosaic.capture.records import RECORDS_FILE, CallRecord, RecordError, RewardRecord
+from mosaic.capture.records import RECORDS_FILE, CallRecord, RecordError, RewardRecord, parse_record
 from mosaic.capture.reconstruct import reconstruct_rollout
 from mosaic.capture.sessions import DEFAULT_COMPACTION_PATTERNS, ReconstructionRules
 from mosaic.envs.rewards import score_answer
@@ -66,7 +66,7 @@ __all__ = ["HarnessTask", "ExternalRollouts", "DROP_REASONS", "DROPS_FILE", "loa
            "check_callables"]
 
 DROP_REASONS = ("crashed", "timeout", "no_reward", "double_reward", "no_calls", "foreign_id", "stale_policy",
-                "unbuildable")
+                "unbuildable", "bad_record")
 """Why a rollout is left out of a step (``rollout/dropped/<reason>``)."""
 
 
@@ -393,7 +393,9 @@ class ExternalRollouts:
         return list(await asyncio.gather(*(one(ht) for ht in hts)))
 
     def _read_new(self, offset: int) -> tuple[list[CallRecord], list[RewardRecord], int, int]:
-        """Records appended since ``offset`` → calls, rewards, the new offset and the number of bad lines."""
+        """Records appended since ``offset`` → calls, rewards, the new offset and the number of bad lines.
+        A record with a bad field (checked as every reader does) puts its rollout in ``self.bad_records``."""
+        self.bad_records: dict[str, str] = {}
         if not self.records_path.exists():
             return [], [], offset, 0
         with open(self.records_path, "rb") as fh:
@@ -401,17 +403,20 @@ class ExternalRollouts:
             data = fh.read()
         end = data.rfind(b"\n") + 1  # a line still being written stays for the next read
         calls, rewards, bad = [], [], 0
-        for line in data[:end].splitlines():
+        for n, line in enumerate(data[:end].splitlines()):
             if not line.strip():
                 continue
+            d = None
             try:
                 d = json.loads(line)
-                if d.get("type") == "reward":
-                    rewards.append(RewardRecord.from_dict(d))
-                else:
-                    calls.append(CallRecord.from_dict(d))
-            except (ValueError, RecordError, TypeError, AttributeError):
+                rec = parse_record(d, f"{self.records_path} (line {n + 1} after byte {offset})")
+            except (ValueError, RecordError, RecursionError) as exc:
                 bad += 1
+                rid = d.get("rollout_id") if isinstance(d, dict) else None
+                if isinstance(rid, str):
+                    self.bad_records.setdefault(rid, str(exc)[:500])
+                continue
+            (calls if isinstance(rec, CallRecord) else rewards).append(rec)
         return calls, rewards, offset + end, bad
 
     def _wait_quiet(self, timeout: float = 10.0) -> None:
@@ -474,6 +479,8 @@ class ExternalRollouts:
             task, _ = by_rid[ht.rollout_id]
             mine = by_calls.get(ht.rollout_id, [])
             reason, detail = out.failure, out.detail
+            if reason is None and ht.rollout_id in self.bad_records:  # a call or reward would be missing
+                reason, detail = "bad_record", self.bad_records[ht.rollout_id]
             if reason is None and len(posted.get(ht.rollout_id, [])) > 1:
                 reason, detail = "double_reward", f"{len(posted[ht.rollout_id])} rewards posted"
             if reason is None and not any(c.ok for c in mine):
@@ -541,7 +548,8 @@ class RecordsReplay:
 
     Every rewarded rollout of ``rollout.records`` is rebuilt once (the same rules as the live source);
     rollouts that cannot be rebuilt, lack a reward, or lack sampling log-probs on a sampled token are
-    dropped and counted. Groups (``group_id``) are visited in a seeded order, ``train.batch_tasks`` per
+    dropped, counted and named in ``self.report`` (the drop report ``mosaic proxy export`` prints, with
+    records that have a bad field as ``bad_record``). Groups (``group_id``) are visited in a seeded order, ``train.batch_tasks`` per
     step, epoch after epoch. The PPO ratio is taken against the **recorded** sampling log-probs, so it is
     the importance ratio of the current policy to the one that sampled (clipped as usual; the
     ``actor/ratio_*`` metrics show how far off-policy the data is).
@@ -549,9 +557,8 @@ class RecordsReplay:
 
     def __init__(self, cfg):
         import random
-        import warnings
 
-        from mosaic.capture.records import load_records
+        from mosaic.capture.records import read_records
 
         self.cfg = cfg
         hcfg: HarnessConfig = cfg.harness
@@ -559,40 +566,47 @@ class RecordsReplay:
         path = Path(cfg.rollout.records)
         if not path.exists():
             raise FileNotFoundError(f"rollout.records: {path} does not exist")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # counted below instead
-            try:
-                calls, rewards = load_records(path, lenient=True)
-            except RecordError as exc:
-                raise ValueError(f"rollout.records: {exc}") from None
+        try:
+            calls, rewards, self.report = read_records(path)
+        except RecordError as exc:
+            raise ValueError(f"rollout.records: {exc}") from None
         by: dict[str, list[CallRecord]] = {}
         for c in calls:
             by.setdefault(c.rollout_id, []).append(c)
-        self.dropped: Counter = Counter()
         groups: dict[str, list[Trajectory]] = {}
         for rid, cs in by.items():
             rw = rewards.get(rid)
             if rw is None:
-                self.dropped["no_reward"] += 1
+                self.report.drop(rid, "no_reward", "no reward posted")
                 continue
             try:
                 t = reconstruct_rollout(cs, rw, self.rules, rollout_id=rid)
-            except (TraceError, ValueError, KeyError, IndexError):
-                t = None
-            if t is None or unscorable(t) is not None:
-                self.dropped["unbuildable"] += 1
+                why = "no usable call" if t is None else unscorable(t)
+            except (TraceError, ValueError, KeyError, IndexError) as exc:
+                why = f"{type(exc).__name__}: {exc}"[:500]
+            if why is not None:
+                self.report.drop(rid, "unbuildable", why)
                 continue
             if any(c.ok and len(c.logprobs) != len(c.completion_ids) for c in cs):  # no importance ratio
-                self.dropped["no_logprobs"] += 1
+                self.report.drop(rid, "no_logprobs", "a sampled call has no log-probs")
                 continue
             groups.setdefault(t.group_id, []).append(t)
+        for rid in rewards.keys() - by.keys():
+            self.report.drop(rid, "no_calls", "a reward but no call record")
+        self.dropped: Counter = self.report.counts()
         if not groups:
             raise ValueError(f"rollout.records: no usable rollout in {path} "
-                             f"(dropped: {dict(self.dropped) or 'no call records'})")
+                             f"(dropped: {self.report.summary() if self.report.dropped else 'no call records'})")
         self.group_ids = sorted(groups)
         self.groups = groups
         self._order_cache: dict[int, list[str]] = {}
         self._random = random
+
+    def write_drops(self, run_dir: str | os.PathLike) -> None:
+        """Every dropped rollout, one JSON line each, in ``RUN_DIR/drops.jsonl`` (as the live source does)."""
+        if self.report.dropped:
+            with open(Path(run_dir) / DROPS_FILE, "a") as f:
+                f.writelines(json.dumps({"step": 0, **row}) + "\n" for row in self.report.rows())
 
     @property
     def n_groups(self) -> int:
