@@ -65,7 +65,9 @@ def _ints(v, what: str, *, lo: int = 0) -> None:
 
 
 def _numbers(v) -> bool:
-    return isinstance(v, list) and all(x is None or (isinstance(x, (int, float)) and not isinstance(x, bool)) for x in v)
+    def num(x) -> bool:
+        return x is None or (isinstance(x, (int, float)) and not isinstance(x, bool))
+    return isinstance(v, list) and all(num(x) for x in v)
 
 
 def _check_session(s, k: int) -> None:
@@ -248,7 +250,8 @@ def load_view(path: str | Path, *, tokenizer: str | None = None, max_trajectorie
     bad = [i for i in used if not 0 <= i < len(pieces)]
     if bad:
         raise ViewError(f"token id {min(bad)} is outside the vocabulary of {len(pieces)} pieces: wrong tokenizer?")
-    config = (run_dir / "config.yaml").read_text(errors="replace") if run_dir and (run_dir / "config.yaml").is_file() else ""
+    cfg_file = run_dir / "config.yaml" if run_dir else None
+    config = cfg_file.read_text(errors="replace") if cfg_file and cfg_file.is_file() else ""
     counts = {"text": 0, "numbers": 0}
     view = {
         "title": f"mosaic view: {path.name}",

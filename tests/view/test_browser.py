@@ -129,8 +129,8 @@ def test_forks_are_drawn_as_edges_to_subagents(chromium, tmp_path):
         header = b.eval("document.querySelector('#transcript header').innerText")
         # issue 33: a fork says which turn of its parent it left from (the delegate call is turn 3)
         assert "forks from session 0 at its turn 3" in header
-        assert b.eval("[...document.querySelectorAll('article[data-traj=\"0\"] text.elabel')].map(e => e.textContent)") \
-            == ["from turn 3"]
+        labels = "[...document.querySelectorAll('article[data-traj=\"0\"] text.elabel')].map(e => e.textContent)"
+        assert b.eval(labels) == ["from turn 3"]
         # column heads say what they are; gains carry their unit
         heads = b.eval("[...document.querySelectorAll('article[data-traj=\"0\"] table.adv th')].map(e => e.innerText)")
         assert heads[:2] == ["advantage by estimator", "whole trajectory (token mean)"]

@@ -80,7 +80,7 @@
     const p = t.sessions[s.parent], j = at - fullPrompt(t, s.parent).length, m = maskOf(p);
     let u = 1;
     for (let i = 0; i < Math.min(j, m.length); i++) if (m[i] && (i === 0 || !m[i - 1])) u++;
-    return [s.parent, j <= 0 ? 1 : Math.min(u, Math.max(1, p.turns | 0) || u)];
+    return [s.parent, u];  // the parent's turn that starts at (or holds) the fork point
   }
   const forkText = (f) => `forks from session ${esc(f[0])}` + (f[1] === null ? " (turn not recorded)" : ` at its turn ${f[1]}`);
   function available(t, est) { return !(t.unavailable && t.unavailable[est]); }
