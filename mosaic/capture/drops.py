@@ -5,7 +5,7 @@ source all read the proxy's records; each rollout one of them leaves out is name
 reason (``bad_record`` for a record with a missing or wrongly typed field, then the reader's own:
 ``no_reward``, ``unbuildable``, ``no_logprobs``, ``invalid``, ...) and where (``file:line`` and the
 field, or what failed), so they all count and print drops the same way (issue 33). Texts made safe
-on the way (a lone surrogate replaced by U+FFFD) are counted too.
+(a lone surrogate replaced by U+FFFD, by the proxy on arrival or by the reader) are counted too.
 """
 
 from __future__ import annotations

@@ -374,7 +374,8 @@ def read_records(path: str | os.PathLike) -> tuple[list[CallRecord], dict[str, R
     calls: list[CallRecord] = []
     rewards: dict[str, RewardRecord] = {}
     for rec in iter_records(path, on_bad=skip):
-        report.sanitized_text += make_record_safe(rec)
+        make_record_safe(rec)  # (an older file's texts; the proxy made its own safe on arrival)
+        report.sanitized_text += rec.sanitized_text  # made safe by the proxy or just now
         if isinstance(rec, CallRecord):
             calls.append(rec)
         else:

@@ -39,7 +39,7 @@ def _drain(px):
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_lone_surrogates_are_made_safe_where_they_enter_and_counted(upstream, make_proxy, stream, tmp_path):
+def test_lone_surrogates_are_made_safe_where_they_enter_and_counted(upstream, make_proxy, stream, tmp_path, capsys):
     # issue 33: a lone surrogate that came through a reward POST crashed `mosaic view` and `proxy export`
     # to Parquet (UnicodeEncodeError). Now the proxy makes every text safe on arrival (U+FFFD, as the
     # harness does), forwards it so, and counts it on the record.
@@ -65,6 +65,7 @@ def test_lone_surrogates_are_made_safe_where_they_enter_and_counted(upstream, ma
     for suffix in (".parquet", ".jsonl"):
         out = tmp_path / f"sur{suffix}"
         assert mosaic_main(["proxy", "export", "--records", px.out_dir, "--out", str(out)]) == 0
+        assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["sanitized_text"] == 6
         [t] = load_trajectories(out)
         assert t.answer == "\ufffd" and t.ground_truth == "x\ufffd"
 
