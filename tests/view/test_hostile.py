@@ -103,3 +103,41 @@ def test_hostile_samples_render_every_row_as_text_and_run_no_script(chromium, tm
         assert b.page_errors() == []
         if os.environ.get("MOSAIC_VIEW_SCREENSHOTS"):
             b.screenshot(Path(os.environ["MOSAIC_VIEW_SCREENSHOTS"]) / "hostile.png")
+
+
+def test_every_variant_of_the_field_sweep_renders_in_the_browser(chromium, tmp_path):
+    # every sample the field sweep (tests/view/test_view.py) lets through, one field set to a hostile
+    # value each, on one page: every row renders and every session's transcript opens, no error
+    from mosaic.view.data import ViewError, read_samples
+    from tests.view.test_view import HOSTILE, _run_dir
+
+    d, _ = _run_dir(tmp_path)
+    base = json.loads((d / "samples.jsonl").read_text().splitlines()[0])
+    keep = []
+    for where, key in [("top", k) for k in base if k != "schema"] + [("session", k) for k in base["sessions"][0]]:
+        for value in HOSTILE:
+            r = json.loads(json.dumps(base))
+            (r if where == "top" else r["sessions"][0])[key] = value
+            (tmp_path / "one.jsonl").write_text(json.dumps(r) + "\n")
+            try:
+                read_samples(tmp_path / "one.jsonl")
+            except ViewError:
+                continue
+            keep.append(r)
+    (d / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in keep))
+    assert main(["view", str(d), "-o", str(tmp_path / "sweep.html")]) == 0
+    with Browser(chromium) as b:
+        b.open(tmp_path / "sweep.html")
+        b.eval("(() => { const s = document.getElementById('f-step'); s.value = 'all';"
+               " s.dispatchEvent(new Event('change')); })()")
+        while b.eval("!!document.getElementById('more')"):
+            b.click("#more")
+        assert b.eval("document.querySelectorAll('article.traj').length") == len(keep)
+        nodes = b.eval("document.querySelectorAll('g.node').length")
+        opened = b.eval("""(() => { let k = 0; for (const g of document.querySelectorAll('g.node')) {
+            document.getElementById('transcript').hidden = true;
+            g.dispatchEvent(new MouseEvent('click', {bubbles: true}));
+            if (!document.getElementById('transcript').hidden) k++; } return k; })()""")
+        assert opened == nodes >= len(keep)
+        assert b.page_errors() == [] and b.eval("window.__pwned === undefined")
+    print(f"\nbrowser sweep: {len(keep)} hostile samples on one page, {nodes} transcripts opened")

@@ -191,3 +191,42 @@ def test_a_sample_the_page_cannot_compute_with_is_one_line_naming_the_field(tmp_
     assert main(["view", str(d)]) == 2
     err = capsys.readouterr().err
     assert f"samples.jsonl:3: {said}" in err and err.count("\n") == 1
+
+
+HOSTILE = [None, "", "<script>x</script>", "\udfff", 1e308, float("nan"), -1, 10**30, True, [], {}, [1, "a"],
+           {"a": "<b>"}]
+
+
+def sweep_pages(d, out_dir, capsys=None) -> tuple[list, int]:
+    """Every top-level and session field of a sample of run dir ``d`` set to each hostile value in turn;
+    the pages ``mosaic view`` wrote (copied to ``out_dir``) and the number it refused in one line."""
+    base = [json.loads(line) for line in (d / "samples.jsonl").read_text().splitlines()]
+    fields = [("top", k) for k in base[0] if k != "schema"] + [("session", k) for k in base[0]["sessions"][0]]
+    pages, refused = [], 0
+    for where, key in fields:
+        for j, value in enumerate(HOSTILE):
+            recs = json.loads(json.dumps(base))
+            (recs[0] if where == "top" else recs[0]["sessions"][0])[key] = value
+            (d / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+            page = out_dir / f"{where}-{key}-{j}.html"
+            rc = main(["view", str(d), "-o", str(page)])
+            err = capsys.readouterr().err if capsys else ""
+            assert rc in (0, 2) and "Traceback" not in err, (where, key, value, err)
+            if rc == 0:
+                pages.append((page, where, key, value))
+            else:
+                refused += 1
+                assert not page.exists()
+                assert not capsys or (err.count("\n") == 1 and "samples.jsonl:1: " in err), (key, value, err)
+    return pages, refused
+
+
+def test_any_one_field_set_to_anything_is_a_page_or_one_line(tmp_path, capsys):
+    # the sweep: `mosaic view` writes a page (whose data block parses) or refuses in one line naming
+    # the line and field; never a traceback (the browser test opens every page: test_hostile.py)
+    d, _ = _run_dir(tmp_path)
+    pages, refused = sweep_pages(d, tmp_path, capsys)
+    for page, *_ in pages:
+        _data_of(page.read_text(encoding="utf-8"))
+    print(f"\nsweep: {len(pages)} pages, {refused} refused in one line")
+    assert pages and refused
