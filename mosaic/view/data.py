@@ -134,6 +134,8 @@ def read_samples(path: str | Path) -> list[dict]:
         if rec.get("schema") != SAMPLE_SCHEMA:
             raise ViewError(f"{path}:{n}: not a {SAMPLE_SCHEMA} record (a samples.jsonl from an older trainer "
                             f"holds decoded text only; rerun `mosaic train` to record token ids and credit)")
+        if type(rec.get("schema_version", 0)) is not int:
+            raise ViewError(f"{path}:{n}: schema_version must be an integer, got {rec['schema_version']!r}")
         if rec.get("schema_version", 0) > SAMPLE_SCHEMA_VERSION:
             raise ViewError(f"{path}:{n}: schema_version {rec['schema_version']} is newer than this viewer's "
                             f"{SAMPLE_SCHEMA_VERSION}")
