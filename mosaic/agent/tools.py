@@ -14,7 +14,8 @@ tokenizer, UTF-8 file or Parquet column accepts. :func:`safe_text` is the one
 rule for text entering the agent loop from outside (a tool call's argument here;
 a tool's result and a task's text in the harness): each lone surrogate becomes
 U+FFFD and the caller counts the text as sanitised (``Action.sanitized``; the
-trajectory's ``meta["sanitized_text"]``).
+trajectory's ``meta["sanitized_text"]``). :func:`safe_json` applies it to every string of a JSON
+value: the recording proxy's requests, responses and reward POSTs, and records read back.
 """
 
 from __future__ import annotations
@@ -50,6 +51,32 @@ def safe_text(text: str) -> tuple[str, bool]:
     if _SURROGATE.search(text) is None:
         return text, False
     return _SURROGATE.sub("\ufffd", text), True
+
+
+def safe_json(obj: Any) -> tuple[Any, int]:
+    """``(obj, n)``: a JSON value with :func:`safe_text` applied to every string in it (dict keys
+    included); ``n`` counts the strings changed. Unchanged parts are returned as they are (no copy)."""
+    if isinstance(obj, str):
+        text, changed = safe_text(obj)
+        return text, int(changed)
+    if isinstance(obj, list):
+        if all(type(v) in (int, float, bool) for v in obj):  # token ids, log-probs: nothing to do
+            return obj, 0
+        out, n = [], 0
+        for v in obj:
+            v2, k = safe_json(v)
+            out.append(v2)
+            n += k
+        return (out, n) if n else (obj, 0)
+    if isinstance(obj, dict):
+        out_d, n = {}, 0
+        for key, v in obj.items():
+            key2, k1 = safe_json(key) if isinstance(key, str) else (key, 0)
+            v2, k2 = safe_json(v)
+            out_d[key2] = v2
+            n += k1 + k2
+        return (out_d, n) if n else (obj, 0)
+    return obj, 0
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """Capture sessions from any agent harness: a recording OpenAI-compatible proxy and session reconstruction.
 
 - :mod:`mosaic.capture.proxy`: the proxy (``ProxyConfig``, ``create_proxy_app``, ``serve``);
-- :mod:`mosaic.capture.records`: interface call records and their JSONL file;
+- :mod:`mosaic.capture.records`: interface call records and their JSONL file (``read_records``);
+- :mod:`mosaic.capture.drops`: what a reader of records dropped, and why (``RecordReport``);
 - :mod:`mosaic.capture.reconstruct`: records → ``mosaic.trace.Trajectory`` session graphs;
 - :mod:`mosaic.capture.sessions`: reconstruction settings (``ReconstructionRules``), drafts, rule 2;
 - :mod:`mosaic.capture.linking`: reconstruction rules 3–6, one method per rule;
@@ -12,9 +13,12 @@ Importing this package stays light (no web framework); the proxy imports FastAPI
 """
 
 from mosaic.capture.reconstruct import ReconstructionRules, reconstruct, reconstruct_rollout
-from mosaic.capture.records import CallRecord, RecordError, RecordWriter, RewardRecord, iter_records, load_records
+from mosaic.capture.drops import RecordReport
+from mosaic.capture.records import (
+    CallRecord, RecordError, RecordWriter, RewardRecord, iter_records, load_records, read_records,
+)
 
 __all__ = [
-    "CallRecord", "RecordError", "RecordWriter", "RewardRecord", "ReconstructionRules", "iter_records",
-    "load_records", "reconstruct", "reconstruct_rollout",
+    "CallRecord", "RecordError", "RecordReport", "RecordWriter", "RewardRecord", "ReconstructionRules",
+    "iter_records", "load_records", "read_records", "reconstruct", "reconstruct_rollout",
 ]

@@ -15,7 +15,9 @@ an ``--out`` that cannot be created, an export ``--out`` that exists without
 ``--log-level`` uvicorn does not know; for ``scripted-upstream`` the port, ``--tokenizer``,
 ``--delay`` and ``--slots``) exit with status 2 and one line naming the flag, before any work. ``export``
 skips a record with a bad field (and the rest of its rollout) with a warning
-naming ``file:line`` and the field, and counts it (``bad_records``); a records
+naming ``file:line`` and the field, and counts it (``bad_records``); every rollout
+it leaves out is counted by reason (``dropped``) and named in one warning line,
+the same report offline replay prints; a records
 file it cannot read at all (a broken line, a foreign schema) is one line and
 status 2.
 """
@@ -34,7 +36,7 @@ from pathlib import Path
 
 from mosaic.agent.tokenizer import load_tokenizer
 from mosaic.capture.reconstruct import ReconstructionRules, reconstruct
-from mosaic.capture.records import BadRecordWarning, RecordError, load_records
+from mosaic.capture.records import RecordError, read_records
 from mosaic.capture.wire import retokenize
 from mosaic.config.cliargs import output_error
 from mosaic.envs.cli import EXIT_USAGE, UsageError
@@ -233,9 +235,9 @@ def export(records: str, out: str, *, tokenizer: str | None = None, rules=None, 
         raise FileExistsError(f"{out}: exists (pass force=True, or --force, to replace it)")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        calls, rewards = load_records(records, lenient=True)
-        bad_records = sum(issubclass(w.category, BadRecordWarning) and "skipped with rollout" in str(w.message)
-                          for w in caught)
+        calls, rewards, report = read_records(records)
+        for rid, msg in report.bad_records:
+            warnings.warn(f"{msg} (skipped with rollout {rid!r})", stacklevel=2)
         fixed = 0
         if tokenizer:  # the recorded model's own: no template is guessed
             tok = load_tokenizer(tokenizer, fallback_template=None)
@@ -244,12 +246,15 @@ def export(records: str, out: str, *, tokenizer: str | None = None, rules=None, 
                     retokenize(c, tok)
                     fixed += 1
         trajs, invalid = [], 0
-        for t in reconstruct(calls, rewards, rules):
+        for t in reconstruct(calls, rewards, rules, report=report):
             try:
                 trajs.append(validate(t))
             except TraceError as exc:
                 invalid += 1
+                report.drop(t.id, "invalid", str(exc)[:500])
                 warnings.warn(f"rollout {t.id!r}: not a valid trajectory, skipped ({exc})", stacklevel=2)
+        if report.dropped or report.sanitized_text:
+            warnings.warn(f"{records}: dropped {report.summary()}", stacklevel=2)
     dest = Path(out)
     tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp{dest.suffix}")
     try:
@@ -263,7 +268,8 @@ def export(records: str, out: str, *, tokenizer: str | None = None, rules=None, 
         for k, n in t.count_kinds().items():
             kinds[k] = kinds.get(k, 0) + n
     return {"calls": len(calls), "rollouts": len(trajs), "sessions": kinds, "retokenized_now": fixed,
-            "bad_records": bad_records, "invalid_rollouts": invalid,
+            "bad_records": len(report.bad_records), "invalid_rollouts": invalid,
+            "dropped": dict(report.counts()), "sanitized_text": report.sanitized_text,
             "warnings": [str(w.message) for w in caught], "out": out}
 
 

@@ -25,8 +25,11 @@ upstream refuses a prompt as too long for the model's context, the record is
 marked ``context_overflow`` and keeps the prompt's ids (from the upstream's
 ``/tokenize``, as vLLM serves it, else the proxy's tokenizer). The proxy asks
 the upstream for ``accept-encoding: identity``: it relays bytes as they come.
-Any JSON a client sends (lone surrogates included) is recorded: a call that
-was answered has exactly one record. The response body is the upstream's,
+Any JSON a client sends is recorded: a call that was answered has exactly one
+record. Text is made safe where it enters: a lone surrogate (``"\\udfff"``, no
+UTF-8 form) in a request, a reward POST or the upstream's response becomes
+U+FFFD (the request is forwarded so) and is counted in the record's
+``sanitized_text``, as the harness does. The response body is the upstream's,
 unchanged: it carries the extra fields the proxy asked for, which OpenAI
 clients ignore.
 """
@@ -52,7 +55,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
 from mosaic.agent.tokenizer import load_tokenizer
-from mosaic.capture.records import RECORDS_FILE, CallRecord, RecordWriter, RewardRecord
+from mosaic.agent.tools import safe_json
+from mosaic.capture.records import RECORDS_FILE, CallRecord, RecordWriter, RewardRecord, make_record_safe
 from mosaic.capture.wire import (
     MAX_JSON_DEPTH,
     OVERFLOW,
@@ -302,6 +306,7 @@ class RecordingProxy:
                 self._retokenize(rec)
         except Exception as exc:  # noqa: BLE001 - whatever went wrong, the record says so
             rec.error = f"recording failed: {type(exc).__name__}: {exc}"
+        make_record_safe(rec)  # the response's texts (the request's were made safe on arrival)
         rec.t_end = time.time()
         try:
             self.writer.write(rec)
@@ -349,7 +354,7 @@ class RecordingProxy:
         # ~80 lines, kept whole: the streamed relay below closes over this call's record and response.
         t_start = time.time()
         self.check_auth(request)
-        body = await self.read_json(request)
+        body, n_safe = safe_json(await self.read_json(request))
         validate_request(endpoint, body)
         rid = rollout_id if rollout_id is not None else request.headers.get("x-mosaic-rollout", "")
         self._check_rollout(rid, "calls")
@@ -364,6 +369,7 @@ class RecordingProxy:
             request_params={k: v for k, v in body.items() if k not in _FORWARD_PARAMS_SKIP},
             stream=bool(body.get("stream")), t_start=t_start,
             headers={k: v for k, v in request.headers.items() if k.startswith("x-mosaic-")},
+            sanitized_text=n_safe,
         )
         fwd = {**body, **self.force_params}
         if self.cfg.request_token_ids:
@@ -482,7 +488,7 @@ class RecordingProxy:
     async def handle_reward(self, request, rollout_id: str):
         self.check_auth(request)
         self._check_rollout(rollout_id, "rewards")
-        body = await self.read_json(request)
+        body, n_safe = safe_json(await self.read_json(request))
         if not isinstance(body, dict):
             raise ApiError(422, "reward body must be a JSON object")
         r = body.get("reward")
@@ -496,7 +502,7 @@ class RecordingProxy:
             raise ApiError(422, "field 'meta' must be an object")
         rec = RewardRecord(rollout_id=rollout_id, reward=float(r), ground_truth=body.get("ground_truth"),
                            answer=body.get("answer"), task_id=body.get("task_id"), group_id=body.get("group_id"),
-                           t=time.time(), meta=meta)
+                           t=time.time(), meta=meta, sanitized_text=n_safe)
         self.writer.write(rec)
         return {"ok": True, "rollout_id": rollout_id}
 

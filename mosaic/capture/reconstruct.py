@@ -101,12 +101,13 @@ from __future__ import annotations
 import warnings
 from typing import Iterable
 
+from mosaic.capture.drops import RecordReport
 from mosaic.capture.records import CallRecord, RewardRecord
 from mosaic.capture.linking import chain_end, link_sessions
 from mosaic.capture.sessions import (  # noqa: F401  (ReconstructionRules: re-exported, the public path)
     DEFAULT_COMPACTION_PATTERNS, ReconstructionRules, SessionDraft, dedup_retries,
 )
-from mosaic.trace.graph import Session, StateRef, Trajectory, validate
+from mosaic.trace.graph import Session, StateRef, TraceError, Trajectory, validate
 
 
 def reconstruct_rollout(
@@ -247,14 +248,18 @@ def reconstruct(
     calls: Iterable[CallRecord],
     rewards: dict[str, RewardRecord] | None = None,
     rules: ReconstructionRules | None = None,
+    report: RecordReport | None = None,
 ) -> list[Trajectory]:
     """Every rollout in ``calls`` → trajectories (ordered by first call).
 
     Rollouts without a reward are skipped (with a warning) unless
-    ``rules.include_unrewarded``; rollouts without a usable call are skipped with a warning.
+    ``rules.include_unrewarded``; rollouts without a usable call, or whose calls cannot be rebuilt
+    (the error is named), are skipped with a warning. ``report``: each skipped rollout is also added
+    to it (``no_reward``, ``unbuildable``), the drop report every reader of records shares.
     """
     rules = rules or ReconstructionRules()
     rewards = rewards or {}
+    report = report if report is not None else RecordReport()
     by: dict[str, list[CallRecord]] = {}
     for c in calls:
         by.setdefault(c.rollout_id, []).append(c)
@@ -265,10 +270,16 @@ def reconstruct(
         rw = rewards.get(rid)
         if rw is None and not rules.include_unrewarded:
             skipped_reward.append(rid)
+            report.drop(rid, "no_reward", "no reward posted")
             continue
-        t = reconstruct_rollout(by[rid], rw, rules, rollout_id=rid)
+        try:
+            t = reconstruct_rollout(by[rid], rw, rules, rollout_id=rid)
+            why = "no usable call"
+        except (TraceError, ValueError, KeyError, IndexError) as exc:
+            t, why = None, f"{type(exc).__name__}: {exc}"[:500]
         if t is None:
             skipped_empty.append(rid)
+            report.drop(rid, "unbuildable", why)
             continue
         out.append(t)
     if skipped_reward:

@@ -24,6 +24,13 @@ log-probs ``<= 0``, a reward in ``[0, 1]``): the first bad one raises
 skipped with a :class:`BadRecordWarning` naming them, together with every other
 record of its rollout (a rollout missing a call or its reward would be rebuilt
 wrong).
+
+Every reader reports what it left out the same way: :func:`read_records` returns a
+:class:`~mosaic.capture.drops.RecordReport` naming each dropped rollout, its reason and where; the
+export, offline replay and the trainer's live source add their own reasons to it. Text is made safe
+where it enters: a lone surrogate (JSON's ``"\\udfff"``; no UTF-8 form) in any string of a record
+becomes U+FFFD and is counted (``sanitized_text`` on the record when the proxy writes it, the
+report's count when a reader meets one in an older file), as the harness does (issue 33).
 """
 
 from __future__ import annotations
@@ -36,6 +43,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Iterator
 
+from mosaic.agent.tools import safe_json
+from mosaic.capture.drops import RecordReport
 from mosaic.trace.fields import (
     TraceError, check_ids, check_logprobs, as_dict, as_float_list, as_int, as_int_list, as_list, as_number, as_str,
 )
@@ -91,8 +100,9 @@ def _check_call(d: dict[str, Any]) -> None:
     for name in ("t_start", "t_first", "t_end", "upstream_s"):
         if name in d and not (name == "t_first" and d[name] is None) and not math.isfinite(as_number(d[name], name)):
             raise TraceError(f"field {name!r}: must be a finite number, got {d[name]!r}")
-    if "status" in d:
-        as_int(d["status"], "status")
+    for name in ("status", "sanitized_text"):
+        if name in d:
+            as_int(d[name], name)
     if d.get("policy_version") is not None:
         as_int(d["policy_version"], "policy_version")
     for name in ("retokenized", "stream", "context_overflow"):
@@ -130,6 +140,7 @@ class CallRecord:
         policy_version: the version of the weights that answered, when the upstream says
             (``mosaic serve`` stamps ``policy_version`` on each response; a trainer bumps it at each
             update); None otherwise.
+        sanitized_text: texts of the request or response in which the proxy replaced lone surrogates.
     """
 
     call_id: str
@@ -158,6 +169,7 @@ class CallRecord:
     upstream_s: float = 0.0
     headers: dict[str, str] = field(default_factory=dict)
     policy_version: int | None = None
+    sanitized_text: int = 0
 
     @property
     def ok(self) -> bool:
@@ -196,6 +208,7 @@ class RewardRecord:
         answer: the extracted final answer, if the caller has one.
         task_id / group_id: the task and GRPO group; default to the rollout id / task id.
         t: wall-clock time the reward arrived; meta: free-form extras.
+        sanitized_text: texts of the POST in which the proxy replaced lone surrogates.
     """
 
     rollout_id: str
@@ -206,6 +219,7 @@ class RewardRecord:
     group_id: str | None = None
     t: float = 0.0
     meta: dict[str, Any] = field(default_factory=dict)
+    sanitized_text: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -227,9 +241,25 @@ class RewardRecord:
             if not math.isfinite(as_number(d.get("t", 0.0), "t")):
                 raise TraceError("field 't': must be finite")
             as_dict(d.get("meta"), "meta")
+            as_int(d.get("sanitized_text", 0), "sanitized_text")
         except TraceError as exc:
             raise RecordError(f"reward record {exc}") from None
         return RewardRecord(**{k: v for k, v in d.items() if k in names})
+
+
+def make_record_safe(rec: CallRecord | RewardRecord) -> int:
+    """Replace every lone surrogate in the record's texts (messages, tools, text, answer, ...) by U+FFFD,
+    in place; add the number of texts changed to ``rec.sanitized_text`` and return it."""
+    n = 0
+    for f in fields(rec):
+        v = getattr(rec, f.name)
+        if isinstance(v, (str, list, dict)):
+            v2, k = safe_json(v)
+            if k:
+                setattr(rec, f.name, v2)
+                n += k
+    rec.sanitized_text += n
+    return n
 
 
 class RecordWriter(LineAppender):
@@ -306,47 +336,76 @@ def iter_records(path: str | os.PathLike, *, on_bad=None) -> Iterator[CallRecord
             if obj.get("schema_version") != RECORD_SCHEMA_VERSION:
                 raise RecordError(f"{where}: schema_version {obj.get('schema_version')!r} is not supported "
                                   f"(reads version {RECORD_SCHEMA_VERSION})")
-            kind = obj.get("type")
             try:
-                if kind == "call":
-                    yield CallRecord.from_dict(obj)
-                elif kind == "reward":
-                    yield RewardRecord.from_dict(obj)
-                else:
-                    raise RecordError(f"unknown record type {kind!r}")
-            except (RecordError, TypeError) as exc:
-                if on_bad is None or kind not in ("call", "reward"):
-                    raise RecordError(f"{where}: {exc}") from None
-                on_bad(RecordError(f"{where}: {exc}"), obj)
+                yield parse_record(obj, where)
+            except RecordError as exc:
+                if on_bad is None or obj.get("type") not in ("call", "reward"):
+                    raise
+                on_bad(exc, obj)
+
+
+def parse_record(obj: Any, where: str) -> CallRecord | RewardRecord:
+    """One record line's object as a record, its fields checked; :class:`RecordError` naming ``where``."""
+    kind = obj.get("type") if isinstance(obj, dict) else None
+    try:
+        if kind == "call":
+            return CallRecord.from_dict(obj)
+        if kind == "reward":
+            return RewardRecord.from_dict(obj)
+        raise RecordError(f"unknown record type {kind!r}")
+    except (RecordError, TypeError) as exc:
+        raise RecordError(f"{where}: {exc}") from None
+
+
+def read_records(path: str | os.PathLike) -> tuple[list[CallRecord], dict[str, RewardRecord], RecordReport]:
+    """All good call records (in file order), the last reward posted per rollout, and the report of what
+    was left out: a call or reward record with a bad field drops its whole rollout (named with
+    ``file:line`` and the field; a rollout missing a call or its reward would be rebuilt wrong). Texts
+    with lone surrogates (an older file) are made safe and counted. A bad record whose rollout cannot
+    be told, a broken line or a foreign file raises :class:`RecordError`."""
+    report = RecordReport(str(path))
+
+    def skip(exc: RecordError, obj: dict) -> None:
+        rid = obj.get("rollout_id")
+        if not isinstance(rid, str):
+            raise exc
+        report.bad_record(rid, str(exc))
+
+    calls: list[CallRecord] = []
+    rewards: dict[str, RewardRecord] = {}
+    for rec in iter_records(path, on_bad=skip):
+        make_record_safe(rec)  # (an older file's texts; the proxy made its own safe on arrival)
+        report.sanitized_text += rec.sanitized_text  # made safe by the proxy or just now
+        if isinstance(rec, CallRecord):
+            calls.append(rec)
+        else:
+            rewards[rec.rollout_id] = rec
+    if report.dropped:
+        calls = [c for c in calls if c.rollout_id not in report.dropped]
+        rewards = {k: v for k, v in rewards.items() if k not in report.dropped}
+    return calls, rewards, report
 
 
 def load_records(path: str | os.PathLike, *, lenient: bool = False) -> tuple[list[CallRecord], dict[str, RewardRecord]]:
     """All call records (in file order) and the last reward posted per rollout.
 
-    ``lenient``: a call or reward record with a bad field is skipped with a :class:`BadRecordWarning`
-    naming ``file:line`` and the field, and so is every record of its rollout (one summary warning
-    counts them); a bad record whose rollout cannot be told still raises :class:`RecordError`.
+    ``lenient``: :func:`read_records`, with a :class:`BadRecordWarning` per bad record naming
+    ``file:line`` and the field, and one with the report's summary; otherwise a bad record raises
+    :class:`RecordError`.
     """
-    bad: dict[str, str] = {}  # rollout id -> where its first bad record is
-
-    def skip(exc: RecordError, obj: dict) -> None:
-        rid = obj.get("rollout_id")
-        if not lenient or not isinstance(rid, str):
-            raise exc
-        bad.setdefault(rid, str(exc).split(": ", 1)[0])
-        warnings.warn(f"{exc} (skipped with rollout {rid!r})", BadRecordWarning, stacklevel=3)
-
-    calls: list[CallRecord] = []
-    rewards: dict[str, RewardRecord] = {}
-    for rec in iter_records(path, on_bad=skip):
-        if isinstance(rec, CallRecord):
-            calls.append(rec)
-        else:
-            rewards[rec.rollout_id] = rec
-    if bad:
-        calls = [c for c in calls if c.rollout_id not in bad]
-        rewards = {k: v for k, v in rewards.items() if k not in bad}
-        warnings.warn(f"{path}: skipped {len(bad)} rollout(s) with a bad record: "
-                      + ", ".join(f"{rid!r} ({where})" for rid, where in list(bad.items())[:5]),
-                      BadRecordWarning, stacklevel=2)
+    if not lenient:
+        calls: list[CallRecord] = []
+        rewards: dict[str, RewardRecord] = {}
+        for rec in iter_records(path):
+            make_record_safe(rec)
+            if isinstance(rec, CallRecord):
+                calls.append(rec)
+            else:
+                rewards[rec.rollout_id] = rec
+        return calls, rewards
+    calls, rewards, report = read_records(path)
+    for rid, msg in report.bad_records:
+        warnings.warn(f"{msg} (skipped with rollout {rid!r})", BadRecordWarning, stacklevel=2)
+    if report.dropped:
+        warnings.warn(f"{path}: dropped {report.summary()}", BadRecordWarning, stacklevel=2)
     return calls, rewards

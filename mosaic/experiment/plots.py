@@ -1,5 +1,9 @@
 """PNG plots of a grid report: learning curves with a band over seeds, accuracy with intervals,
-sessions per trajectory, positive-gain share."""
+sessions per trajectory, positive-gain share.
+
+The learning curves are small multiples: one panel per arm (sharing both axes), the arm in colour
+with its min-max band over seeds, every other arm's mean as a faint grey line behind it for
+comparison, so seven arms stay readable (issue 33)."""
 
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ import numpy as np
 
 from mosaic.experiment.spec import Grid
 
-__all__ = ["make_plots"]
+__all__ = ["learning_curves_figure", "make_plots"]
 
 
 def make_plots(grid: Grid, data: dict, out: Path) -> list[Path]:
@@ -30,19 +34,7 @@ def make_plots(grid: Grid, data: dict, out: Path) -> list[Path]:
     groups = {k: g for k, g in data["groups"].items() if g["seeds"]}
     paths = []
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for key, g in groups.items():
-        curves = [dict(s["curve"]) for s in g["seeds"].values()]
-        steps = sorted(set().union(*curves))
-        m = np.array([[c.get(t, np.nan) for t in steps] for c in curves], dtype=float)
-        mean = np.nanmean(m, 0)
-        ax.plot(steps, mean, label=f"{key} ({len(curves)} seeds)")
-        if len(curves) > 1:
-            ax.fill_between(steps, np.nanmin(m, 0), np.nanmax(m, 0), alpha=0.2)
-    ax.set_xlabel("step")
-    ax.set_ylabel("training reward (critic/score/mean)")
-    ax.set_title(f"{grid.name}: learning curves (band: min-max over seeds)")
-    ax.legend(fontsize=7)
+    fig = learning_curves_figure(plt, grid.name, groups)
     paths.append(_save(fig, out / "learning_curves.png"))
 
     ev = [e.name for e in grid.evals]
@@ -65,6 +57,55 @@ def make_plots(grid: Grid, data: dict, out: Path) -> list[Path]:
             vals[k] = row
         paths.append(_bars(plt, vals, ev, f"{title} on held-out questions", out / fname))
     return paths
+
+
+def _mean_curve(g: dict) -> tuple[list, np.ndarray, np.ndarray]:
+    """(steps, the seeds' values (seeds, steps) with NaN where a seed has no point, their mean)."""
+    curves = [dict(s["curve"]) for s in g["seeds"].values()]
+    steps = sorted(set().union(*curves))
+    m = np.array([[c.get(t, np.nan) for t in steps] for c in curves], dtype=float).reshape(len(curves), len(steps))
+    return steps, m, (np.nanmean(m, 0) if steps else np.zeros(0))
+
+
+def learning_curves_figure(plt, name: str, groups: dict):
+    """One panel per arm (``groups``: key -> {"seeds": {seed: {"curve": [[step, reward], ...]}}})."""
+    keys = list(groups)
+    n = max(1, len(keys))
+    cols = min(n, 3 if n > 4 else 2 if n > 1 else 1)
+    rows = -(-n // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.6 * cols, 2.5 * rows + 0.5), sharex=True, sharey=True,
+                             squeeze=False)  # fmt: skip
+    curves = {k: _mean_curve(groups[k]) for k in keys}
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, ax in enumerate(axes.flat):
+        if i >= len(keys):
+            ax.set_visible(False)
+            continue
+        key = keys[i]
+        for other in keys:  # the rest, faint, for comparison
+            if other != key and curves[other][0]:
+                ax.plot(curves[other][0], curves[other][2], color="0.8", linewidth=0.8, zorder=1)
+        steps, m, mean = curves[key]
+        c = colours[i % len(colours)]
+        ax.plot(steps, mean, color=c, linewidth=1.8, zorder=3, label="mean")
+        if len(m) > 1:
+            ax.fill_between(steps, np.nanmin(m, 0), np.nanmax(m, 0), color=c, alpha=0.25, zorder=2, label="min-max")
+        ax.set_title(f"{key} ({len(m)} seed{'s' if len(m) != 1 else ''})", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.tick_params(labelsize=8)
+    from matplotlib.ticker import MaxNLocator
+
+    for j in range(cols):  # the lowest visible panel of each column carries the step axis
+        low = [ax for ax in axes[:, j] if ax.get_visible()]
+        if low:
+            low[-1].xaxis.set_tick_params(labelbottom=True)
+            low[-1].xaxis.set_major_locator(MaxNLocator(integer=True))
+            low[-1].set_xlabel("step", fontsize=8)
+    for ax in axes[:, 0]:
+        ax.set_ylabel("training reward", fontsize=8)
+    fig.suptitle(f"{name}: training reward (critic/score/mean) per arm; band: min-max over seeds; "
+                 f"grey: the other arms' means", fontsize=9)
+    return fig
 
 
 def _bars(plt, vals: dict, evals: list[str], title: str, path: Path, warm: dict | None = None) -> Path:

@@ -237,7 +237,8 @@ def _heldout_eval(cfg: Config, run_dir: Path, name: str, model, tok, chat, split
 def _rl_loop(cfg: Config, plan: RunPlan, model, tok, chat, device) -> None:
     """RL steps from the resume point to the end: metrics, samples, checkpoints."""
     train = setup.load_split(cfg, "train")
-    source, n_groups = open_source(cfg, model, tok, chat, train, plan.run_dir, log=_log)
+    source, n_groups = open_source(cfg, model, tok, chat, train, plan.run_dir, log=_log,
+                                   resumed=plan.resume_from is not None)
     try:
         steps = resolve_steps(cfg, n_groups if n_groups is not None else len(train.tasks))
         optimizer = build_optimizer(model, cfg.optim)

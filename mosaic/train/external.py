@@ -50,7 +50,7 @@ from typing import Any, Sequence
 from mosaic.agent.harness import DeepSearchEnv
 from mosaic.agent.tools import TOOL_ARGS
 from mosaic.capture.reconstruct import reconstruct_rollout
-from mosaic.capture.records import RECORDS_FILE, CallRecord, RecordError, RewardRecord
+from mosaic.capture.records import RECORDS_FILE, CallRecord, RecordError, RewardRecord, parse_record
 from mosaic.capture.sessions import DEFAULT_COMPACTION_PATTERNS, ReconstructionRules
 from mosaic.config.harness import HarnessConfig
 from mosaic.envs.rewards import score_answer
@@ -62,7 +62,7 @@ from mosaic.train.usercode import is_callable_spec, load_callable
 __all__ = ["ExternalRollouts", "DROP_REASONS", "DROPS_FILE", "reconstruction_rules", "unscorable"]
 
 DROP_REASONS = ("crashed", "timeout", "no_reward", "double_reward", "no_calls", "foreign_id", "stale_policy",
-                "unbuildable")
+                "unbuildable", "bad_record")
 """Why a rollout is left out of a step (``rollout/dropped/<reason>``)."""
 
 
@@ -191,7 +191,9 @@ class ExternalRollouts:
                            tools=lambda name, args, rid=rid: self._tool(rid, name, args))
 
     def _read_new(self, offset: int) -> tuple[list[CallRecord], list[RewardRecord], int, int]:
-        """Records appended since ``offset`` → calls, rewards, the new offset and the number of bad lines."""
+        """Records appended since ``offset`` → calls, rewards, the new offset and the number of bad lines.
+        A record with a bad field (checked as every reader does) puts its rollout in ``self.bad_records``."""
+        self.bad_records: dict[str, str] = {}
         if not self.records_path.exists():
             return [], [], offset, 0
         with open(self.records_path, "rb") as fh:
@@ -199,17 +201,20 @@ class ExternalRollouts:
             data = fh.read()
         end = data.rfind(b"\n") + 1  # a line still being written stays for the next read
         calls, rewards, bad = [], [], 0
-        for line in data[:end].splitlines():
+        for n, line in enumerate(data[:end].splitlines()):
             if not line.strip():
                 continue
+            d = None
             try:
                 d = json.loads(line)
-                if d.get("type") == "reward":
-                    rewards.append(RewardRecord.from_dict(d))
-                else:
-                    calls.append(CallRecord.from_dict(d))
-            except (ValueError, RecordError, TypeError, AttributeError):
+                rec = parse_record(d, f"{self.records_path} (line {n + 1} after byte {offset})")
+            except (ValueError, RecordError, RecursionError) as exc:
                 bad += 1
+                rid = d.get("rollout_id") if isinstance(d, dict) else None
+                if isinstance(rid, str):
+                    self.bad_records.setdefault(rid, str(exc)[:500])
+                continue
+            (calls if isinstance(rec, CallRecord) else rewards).append(rec)
         return calls, rewards, offset + end, bad
 
     def _reward(self, task, out: Outcome, posted: list[RewardRecord]) -> tuple[float | None, str | None]:
@@ -238,6 +243,8 @@ class ExternalRollouts:
                version: int, step: int) -> tuple[Trajectory | None, str | None, str]:
         """One ended rollout → its trajectory, or why it is dropped (reason, detail)."""
         reason, detail = out.failure, out.detail
+        if reason is None and ht.rollout_id in self.bad_records:  # a call or reward would be missing
+            reason, detail = "bad_record", self.bad_records[ht.rollout_id]
         if reason is None and len(posted) > 1:
             reason, detail = "double_reward", f"{len(posted)} rewards posted"
         if reason is None and not any(c.ok for c in mine):

@@ -4,18 +4,19 @@ off-policy against their recorded sampling log-probs."""
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import random
-import warnings
 from collections import Counter
 from pathlib import Path
 from typing import Sequence
 
 from mosaic.capture.reconstruct import reconstruct_rollout
-from mosaic.capture.records import CallRecord, RecordError, load_records
+from mosaic.capture.records import CallRecord, RecordError, read_records
 from mosaic.config.harness import HarnessConfig
 from mosaic.trace import Trajectory
 from mosaic.trace.graph import TraceError
-from mosaic.train.external import reconstruction_rules, unscorable
+from mosaic.train.external import DROPS_FILE, reconstruction_rules, unscorable
 
 __all__ = ["RecordsReplay"]
 
@@ -25,7 +26,8 @@ class RecordsReplay:
 
     Every rewarded rollout of ``rollout.records`` is rebuilt once (the same rules as the live source);
     rollouts that cannot be rebuilt, lack a reward, or lack sampling log-probs on a sampled token are
-    dropped and counted. Groups (``group_id``) are visited in a seeded order, ``train.batch_tasks`` per
+    dropped, counted and named in ``self.report`` (the drop report ``mosaic proxy export`` prints, with
+    records that have a bad field as ``bad_record``). Groups (``group_id``) are visited in a seeded order, ``train.batch_tasks`` per
     step, epoch after epoch. The PPO ratio is taken against the **recorded** sampling log-probs, so it is
     the importance ratio of the current policy to the one that sampled (clipped as usual; the
     ``actor/ratio_*`` metrics show how far off-policy the data is).
@@ -40,39 +42,50 @@ class RecordsReplay:
         path = Path(cfg.rollout.records)
         if not path.exists():
             raise FileNotFoundError(f"rollout.records: {path} does not exist")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # counted below instead
-            try:
-                calls, rewards = load_records(path, lenient=True)
-            except RecordError as exc:
-                raise ValueError(f"rollout.records: {exc}") from None
+        try:
+            calls, rewards, self.report = read_records(path)
+        except RecordError as exc:
+            raise ValueError(f"rollout.records: {exc}") from None
         by: dict[str, list[CallRecord]] = {}
         for c in calls:
             by.setdefault(c.rollout_id, []).append(c)
-        self.dropped: Counter = Counter()
         groups: dict[str, list[Trajectory]] = {}
         for rid, cs in by.items():
-            rw = rewards.get(rid)
-            if rw is None:
-                self.dropped["no_reward"] += 1
-                continue
-            try:
-                t = reconstruct_rollout(cs, rw, self.rules, rollout_id=rid)
-            except (TraceError, ValueError, KeyError, IndexError):
-                t = None
-            if t is None or unscorable(t) is not None:
-                self.dropped["unbuildable"] += 1
-                continue
-            if any(c.ok and len(c.logprobs) != len(c.completion_ids) for c in cs):  # no importance ratio
-                self.dropped["no_logprobs"] += 1
+            t, reason, why = self._rebuild(rid, cs, rewards.get(rid))
+            if t is None:
+                self.report.drop(rid, reason, why)
                 continue
             groups.setdefault(t.group_id, []).append(t)
+        for rid in rewards.keys() - by.keys():
+            self.report.drop(rid, "no_calls", "a reward but no call record")
+        self.dropped: Counter = self.report.counts()
         if not groups:
             raise ValueError(f"rollout.records: no usable rollout in {path} "
-                             f"(dropped: {dict(self.dropped) or 'no call records'})")
+                             f"(dropped: {self.report.summary() if self.report.dropped else 'no call records'})")
         self.group_ids = sorted(groups)
         self.groups = groups
         self._order_cache: dict[int, list[str]] = {}
+
+    def _rebuild(self, rid: str, cs: list[CallRecord], rw) -> tuple[Trajectory | None, str, str]:
+        """One rollout's trajectory, or (None, reason, why) when it is dropped."""
+        if rw is None:
+            return None, "no_reward", "no reward posted"
+        try:
+            t = reconstruct_rollout(cs, rw, self.rules, rollout_id=rid)
+            why = "no usable call" if t is None else unscorable(t)
+        except (TraceError, ValueError, KeyError, IndexError) as exc:
+            t, why = None, f"{type(exc).__name__}: {exc}"[:500]
+        if why is not None:
+            return None, "unbuildable", why
+        if any(c.ok and len(c.logprobs) != len(c.completion_ids) for c in cs):  # no importance ratio
+            return None, "no_logprobs", "a sampled call has no log-probs"
+        return t, "", ""
+
+    def write_drops(self, run_dir: str | os.PathLike) -> None:
+        """Every dropped rollout, one JSON line each, in ``RUN_DIR/drops.jsonl`` (as the live source does)."""
+        if self.report.dropped:
+            with open(Path(run_dir) / DROPS_FILE, "a") as f:
+                f.writelines(json.dumps({"step": 0, **row}) + "\n" for row in self.report.rows())
 
     @property
     def n_groups(self) -> int:

@@ -15,9 +15,10 @@ gives it, without a model or a tokenizer::
                    "final": false, "turns": 3,
                    "prefix": [p, n],          # optional: the prompt starts with the first n tokens of its
                                               # parent p's prompt + completion (stored once; n >= 32)
+                   "fork_at": 57,             # optional, a fork: the parent's token count where it left
                    "prompt": [ids], "completion": [ids],
                    "mask": [runs],            # loss_mask as run lengths, starting with a False run
-                   "gain": 0.12,              # L(after) - L(before), null where not scored
+                   "gain": 0.12,              # L(after) - L(before), nats per answer token; null where not scored
                    "turn_gains": [...],       # per turn, only when scored
                    "adv": {"broadcast": 0.87, "mosaic": 0.91, ...},     # session-level estimators
                    "turn_adv": {"fold": [0.87, -0.13], ...}}]}         # turn-level, one per turn
@@ -140,6 +141,9 @@ def sample_records(trajs: Sequence[Trajectory], keep: Sequence[int], *, step: in
                 if n >= _MIN_PREFIX:
                     rec["prefix"] = [s.parent, n]
                     prompt = prompt[n:]
+            sb = s.state_before
+            if s.edge == "forks" and sb is not None and sb.session == s.parent and sb.upto is not None:
+                rec["fork_at"] = sb.upto  # where in the parent's tokens it left (the viewer shows the turn)
             rec["prompt"] = prompt
             rec["completion"] = list(s.completion_ids)
             rec["mask"] = mask_runs(s.loss_mask)

@@ -80,16 +80,19 @@ class HarnessRollouts:
         pass
 
 
-def open_source(cfg: Config, model, tokenizer, chat, split, run_dir: Path,
-                log: Callable[[str], Any] = print) -> tuple[RolloutSource, int | None]:
+def open_source(cfg: Config, model, tokenizer, chat, split, run_dir: Path, log: Callable[[str], Any] = print, *,
+                resumed: bool = False) -> tuple[RolloutSource, int | None]:
     """The run's rollout source, and the number of task groups it brings (a replay's; None when the
-    tasks come from the training split)."""
+    tasks come from the training split). A replay writes what it dropped to ``RUN_DIR/drops.jsonl``
+    once (not again when ``resumed``)."""
     if cfg.rollout.source == "records":
         from mosaic.train.replay import RecordsReplay
 
         replay = RecordsReplay(cfg)
+        if not resumed:
+            replay.write_drops(run_dir)
         log(f"replaying {sum(len(g) for g in replay.groups.values())} captured rollouts in {replay.n_groups} "
-            f"groups from {cfg.rollout.records} (dropped: {dict(replay.dropped) or 'none'})")
+            f"groups from {cfg.rollout.records} (dropped: {replay.report.summary()})")
         return replay, replay.n_groups
     if cfg.rollout.source == "harness":
         from mosaic.train.external import ExternalRollouts  # fastapi / uvicorn only when asked for

@@ -46,13 +46,17 @@ def _run(args) -> int:
     try:
         view = load_view(path, tokenizer=args.tokenizer, max_trajectories=args.max_trajectories)
         write_page(view, out)
-    except (ViewError, OSError) as exc:
+    except (ViewError, OSError, ValueError) as exc:  # (write_page leaves no partial page behind)
         print(f"mosaic view: {exc}", file=sys.stderr)
         return 2
     n = len(view["samples"])
     if not n:
         print(f"mosaic view: {path} holds no trajectories (trained with train.rollout_samples=0?); the page shows "
               f"its metrics only", file=sys.stderr)
+    fixed = view.get("sanitized", {})
+    if any(fixed.values()):
+        print(f"mosaic view: made {fixed['text']} text(s) with lone surrogates safe (U+FFFD) and "
+              f"{fixed['numbers']} NaN/infinite number(s) null", file=sys.stderr)
     size = out.stat().st_size
     print(f"[mosaic] view: {n} trajectories, {sum(len(t['sessions']) for t in view['samples'])} sessions "
           f"→ {out} ({size / 1e6:.1f} MB, {time.perf_counter() - t0:.1f} s)")

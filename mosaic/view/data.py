@@ -11,16 +11,22 @@ Sources:
   one batch, with default estimator knobs; estimators that need gains are listed as unavailable.
 
 The result is one JSON-able dict (:func:`load_view`); token texts are kept only for the ids used.
+
+Bad input: a sample line whose structure the page needs (sessions, token ids, masks, parent links,
+advantages) is wrong is a :class:`ViewError` naming ``file:line`` and the field. Text and numbers the
+page only shows may be anything (the page escapes them); a lone surrogate (no UTF-8 form) becomes
+U+FFFD and a NaN or infinite number becomes null, counted in ``view["sanitized"]`` (issue 33).
 """
 
 from __future__ import annotations
 
 import base64
 import json
+import math
 from pathlib import Path
 from typing import Any, Iterable
 
-__all__ = ["ViewError", "load_view", "read_samples"]
+__all__ = ["ViewError", "check_sample", "load_view", "make_safe", "read_samples"]
 
 
 class ViewError(ValueError):
@@ -53,18 +59,90 @@ def _jsonl(path: Path) -> Iterable[tuple[int, dict]]:
         yield n, rec
 
 
+def _ints(v, what: str, *, lo: int = 0) -> None:
+    if not isinstance(v, list) or not all(type(x) is int and x >= lo for x in v):
+        raise ViewError(f"{what}: must be a list of integers >= {lo}")
+
+
+def _numbers(v) -> bool:
+    def num(x) -> bool:
+        return x is None or (isinstance(x, (int, float)) and not isinstance(x, bool))
+    return isinstance(v, list) and all(num(x) for x in v)
+
+
+def _check_session(s, k: int) -> None:
+    """The fields the page computes with (the others are only shown, escaped)."""
+    if not isinstance(s, dict):
+        raise ViewError(f"sessions[{k}]: must be an object")
+    if s.get("parent") is not None and not (type(s["parent"]) is int and 0 <= s["parent"] < k):
+        raise ViewError(f"sessions[{k}].parent: must be null or an earlier session's index, got {s['parent']!r}")
+    for name in ("prompt", "completion", "mask"):
+        _ints(s.get(name), f"sessions[{k}].{name}")
+    p = s.get("prefix")
+    if p is not None and not (isinstance(p, list) and len(p) == 2 and type(p[0]) is int and 0 <= p[0] < k
+                              and type(p[1]) is int and p[1] >= 0):  # fmt: skip
+        raise ViewError(f"sessions[{k}].prefix: must be [an earlier session's index, a length], got {p!r}")
+    if not isinstance(s.get("adv", {}), dict) or not all(_numbers([v]) for v in s.get("adv", {}).values()):
+        raise ViewError(f"sessions[{k}].adv: must map estimator names to numbers")
+    if not isinstance(s.get("turn_adv", {}), dict) or not all(_numbers(v) for v in s.get("turn_adv", {}).values()):
+        raise ViewError(f"sessions[{k}].turn_adv: must map estimator names to lists of numbers")
+    if "turn_gains" in s and s["turn_gains"] is not None and not _numbers(s["turn_gains"]):
+        raise ViewError(f"sessions[{k}].turn_gains: must be a list of numbers")
+
+
+def check_sample(rec: dict) -> None:
+    """A :class:`ViewError` naming the first field of a sample record the page cannot compute with."""
+    ss = rec.get("sessions")
+    if not isinstance(ss, list) or not ss:
+        raise ViewError("sessions: must be a non-empty list")
+    for k, s in enumerate(ss):
+        _check_session(s, k)
+    for name, kind in (("unavailable", dict), ("estimators", list)):
+        if name in rec and not isinstance(rec[name], kind):
+            raise ViewError(f"{name}: must be a JSON {'object' if kind is dict else 'list'}")
+    if not all(isinstance(e, str) for e in rec.get("estimators", [])):
+        raise ViewError("estimators: must be a list of names")
+
+
+def make_safe(obj, counts: dict[str, int]):
+    """``obj`` with every lone surrogate replaced by U+FFFD (``counts["text"]`` strings) and every NaN or
+    infinite number by None (``counts["numbers"]``): what the page's JSON and UTF-8 can hold."""
+    from mosaic.agent.tools import safe_text
+
+    if isinstance(obj, str):
+        text, changed = safe_text(obj)
+        counts["text"] += changed
+        return text
+    if isinstance(obj, float) and not math.isfinite(obj):
+        counts["numbers"] += 1
+        return None
+    if isinstance(obj, list):
+        if all(type(v) is int for v in obj):  # token ids: nothing to do (fast path)
+            return obj
+        return [make_safe(v, counts) for v in obj]
+    if isinstance(obj, dict):
+        return {make_safe(k, counts): make_safe(v, counts) for k, v in obj.items()}
+    return obj
+
+
 def read_samples(path: str | Path) -> list[dict]:
     """The ``mosaic.sample`` lines of a ``samples.jsonl``; a line of another kind is an error naming it."""
     from mosaic.train.samples import SAMPLE_SCHEMA, SAMPLE_SCHEMA_VERSION
 
     out = []
-    for n, rec in _jsonl(Path(path)):
+    for n, rec in list(_jsonl(Path(path))):  # every line parsed first: a broken one is named before a bad field
         if rec.get("schema") != SAMPLE_SCHEMA:
             raise ViewError(f"{path}:{n}: not a {SAMPLE_SCHEMA} record (a samples.jsonl from an older trainer "
                             f"holds decoded text only; rerun `mosaic train` to record token ids and credit)")
+        if type(rec.get("schema_version", 0)) is not int:
+            raise ViewError(f"{path}:{n}: schema_version must be an integer, got {rec['schema_version']!r}")
         if rec.get("schema_version", 0) > SAMPLE_SCHEMA_VERSION:
             raise ViewError(f"{path}:{n}: schema_version {rec['schema_version']} is newer than this viewer's "
                             f"{SAMPLE_SCHEMA_VERSION}")
+        try:
+            check_sample(rec)
+        except ViewError as exc:
+            raise ViewError(f"{path}:{n}: {exc}") from None
         out.append(rec)
     return out
 
@@ -174,8 +252,10 @@ def load_view(path: str | Path, *, tokenizer: str | None = None, max_trajectorie
     bad = [i for i in used if not 0 <= i < len(pieces)]
     if bad:
         raise ViewError(f"token id {min(bad)} is outside the vocabulary of {len(pieces)} pieces: wrong tokenizer?")
-    config = (run_dir / "config.yaml").read_text() if run_dir and (run_dir / "config.yaml").is_file() else ""
-    return {
+    cfg_file = run_dir / "config.yaml" if run_dir else None
+    config = cfg_file.read_text(errors="replace") if cfg_file and cfg_file.is_file() else ""
+    counts = {"text": 0, "numbers": 0}
+    view = {
         "title": f"mosaic view: {path.name}",
         "source": source,
         "estimators": _estimator_names(samples),
@@ -185,3 +265,6 @@ def load_view(path: str | Path, *, tokenizer: str | None = None, max_trajectorie
         "plots": _plots(run_dir) if run_dir else [],
         "config": config,
     }
+    view = make_safe(view, counts)
+    view["sanitized"] = counts
+    return view

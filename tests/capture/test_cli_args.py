@@ -134,10 +134,10 @@ def test_export_skips_a_bad_record_with_its_rollout_naming_file_and_line(tmp_pat
     assert main(["proxy", "export", "--records", str(rec), "--out", str(out)]) == 0
     captured = capsys.readouterr()
     assert f"warning: {rec}:{line}: {says} (skipped with rollout 'r0')" in captured.err, captured.err
-    assert f"skipped 1 rollout(s) with a bad record: 'r0' ({rec}:{line})" in captured.err
+    assert f"{rec}: dropped 1 rollout(s) (bad_record 1): 'r0' bad_record ({rec}:{line}: {says}" in captured.err
     assert "Traceback" not in captured.err
     summary = json.loads(captured.out.strip().splitlines()[-1])
-    assert summary["bad_records"] == 1 and summary["rollouts"] == 2
+    assert summary["bad_records"] == 1 and summary["rollouts"] == 2 and summary["dropped"] == {"bad_record": 1}
     assert [t.id for t in load_trajectories(out)] == ["r1", "r2"]  # the rest is exported, and reads back
 
 

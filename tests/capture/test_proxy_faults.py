@@ -39,21 +39,35 @@ def _drain(px):
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_lone_surrogates_are_recorded_and_nothing_leaks(upstream, make_proxy, stream):
+def test_lone_surrogates_are_made_safe_where_they_enter_and_counted(upstream, make_proxy, stream, tmp_path, capsys):
+    # issue 33: a lone surrogate that came through a reward POST crashed `mosaic view` and `proxy export`
+    # to Parquet (UnicodeEncodeError). Now the proxy makes every text safe on arrival (U+FFFD, as the
+    # harness does), forwards it so, and counts it on the record.
     px = make_proxy(upstream.url)
     body = {"model": "m\udfff", "messages": [{"role": "user", "content": "river \udfff \ud800 é"}], "stream": stream,
             "user": "\udc80"}
     r = _post(f"{px.url}/rollouts/sur/v1/chat/completions", body)
     assert r.status_code == 200 and r.content
-    r = _post(f"{px.url}/rollouts/sur/reward", {"reward": 1.0, "answer": "\udfff", "meta": {"k\ud800": "v"}})
+    r = _post(f"{px.url}/rollouts/sur/reward", {"reward": 1.0, "answer": "\udfff", "ground_truth": "x\ud800",
+                                                  "meta": {"k\ud800": "v"}})
     assert r.status_code == 200
     health = _drain(px)
     assert health["in_flight"] == 0 and health["records"] == 2 and health["write_errors"] == 0
     px.stop()
+    raw = open(f"{px.out_dir}/records.jsonl", encoding="utf-8").read()
+    assert "\\ud" not in raw and "\\udfff" not in raw  # nothing unsafe written
     (rec,), rewards = load_records(px.out_dir)
-    assert rec.ok and rec.messages[0]["content"] == "river \udfff \ud800 é" and rec.model == "m\udfff"
+    assert rec.ok and rec.messages[0]["content"] == "river \ufffd \ufffd é" and rec.model == "m\ufffd"
+    assert rec.request_params["user"] == "\ufffd" and rec.sanitized_text == 3  # model, content, user
     assert rec.prompt_ids == upstream.app.state.log[-1][0]
-    assert rewards["sur"].answer == "\udfff" and rewards["sur"].meta == {"k\ud800": "v"}
+    rw = rewards["sur"]
+    assert (rw.answer, rw.ground_truth, rw.meta, rw.sanitized_text) == ("\ufffd", "x\ufffd", {"k\ufffd": "v"}, 3)
+    for suffix in (".parquet", ".jsonl"):
+        out = tmp_path / f"sur{suffix}"
+        assert mosaic_main(["proxy", "export", "--records", px.out_dir, "--out", str(out)]) == 0
+        assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["sanitized_text"] == 6
+        [t] = load_trajectories(out)
+        assert t.answer == "\ufffd" and t.ground_truth == "x\ufffd"
 
 
 def test_deeply_nested_json_is_a_400(upstream, make_proxy):
@@ -266,14 +280,17 @@ def test_context_overflow_is_recorded_with_its_prompt_ids(scripted_app_factory, 
     assert rec.prompt_ids == Renderer(tok).chat_prompt(long, None) and rec.completion_ids == []
 
 
-def test_reward_record_roundtrip_keeps_surrogates(tmp_path):
-    from mosaic.capture.records import RecordWriter
+def test_records_read_back_with_surrogates_are_made_safe_and_counted(tmp_path):
+    # a records file written before issue 33 (lone surrogates escaped as "\udfff"): the readers make
+    # the texts safe and count them in their report
+    from mosaic.capture.records import RecordWriter, read_records
 
     w = RecordWriter(tmp_path / "r.jsonl")
     w.write(RewardRecord("x\udfff", 0.5, answer="\ud800é"))
     w.close()
-    _, rewards = load_records(tmp_path / "r.jsonl")
-    assert rewards["x\udfff"].answer == "\ud800é"
+    _, rewards, report = read_records(tmp_path / "r.jsonl")
+    assert rewards["x\ufffd"].answer == "\ufffdé" and report.sanitized_text == 2
+    assert "2 text(s) with lone surrogates made safe" in report.summary()
 
 
 def test_context_overflow_without_tokenize_route_uses_the_proxys_tokenizer(scripted_app_factory, make_proxy, tok):

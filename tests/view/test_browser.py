@@ -14,35 +14,12 @@ import json
 import os
 import random
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from mosaic.cli import main
-from mosaic.view.browser import Browser, find_chromium
-
-def _apt(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    return subprocess.run(["apt-get", *args], env=env, capture_output=True, text=True, timeout=900)
-
-
-@pytest.fixture(scope="module")
-def chromium() -> str:
-    """Chromium from the Debian packages (``apt-get install chromium``) when it is not installed yet."""
-    path = find_chromium()
-    if path:
-        return path
-    if shutil.which("apt-get") is None or os.geteuid() != 0:
-        pytest.skip("no chromium on PATH, and no root apt-get to install it (Debian: apt-get install -y chromium)")
-    r = _apt("install", "-y", "--no-install-recommends", "chromium")
-    if r.returncode != 0:  # stale package lists
-        _apt("update")
-        r = _apt("install", "-y", "--no-install-recommends", "chromium")
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    path = find_chromium()
-    assert path, "apt-get installed chromium but it is not on PATH"
-    return path
+from mosaic.view.browser import Browser
 
 
 @pytest.fixture(scope="module")
@@ -149,6 +126,15 @@ def test_forks_are_drawn_as_edges_to_subagents(chromium, tmp_path):
         assert b.eval("document.querySelectorAll('path.edge.continues').length") == 2
         b.click("article[data-traj='0'] g.node[data-s='1']")
         b.wait_for("!document.getElementById('transcript').hidden")
-        assert "forks from session 0" in b.eval("document.querySelector('#transcript header').innerText")
+        header = b.eval("document.querySelector('#transcript header').innerText")
+        # issue 33: a fork says which turn of its parent it left from (the delegate call is turn 3)
+        assert "forks from session 0 at its turn 3" in header
+        labels = "[...document.querySelectorAll('article[data-traj=\"0\"] text.elabel')].map(e => e.textContent)"
+        assert b.eval(labels) == ["from turn 3"]
+        # column heads say what they are; gains carry their unit
+        heads = b.eval("[...document.querySelectorAll('article[data-traj=\"0\"] table.adv th')].map(e => e.innerText)")
+        assert heads[:2] == ["advantage by estimator", "whole trajectory (token mean)"]
+        assert heads[2:] == ["session 0\nmain", "session 1\nsubagent"]
+        assert "information gain (nats per answer token)" in b.eval("document.querySelector('tr.gain').innerText")
         _shot(b, tmp_path, "view_forks.png")
         assert b.page_errors() == []

@@ -141,3 +141,92 @@ def test_a_bad_output_path_fails_before_any_work(tmp_path, capsys):
     assert "is not a directory" in capsys.readouterr().err
     assert main(["view", str(d), "-o", str(tmp_path)]) == 2
     assert "it is a directory" in capsys.readouterr().err
+
+
+def _one_sample_file(tmp_path, edit) -> "Path":
+    d, _ = _run_dir(tmp_path)
+    recs = [json.loads(line) for line in (d / "samples.jsonl").read_text().splitlines()]
+    edit(recs)
+    # ensure_ascii: a lone surrogate is written as the JSON escape a client can send ("\udfff")
+    (d / "samples.jsonl").write_text("".join(json.dumps(r, ensure_ascii=True) + "\n" for r in recs))
+    return d
+
+
+def test_lone_surrogates_and_nan_become_safe_and_counted(tmp_path, capsys):
+    # issue 33: an answer posted with "\udfff" crashed the page's write (UnicodeEncodeError) and left a
+    # 0-byte view.html; a NaN reward failed the JSON of the page
+    def edit(recs):
+        recs[0]["answer"] = "Ama \udfff Rell"
+        recs[1]["reward"] = float("nan")
+    d = _one_sample_file(tmp_path, edit)
+    assert main(["view", str(d)]) == 0
+    err = capsys.readouterr().err
+    assert "made 1 text(s) with lone surrogates safe (U+FFFD) and 1 NaN/infinite number(s) null" in err
+    data = _data_of((d / "view.html").read_text(encoding="utf-8"))
+    assert data["samples"][0]["answer"] == "Ama \ufffd Rell" and data["samples"][1]["reward"] is None
+    assert data["sanitized"] == {"text": 1, "numbers": 1}
+
+
+def test_a_failed_write_keeps_the_earlier_page_and_leaves_nothing_partial(tmp_path, capsys, monkeypatch):
+    import mosaic.view.page as page_mod
+
+    d, _ = _run_dir(tmp_path)
+    assert main(["view", str(d)]) == 0
+    before = (d / "view.html").read_bytes()
+    monkeypatch.setattr(page_mod, "render_page", lambda view: "text with no UTF-8 form: \udfff")
+    assert main(["view", str(d)]) == 2
+    assert "surrogates not allowed" in capsys.readouterr().err
+    assert (d / "view.html").read_bytes() == before
+    assert sorted(p.name for p in d.iterdir() if p.name.startswith(".")) == []
+
+
+@pytest.mark.parametrize("field, value, said", [
+    ("parent", 5, "sessions[0].parent: must be null or an earlier session's index"),
+    ("completion", ["a"], "sessions[0].completion: must be a list of integers"),
+    ("prefix", [0, 1], "sessions[0].prefix"),
+    ("adv", {"grpo": "high"}, "sessions[0].adv"),
+])
+def test_a_sample_the_page_cannot_compute_with_is_one_line_naming_the_field(tmp_path, capsys, field, value, said):
+    d = _one_sample_file(tmp_path, lambda recs: recs[2]["sessions"][0].__setitem__(field, value))
+    assert main(["view", str(d)]) == 2
+    err = capsys.readouterr().err
+    assert f"samples.jsonl:3: {said}" in err and err.count("\n") == 1
+
+
+HOSTILE = [None, "", "<script>x</script>", "\udfff", 1e308, float("nan"), -1, 10**30, True, [], {}, [1, "a"],
+           {"a": "<b>"}]
+
+
+def sweep_pages(d, out_dir, capsys=None) -> tuple[list, int]:
+    """Every top-level and session field of a sample of run dir ``d`` set to each hostile value in turn;
+    the pages ``mosaic view`` wrote (copied to ``out_dir``) and the number it refused in one line."""
+    base = [json.loads(line) for line in (d / "samples.jsonl").read_text().splitlines()]
+    fields = [("top", k) for k in base[0] if k != "schema"] + [("session", k) for k in base[0]["sessions"][0]]
+    pages, refused = [], 0
+    for where, key in fields:
+        for j, value in enumerate(HOSTILE):
+            recs = json.loads(json.dumps(base))
+            (recs[0] if where == "top" else recs[0]["sessions"][0])[key] = value
+            (d / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+            page = out_dir / f"{where}-{key}-{j}.html"
+            rc = main(["view", str(d), "-o", str(page)])
+            err = capsys.readouterr().err if capsys else ""
+            assert rc in (0, 2) and "Traceback" not in err, (where, key, value, err)
+            if rc == 0:
+                pages.append((page, where, key, value))
+            else:
+                refused += 1
+                assert not page.exists()
+                assert not capsys or (err.count("\n") == 1 and "samples.jsonl:1: " in err), (key, value, err)
+    return pages, refused
+
+
+def test_any_one_field_set_to_anything_is_a_page_or_one_line(tmp_path, capsys):
+    # the sweep: `mosaic view` writes a page (whose data block parses) or refuses in one line naming
+    # the line and field; never a traceback (the browser test opens every page: test_hostile.py)
+    d, _ = _run_dir(tmp_path)
+    pages, refused = sweep_pages(d, tmp_path, capsys)
+    for page, *_ in pages:
+        _data_of(page.read_text(encoding="utf-8"))
+    print(f"\nsweep: {len(pages)} pages, {refused} refused in one line")
+    assert pages and refused

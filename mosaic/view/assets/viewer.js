@@ -2,6 +2,9 @@
 // Reads the JSON in #mosaic-data, draws one card per trajectory (session graph + advantage table),
 // and a transcript when a session is clicked. Cards render a page at a time so a run of
 // thousands of trajectories opens fast; transcripts are built only on demand.
+// Safety: every value from the data enters HTML through esc() or fmt() (both return escaped text,
+// whatever the value's type), and colours are set through the DOM (paint), not style attributes:
+// the page's policy allows this script and its style sheet only (issue 33).
 "use strict";
 (function () {
   const D = JSON.parse(document.getElementById("mosaic-data").textContent);
@@ -10,9 +13,18 @@
   D.samples.forEach((t, i) => { t._i = i; });
   const EST = D.estimators;
   const $ = (sel, el) => (el || document).querySelector(sel);
-  const esc = (s) => String(s).replace(/[&<>"]/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;" })[c]);
-  const fmt = (x) => (x === null || x === undefined ? "–" : Math.abs(x) >= 100 ? x.toFixed(0) : x.toFixed(3));
-  const piece = (id) => { const p = D.pieces[id]; return p === undefined ? "\u2047" : p; };
+  const esc = (s) => String(typeof s === "object" && s !== null ? JSON.stringify(s) : s)
+    .replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" })[c]);
+  const isNum = (x) => typeof x === "number" && isFinite(x);
+  const fmt = (x) => (x === null || x === undefined ? "–" : !isNum(x) ? esc(x)
+    : Math.abs(x) >= 1e6 ? x.toExponential(2) : Math.abs(x) >= 100 ? x.toFixed(0) : x.toFixed(3));
+  const has = (o, k) => o !== null && typeof o === "object" && Object.prototype.hasOwnProperty.call(o, k);
+  const kindColour = (k) => (has(KIND_COLOUR, k) ? KIND_COLOUR[k] : "#777");
+  const GAIN_UNIT = "nats per answer token";
+  // a colour for an element, applied by paint() after the HTML is inserted (no inline style)
+  const bg = (c) => (c ? ` data-bg="${esc(c)}"` : "");
+  function paint(root) { for (const el of root.querySelectorAll("[data-bg]")) el.style.background = el.dataset.bg; }
+  const piece = (id) => { const p = has(D.pieces, id) ? D.pieces[id] : undefined; return typeof p === "string" ? p : "\u2047"; };
 
   // ------------------------------------------------------------------ per-session token data
   function maskOf(s) {  // run lengths (first run False) -> Uint8Array
@@ -60,6 +72,17 @@
     for (const s of t.sessions) for (const x of tokenAdv(s, est)) if (!isNaN(x)) { sum += x; n++; }
     return n ? sum / n : null;
   }
+  function forkTurn(t, k) {  // [parent, turn of the parent it left from (1-based)], or null when not a recorded fork
+    const s = t.sessions[k];
+    if (s.edge !== "forks" || s.parent === null) return null;
+    const at = isNum(s.fork_at) ? s.fork_at : s.prefix ? s.prefix[1] : null;
+    if (at === null) return [s.parent, null];
+    const p = t.sessions[s.parent], j = at - fullPrompt(t, s.parent).length, m = maskOf(p);
+    let u = 1;
+    for (let i = 0; i < Math.min(j, m.length); i++) if (m[i] && (i === 0 || !m[i - 1])) u++;
+    return [s.parent, u];  // the parent's turn that starts at (or holds) the fork point
+  }
+  const forkText = (f) => `forks from session ${esc(f[0])}` + (f[1] === null ? " (turn not recorded)" : ` at its turn ${f[1]}`);
   function available(t, est) { return !(t.unavailable && t.unavailable[est]); }
 
   // ------------------------------------------------------------------ filters
@@ -111,23 +134,26 @@
   }
   const ARROW = `<defs><marker id="arrow" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="7" markerHeight="7" orient="auto-start-reverse"><path d="M0,0 L10,5 L0,10 z" fill="#666"/></marker></defs>`;
   function graphSvg(t, ti) {
-    const pos = layout(t), W = 92, H = 40, GX = 30, GY = 22;
+    const pos = layout(t), W = 118, H = 40, GX = 30, GY = 22;
     const cols = Math.max(...pos.map((p) => p.col)) + 1, rows = Math.max(...pos.map((p) => p.row)) + 1;
     const x = (p) => 6 + p.col * (W + GX), y = (p) => 6 + p.row * (H + GY);
     let edges = "", nodes = "";
     t.sessions.forEach((s, k) => {
       const p = pos[k];
       if (s.parent !== null) {
-        const q = pos[s.parent];
+        const q = pos[s.parent], f = forkTurn(t, k);
         const [x1, y1, x2, y2] = s.edge === "forks"
           ? [x(q) + W / 2, y(q) + H, x(p) + W / 2, y(p)] : [x(q) + W, y(q) + H / 2, x(p), y(p) + H / 2];
         edges += `<path class="edge ${esc(s.edge)}" d="M${x1},${y1} C${(x1 + x2) / 2},${s.edge === "forks" ? (y1 + y2) / 2 : y1} ${(x1 + x2) / 2},${s.edge === "forks" ? (y1 + y2) / 2 : y2} ${x2},${y2}" marker-end="url(#arrow)"/>`;
+        if (f && f[1] !== null) edges += `<text class="elabel" x="${x2 + 4}" y="${y(p) - 4}">from turn ${f[1]}</text>`;
       }
       const dim = state.kind !== "all" && s.kind !== state.kind ? " dim" : "";
-      const g = s.gain === null || s.gain === undefined ? (s.final ? "final" : "gain –") : `gain ${s.gain >= 0 ? "+" : ""}${s.gain.toFixed(2)}`;
+      const g = !isNum(s.gain) ? (s.final ? "final" : "gain –") : `gain ${s.gain >= 0 ? "+" : ""}${s.gain.toFixed(2)} nats/tok`;
+      const f = forkTurn(t, k);
       nodes += `<g class="node${dim}${s.final ? " final" : ""}" data-traj="${ti}" data-s="${k}" tabindex="0">` +
-        `<title>session ${k}: ${esc(s.kind)}, ended by ${esc(s.end)}, ${s.turns} turn(s)</title>` +
-        `<rect x="${x(p)}" y="${y(p)}" width="${W}" height="${H}" rx="6" fill="${KIND_COLOUR[s.kind] || "#777"}"/>` +
+        `<title>session ${k}: ${esc(s.kind)}, ended by ${esc(s.end)}, ${fmtInt(s.turns)} turn(s)` +
+        (f ? `, ${forkText(f)}` : "") + (isNum(s.gain) ? `; information gain ${fmt(s.gain)} ${GAIN_UNIT}` : "") + `</title>` +
+        `<rect x="${x(p)}" y="${y(p)}" width="${W}" height="${H}" rx="6" fill="${esc(kindColour(s.kind))}"/>` +
         `<text x="${x(p) + 6}" y="${y(p) + 16}">${k} ${esc(s.kind)}</text>` +
         `<text x="${x(p) + 6}" y="${y(p) + 32}" class="sub">${esc(g)}</text></g>`;
     });
@@ -138,8 +164,9 @@
   // ------------------------------------------------------------------ cards
   function advTable(t) {
     const ests = state.est === "all" ? EST : [state.est];
-    let h = `<table class="adv"><tr><th>estimator</th><th title="mean over the trajectory's trained tokens">trajectory</th>` +
-      t.sessions.map((s, k) => `<th>s${k} ${esc(s.kind[0])}</th>`).join("") + "</tr>";
+    let h = `<table class="adv"><tr><th title="each row: the advantage this estimator gives">advantage by estimator</th>` +
+      `<th title="mean over the trajectory's trained tokens">whole trajectory (token mean)</th>` +
+      t.sessions.map((s, k) => `<th title="mean over the session's trained tokens">session ${k}<br>${esc(s.kind)}</th>`).join("") + "</tr>";
     for (const e of ests) {
       const cls = (e === trained ? "trained " : "") + (e === colourEst() ? "colour" : "");
       if (!available(t, e)) {
@@ -147,10 +174,10 @@
         continue;
       }
       const ta = trajAdv(t, e);
-      h += `<tr class="${cls}"><td>${esc(e)}</td><td class="v" style="${advStyle(ta, e)}">${fmt(ta)}</td>` +
-        t.sessions.map((s) => { const v = sessionAdv(s, e); return `<td class="v" style="${advStyle(v, e)}">${fmt(v)}</td>`; }).join("") + "</tr>";
+      h += `<tr class="${cls}"><td>${esc(e)}</td><td class="v"${bg(advStyle(ta, e))}>${fmt(ta)}</td>` +
+        t.sessions.map((s) => { const v = sessionAdv(s, e); return `<td class="v"${bg(advStyle(v, e))}>${fmt(v)}</td>`; }).join("") + "</tr>";
     }
-    h += `<tr class="gain"><td>info gain</td><td></td>` + t.sessions.map((s) => `<td class="v">${s.final ? "final" : fmt(s.gain)}</td>`).join("") + "</tr>";
+    h += `<tr class="gain"><td title="L(after) − L(before): mean log-probability of the answer's tokens">information gain (${GAIN_UNIT})</td><td></td>` + t.sessions.map((s) => `<td class="v">${s.final ? "final" : fmt(s.gain)}</td>`).join("") + "</tr>";
     return h + "</table>";
   }
   const SCALE = {};  // per estimator: the largest |advantage| it gives in the run (fold's -1 would wash out mosaic's 0.1)
@@ -163,18 +190,19 @@
     const a = Math.min(1, Math.abs(v) / scaleOf(est || colourEst())) * 0.75;
     return v >= 0 ? `rgba(40,110,220,${a.toFixed(3)})` : `rgba(215,50,40,${a.toFixed(3)})`;
   }
-  const advStyle = (v, est) => (v === null || v === undefined ? "" : `background:${advColour(v, est)}`);
+  const advStyle = (v, est) => (isNum(v) ? advColour(v, est) : "");
+  const fmtInt = (x) => (isNum(x) ? String(Math.round(x)) : fmt(x));
 
   function card(t, ti) {
     const nk = {};
     for (const s of t.sessions) nk[s.kind] = (nk[s.kind] || 0) + 1;
-    const kindsTxt = Object.entries(nk).map(([k, n]) => `${n} ${k}`).join(", ");
+    const kindsTxt = Object.entries(nk).map(([k, n]) => `${n} ${k}`).join(", ");  // (escaped below)
     const g = t.group || {};
     return `<article class="traj ${t.success ? "ok" : "fail"}" data-traj="${ti}">` +
       `<header><span class="badge">${t.success ? "success" : "failure"} · reward ${fmt(t.reward)}</span> ` +
-      `<b>${esc(t.trajectory)}</b> <span class="muted">step ${t.step} · ${esc(kindsTxt)} · ended by ${esc(t.end_reason)} · ` +
+      `<b>${esc(t.trajectory)}</b> <span class="muted">step ${fmtInt(t.step)} · ${esc(kindsTxt)} · ended by ${esc(t.end_reason)} · ` +
       `answer <q>${esc(t.answer === null ? "none" : t.answer)}</q> vs <q>${esc(t.ground_truth || "?")}</q>` +
-      (g.size ? ` · group of ${g.size}: ${g.successes} success(es), mean reward ${fmt(g.mean_reward)}` : "") + `</span></header>` +
+      (g.size ? ` · group of ${fmtInt(g.size)}: ${fmtInt(g.successes)} success(es), mean reward ${fmt(g.mean_reward)}` : "") + `</span></header>` +
       `<div class="body"><div class="gwrap">${graphSvg(t, ti)}</div>${advTable(t)}</div></article>`;
   }
 
@@ -198,7 +226,7 @@
       const t = state.list[i];
       const key = t.step + "|" + t.group_id;
       if (key !== lastGroup) {
-        html += `<h3 class="group">step ${t.step} · group ${esc(t.group_id)}</h3>`;
+        html += `<h3 class="group">step ${fmtInt(t.step)} · group ${esc(t.group_id)}</h3>`;
         lastGroup = key;
       }
       html += card(t, t._i);
@@ -207,6 +235,7 @@
     const old = $("#more");
     if (old) old.remove();
     list.insertAdjacentHTML("beforeend", html);
+    paint(list);
     state.shown = end;
     if (end < state.list.length) {
       list.insertAdjacentHTML("beforeend", `<button id="more">show ${Math.min(PAGE, state.list.length - end)} more (${state.list.length - end} left)</button>`);
@@ -246,11 +275,11 @@
       if (!cur.role && cur.text.startsWith("<|im_start|>") && cur.text.includes("\n")) cur.role = cur.text.slice(12, cur.text.indexOf("\n"));
     });
     const children = t.sessions.filter((c) => c.parent === k);
-    const kid = (c) => `session ${c.id} (${c.kind})`;
+    const kid = (c) => `session ${c.id} (${c.kind})`;  // (escaped where used)
     const tokSpan = (i) => {
       const z = zone(i), j = i - prompt.length;
       let style = "";
-      if (state.colour === "advantage" && z === 3 && !isNaN(adv[j])) style = ` style="background:${advColour(adv[j], est)}"`;
+      if (state.colour === "advantage" && z === 3 && !isNaN(adv[j])) style = bg(advColour(adv[j], est));
       const p = piece(ids[i]);
       const sp = /^<\|.*\|>$/.test(p) ? " sp" : "";
       return `<span class="t z${z}${sp}" data-i="${i}"${style}>${esc(p)}</span>`;
@@ -269,11 +298,11 @@
       if (ans && sampled) notes.push(`<span class="note answer">answer: ${esc(ans[1])}</span>`);
       if (msg.role === "tool" && /Error \(/.test(msg.text)) notes.push(`<span class="note err">tool error</span>`);
       if (s.kind === "compaction" && sampled && msg.role === "assistant")
-        notes.push(`<span class="note handoff">summary, handed off to ${children.map(kid).join(", ") || "no session"}</span>`);
+        notes.push(`<span class="note handoff">summary, handed off to ${esc(children.map(kid).join(", ") || "no session")}</span>`);
       if (s.kind === "subagent" && sampled && ans)
-        notes.push(`<span class="note handoff">returned to session ${s.parent} as the delegate tool's response</span>`);
+        notes.push(`<span class="note handoff">returned to session ${esc(s.parent)} as the delegate tool's response</span>`);
       if (z === 1 && s.parent !== null && t.sessions[s.parent].kind === "compaction" && msg.role === "user")
-        notes.push(`<span class="note handoff">hand-off: the summary written by session ${s.parent}</span>`);
+        notes.push(`<span class="note handoff">hand-off: the summary written by session ${esc(s.parent)}</span>`);
       const html = `<div class="msg role-${esc(msg.role || "none")} zone${z}">` +
         `<div class="mhead">${esc(msg.role || "(text)")} ${notes.join(" ")}</div>` +
         `<div class="mbody">${msg.toks.map(tokSpan).join("")}</div></div>`;
@@ -284,19 +313,20 @@
     pane.hidden = false;
     pane.innerHTML =
       `<header><button id="close" title="close">×</button><b>${esc(t.trajectory)}</b><br>` +
-      `session ${k}: <span class="kind" style="background:${KIND_COLOUR[s.kind] || "#777"}">${esc(s.kind)}</span> ` +
-      `${s.parent === null ? "root" : `${esc(s.edge)} from session ${s.parent}`} · ended by ${esc(s.end)} · ${s.turns} turn(s)` +
+      `session ${k}: <span class="kind"${bg(kindColour(s.kind))}>${esc(s.kind)}</span> ` +
+      `${s.parent === null ? "root" : forkTurn(t, k) ? forkText(forkTurn(t, k)) : `${esc(s.edge)} from session ${esc(s.parent)}`} · ended by ${esc(s.end)} · ${fmtInt(s.turns)} turn(s)` +
       (forks.length ? ` · forks ${esc(forks.join(", "))}` : "") + `<br>` +
-      `info gain <b>${s.final ? "final session (none)" : fmt(s.gain)}</b> · advantage (${esc(est)}) <b>${fmt(sessionAdv(s, est))}</b> · ` +
+      `information gain <b>${s.final ? "final session (none)" : fmt(s.gain)}</b>${s.final || !isNum(s.gain) ? "" : ` ${GAIN_UNIT}`} · advantage (${esc(est)}) <b>${fmt(sessionAdv(s, est))}</b> · ` +
       `${ids.length} tokens: ${prompt.length} prompt, ${comp.length - nTrained} inserted, ${nTrained} sampled (trained)` +
-      (s.turn_gains ? `<br>turn gains: ${s.turn_gains.map(fmt).join(", ")}` : "") +
+      (s.turn_gains ? `<br>turn gains (${GAIN_UNIT}): ${s.turn_gains.map(fmt).join(", ")}` : "") +
       `<div class="legend">${state.colour === "mask"
         ? `<span class="t z1">prompt</span> <span class="t z2">inserted (mask 0)</span> <span class="t z3">sampled (mask 1, trained)</span>`
-        : `advantage under ${esc(est)}: <span class="t" style="background:${advColour(-scaleOf(est), est)}">−${fmt(scaleOf(est))}</span> <span class="t">0</span> <span class="t" style="background:${advColour(scaleOf(est), est)}">+${fmt(scaleOf(est))}</span>`}` +
+        : `advantage under ${esc(est)}: <span class="t"${bg(advColour(-scaleOf(est), est))}>−${fmt(scaleOf(est))}</span> <span class="t">0</span> <span class="t"${bg(advColour(scaleOf(est), est))}>+${fmt(scaleOf(est))}</span>`}` +
       ` <span id="tokinfo" class="muted"></span></div></header>` +
       `<div class="tbody colour-${state.colour}">` +
-      (sharedMsgs ? `<details class="shared"><summary>${shared} tokens shared with session ${s.prefix[0]}</summary>${sharedMsgs}</details>` : "") +
+      (sharedMsgs ? `<details class="shared"><summary>${fmtInt(shared)} tokens shared with session ${esc(s.prefix[0])}</summary>${sharedMsgs}</details>` : "") +
       body + `</div>`;
+    paint(pane);
     $("#close").addEventListener("click", () => { pane.hidden = true; open = null; });
     pane.querySelector(".tbody").addEventListener("mouseover", (e) => {
       const sp = e.target.closest(".t");
@@ -336,10 +366,11 @@
         Object.keys(row).sort().map((k) => `<tr><td>${esc(k)}</td><td>${fmt(row[k])}</td></tr>`).join("") + `</table></details>`;
     }
     box.innerHTML = html;
+    paint(box);
   }
   if (D.plots.length) {
     $("#runplots").innerHTML = `<details><summary>run plots (${D.plots.length})</summary>` +
-      D.plots.map((p) => `<figure><img alt="${esc(p.name)}" src="${p.src}"><figcaption>${esc(p.name)}</figcaption></figure>`).join("") + `</details>`;
+      D.plots.map((p) => `<figure><img alt="${esc(p.name)}" src="${esc(p.src)}"><figcaption>${esc(p.name)}</figcaption></figure>`).join("") + `</details>`;
   }
   if (D.config) $("#config").innerHTML = `<details><summary>config.yaml</summary><pre>${esc(D.config)}</pre></details>`;
 
