@@ -104,6 +104,7 @@ class ServiceEnv:
     """The service family behind a harness: one :class:`Rollout` per key; see the module docstring."""
 
     tool_names = tuple(TOOLS)
+    tool_docs = staticmethod(tool_docs)
 
     def __init__(self, episodes=()):
         self.episodes = {e.id: e for e in episodes}
