@@ -75,3 +75,21 @@ def load_service_splits(preset: str = "cpu", *, seed: int = 0, **overrides) -> d
 
 def config_json(cfg: ServiceConfig) -> dict:
     return dataclasses.asdict(cfg)
+
+
+def service_config_for(cfg, split: str) -> ServiceConfig:
+    """The config of ``split`` from a run's ``data`` section (``cfg``: a :class:`mosaic.config.loader.Config`):
+    its preset and seed, ``n_train_tasks`` / ``n_eval_tasks`` as the number of users, and the service knobs
+    (``visits``, ``events_between``, ``unannounced_share``) where set."""
+    d = cfg.data
+    over = {}
+    n_users = d.n_train_tasks if split == "train" else d.n_eval_tasks
+    if n_users:
+        over["n_users"] = n_users
+    if d.visits:
+        over["visits"] = d.visits
+    if d.events_between >= 0:
+        over["events_between"] = d.events_between
+    if d.unannounced_share >= 0:
+        over["unannounced_share"] = float(d.unannounced_share)
+    return service_config(split, d.preset, seed=d.seed, **over)

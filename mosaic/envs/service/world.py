@@ -247,7 +247,9 @@ def _draw_request(rng: random.Random, truth: dict, events: list[Event]) -> Reque
     items = sorted({o["item"] for o in truth["orders"].values()})
     options = [Request("reorder", item=rng.choice(items)), Request("upgrade", tier=rng.choice(PLANS)),
                Request("redirect")] + [Request("cancel", item=i) for i in items]
-    return rng.choice([r for r in options if _feasible(r, truth)])
+    options = [r for r in options if _feasible(r, truth)]
+    kind = rng.choice(sorted({r.kind for r in options}))  # a kind first, so cancel (one option per item) is not favoured
+    return rng.choice([r for r in options if r.kind == kind])
 
 
 def _draw_question(rng: random.Random, truth: dict, events: list[Event]) -> tuple[str, str]:
