@@ -63,6 +63,8 @@ def test_unknown_tool_unknown_order_and_unknown_rollout_are_tool_errors():
             env.call("k", name, args)
     with pytest.raises(ToolError, match="no open rollout"):
         env.call("other", "get_account", {})
+    with pytest.raises(TypeError, match="service episodes"):
+        env.open("x", object())
     assert env.finish("k", None).tool_errors == 3
     with pytest.raises(ToolError):
         env.finish("k", None)

@@ -112,6 +112,9 @@ class ServiceEnv:
 
     def open(self, key: str, episode) -> str:
         """Start a rollout of ``episode`` under ``key`` (a fresh backend); returns the first visit's text."""
+        if not (hasattr(episode, "initial") and hasattr(episode, "visits")):
+            raise TypeError(f"ServiceEnv runs service episodes (mosaic.envs.service.Episode), got "
+                            f"{type(episode).__name__}")
         if key in self.rollouts:
             self.rollouts.pop(key).backend.close()
         self.rollouts[key] = Rollout(episode, Backend(episode.initial))
