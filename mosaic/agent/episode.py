@@ -14,7 +14,7 @@ from mosaic.agent.policy import GenRequest, GenResult
 from mosaic.envs.search import format_hits
 from mosaic.trace.graph import Session, Trajectory
 
-__all__ = ["DeepSearchEnv", "LiveSession", "RunState", "StateScorer", "check_result"]
+__all__ = ["DeepSearchEnv", "EnvHooks", "LiveSession", "RunState", "StateScorer", "check_result"]
 
 
 class DeepSearchEnv:
@@ -28,6 +28,45 @@ class DeepSearchEnv:
 
     def search(self, query: str, k: int) -> str:
         return format_hits(self.index.search(query, k))
+
+
+class EnvHooks:
+    """The optional hooks of a multi-tool environment (:class:`mosaic.envs.service.ServiceEnv`), as the
+    harness uses them; an environment without them (deep search) is driven as before.
+
+    - ``tool_names``: tools whose arguments are a JSON object (checked by the environment);
+    - ``open(key, task)``: a rollout starts (a fresh backend per trajectory id);
+    - ``call(key, name, arguments) -> str``: one tool call (an exception is a counted tool error);
+    - ``finish(key, text)``: the rollout ends (``text``: the answering message, None when it ended
+      otherwise); its result's ``reward`` replaces the answer score, its ``to_dict()`` lands in
+      ``traj.meta["env"]``;
+    - ``tool_docs() -> str``: replaces ``{tools}`` in the system prompts (plus ``delegate`` in fork modes).
+    """
+
+    def __init__(self, env):
+        self.env = env
+        self.tools: tuple[str, ...] = tuple(getattr(env, "tool_names", ()) or ())
+        self.finishes = callable(getattr(env, "finish", None))
+
+    def open(self, key: str, task) -> None:
+        opener = getattr(self.env, "open", None)
+        if callable(opener):
+            opener(key, task)
+
+    def call(self, key: str, name: str, arguments: dict) -> str:
+        return self.env.call(key, name, arguments)
+
+    def finish(self, key: str, text: str | None) -> dict:
+        out = self.env.finish(key, text)
+        return out.to_dict() if hasattr(out, "to_dict") else dict(out)
+
+    def system_text(self, cfg, depth: int, delegate_doc: str) -> str:
+        docs = getattr(self.env, "tool_docs", None)
+        if not callable(docs):
+            return cfg.system_text(depth)
+        tmpl = cfg.system_prompt if depth == 0 else cfg.subagent_system_prompt
+        text = docs() + ("\n" + delegate_doc if "delegate" in cfg.tools(depth) else "")
+        return tmpl.replace("{tools}", text)
 
 
 @dataclass

@@ -51,14 +51,14 @@ from tqdm.auto import tqdm
 from mosaic.agent.chat import ChatFormat
 from mosaic.config.harness import (  # noqa: F401  (re-exported: the harness API)
     DEFAULT_COMPACTION_PROMPT, DEFAULT_RESUME_TEMPLATE, DEFAULT_SUBAGENT_PROMPT, DEFAULT_SYSTEM_PROMPT, MODES,
-    HarnessConfig, Mode,
+    TOOL_DOCS, HarnessConfig, Mode,
 )
 from mosaic.agent.policy import GenRequest, GenResult, Policy
 from mosaic.agent.tools import Action, parse_action, safe_text
 from mosaic.envs.rewards import score_answer
 from mosaic.trace.graph import Session, StateRef, Trajectory, validate
 from mosaic.agent.episode import (  # noqa: F401  (DeepSearchEnv, StateScorer re-exported: the harness API)
-    DeepSearchEnv, LiveSession, RunState, StateScorer, check_result,
+    DeepSearchEnv, EnvHooks, LiveSession, RunState, StateScorer, check_result,
 )
 
 
@@ -72,6 +72,7 @@ class Harness:
         self.policy = policy
         self.chat = chat
         self.env = env
+        self.hooks = EnvHooks(env)  # a multi-tool environment's optional hooks (none for deep search)
         self.config = config or HarnessConfig()
         self.state_scorer = state_scorer
 
@@ -97,6 +98,7 @@ class Harness:
                 run.question = self._safe(run, task.question)
                 if isinstance(task.answer, str):
                     traj.ground_truth = self._safe(run, task.answer)
+                self.hooks.open(traj.id, task)
                 self._open_main(run, run.question, parent=None)
                 runs.append(run)
         self._seed = seed
@@ -147,7 +149,7 @@ class Harness:
         return live
 
     def _open_main(self, run: RunState, user: str, parent: int | None) -> LiveSession:
-        prompt, boundary = self.chat.initial_prompt(self.config.system_text(0), user)
+        prompt, boundary = self.chat.initial_prompt(self.hooks.system_text(self.config, 0, TOOL_DOCS["delegate"]), user)
         live = self._new_session(run, "main", prompt, parent, None if parent is None else "continues", 0,
                                  run.question)
         live.session.state_before = StateRef(session=live.session.id, upto=boundary)
@@ -205,6 +207,8 @@ class Harness:
             if live.session.kind == "subagent":  # aborted: its result never reached the parent
                 live.session.state_after = StateRef(session=live.session.parent, upto=live.fork_boundary)
             self._close(run, live, reason if live is top else "aborted", ends=True)
+        if self.hooks.finishes:
+            self._env_finish(run, None)  # (no-op after an answer: already scored)
         run.traj.end_reason = reason
         run.traj.reward = float(reward)
         run.traj.success = reward >= self.config.success_threshold
@@ -313,8 +317,8 @@ class Harness:
 
     def _parse(self, live: LiveSession, text: str) -> Action:
         cfg = self.config
-        allowed = ("search", "delegate") if cfg.forks else ("search",)
-        action = parse_action(text, allowed, max_arg_chars=cfg.max_arg_chars)
+        allowed = (("search", "delegate") if cfg.forks else ("search",)) + self.hooks.tools
+        action = parse_action(text, allowed, max_arg_chars=cfg.max_arg_chars, json_tools=self.hooks.tools)
         if action.kind == "call" and action.name == "delegate" and live.depth >= cfg.max_depth:
             action = Action("invalid", error="delegate_depth", sanitized=action.sanitized, message=(
                 f"Error (delegate_depth): helpers at depth {live.depth} cannot delegate (limit "
@@ -331,7 +335,8 @@ class Harness:
                 return
             score = score_answer(text, run.task.answer, self.config.reward_metric)
             run.traj.meta["answer_status"] = score.status
-            self._end_trajectory(run, "answer", reward=score.reward, answer=score.answer)
+            reward = self._env_finish(run, text)["reward"] if self.hooks.finishes else score.reward
+            self._end_trajectory(run, "answer", reward=reward, answer=score.answer)
         elif action.kind == "invalid":
             run.invalid[action.error] += 1
             self._append(run, live, self.chat.tool_delta(action.message))
@@ -340,6 +345,8 @@ class Harness:
             run.counters["extra_tool_calls"] += action.extra_calls
             if action.name == "search":
                 self._append(run, live, self.chat.tool_delta(self._search(run, action.argument)))
+            elif action.name in self.hooks.tools:
+                self._append(run, live, self.chat.tool_delta(self._env_call(run, action)))
             else:
                 self._delegate(run, live, action.argument)
 
@@ -360,12 +367,34 @@ class Harness:
             out = f"Error (tool_error): search failed: {type(exc).__name__}: {exc}"
         return self._safe(run, out)
 
+    def _env_call(self, run: RunState, action: Action) -> str:
+        """A multi-tool environment's call; an exception (bad arguments included) is a counted tool error."""
+        try:
+            out = self.hooks.call(run.traj.id, action.name, action.meta["arguments"])
+            if not isinstance(out, str):
+                raise TypeError(f"the environment returned {type(out).__name__}, not text")
+        except Exception as exc:
+            run.counters["tool_errors"] += 1
+            out = f"Error (tool_error): {action.name}: {exc}"
+        return self._safe(run, out)
+
+    def _env_finish(self, run: RunState, text: str | None) -> dict:
+        """Score and free the environment's rollout (once); its outcome lands in ``traj.meta["env"]``."""
+        if "env" not in run.traj.meta:
+            try:
+                run.traj.meta["env"] = self.hooks.finish(run.traj.id, text)
+            except Exception as exc:  # a scoring failure is counted, never a lost trajectory
+                run.counters["tool_errors"] += 1
+                run.traj.meta["env"] = {"reward": 0.0, "error": self._safe(run, f"{type(exc).__name__}: {exc}")}
+        return run.traj.meta["env"]
+
     def _delegate(self, run: RunState, live: LiveSession, question: str) -> None:
         if len(run.traj.sessions) + 1 > self.config.max_sessions:
             self._end_trajectory(run, "session_cap")
             return
         s = live.session
-        prompt, boundary = self.chat.initial_prompt(self.config.system_text(live.depth + 1), question)
+        system = self.hooks.system_text(self.config, live.depth + 1, TOOL_DOCS["delegate"])
+        prompt, boundary = self.chat.initial_prompt(system, question)
         child = self._new_session(run, "subagent", prompt, s.id, "forks", live.depth + 1, question)
         child.session.state_before = StateRef(session=s.id, upto=live.turn_start)
         child.fork_boundary = live.turn_start

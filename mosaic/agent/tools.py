@@ -103,8 +103,13 @@ def _invalid(error: str, message: str) -> Action:
     return Action("invalid", error=error, message=f"Error ({error}): {message}")
 
 
-def parse_action(text: str, tools: tuple[str, ...], *, max_arg_chars: int = 512) -> Action:
-    """Parse one assistant message (its text without the end-of-turn token)."""
+def parse_action(text: str, tools: tuple[str, ...], *, max_arg_chars: int = 512,
+                 json_tools: tuple[str, ...] = ()) -> Action:
+    """Parse one assistant message (its text without the end-of-turn token).
+
+    ``json_tools``: tools of a multi-tool environment (:mod:`mosaic.envs.service`) whose arguments are a
+    JSON object the environment checks itself; the call's ``meta["arguments"]`` holds it (lone
+    surrogates replaced) and ``argument`` its JSON text, whose length ``max_arg_chars`` caps."""
     answer, status = extract_answer(text)
     if status in ("ok", "empty"):
         return Action("answer", answer=answer)
@@ -134,6 +139,8 @@ def parse_action(text: str, tools: tuple[str, ...], *, max_arg_chars: int = 512)
         shown = name if len(name) <= 40 else name[:40] + "..."
         return _invalid("unknown_tool", f"no tool named {shown!r}; available: {', '.join(tools)}.")
     args = call.get("arguments", {})
+    if name in json_tools:
+        return _json_call(name, args, extra, max_arg_chars)
     key = TOOL_ARGS[name]
     if not isinstance(args, dict) or set(args) != {key} or not isinstance(args[key], str) or not args[key].strip():
         return _invalid("bad_arguments", f'{name} takes one non-empty string argument: '
@@ -144,6 +151,19 @@ def parse_action(text: str, tools: tuple[str, ...], *, max_arg_chars: int = 512)
                                              f"{max_arg_chars}.")
     value, sanitized = safe_text(value)
     return Action("call", name=name, argument=value, extra_calls=extra, sanitized=sanitized)
+
+
+def _json_call(name: str, args, extra: int, max_arg_chars: int) -> Action:
+    if not isinstance(args, dict):
+        return _invalid("bad_arguments", f'{name} takes a JSON object of arguments: {{"name": "{name}", '
+                                         f'"arguments": {{...}}}}.')
+    text = json.dumps(args, ensure_ascii=False)
+    if len(text) > max_arg_chars:
+        return _invalid("argument_too_long", f"the arguments have {len(text)} characters; the limit is "
+                                             f"{max_arg_chars}.")
+    text, sanitized = safe_text(text)
+    return Action("call", name=name, argument=text, extra_calls=extra, sanitized=sanitized,
+                  meta={"arguments": json.loads(text) if sanitized else args})
 
 
 def error_texts() -> list[str]:

@@ -97,6 +97,10 @@ class DataConfig(_Section):
     """The deep-search worlds and task splits (docs/algorithm.md §7)."""
 
     _section: typing.ClassVar[str] = "data"
+    family: Literal["deepsearch", "service"] = "deepsearch"
+    """The task family: ``deepsearch`` (k-hop questions over a searched world) or ``service``
+    (multi-visit customer-service episodes on an account that changes between visits,
+    ``mosaic.envs.service``; ``mosaic data generate`` / ``show`` take it so far)."""
     preset: Literal["cpu", "paper"] = "cpu"
     """Split sizes and hop mix preset of ``mosaic.envs.splits`` (``paper``: 1,000 train tasks, hops 2-5)."""
     n_train_tasks: int = 0
@@ -111,6 +115,12 @@ class DataConfig(_Section):
     to copy unseen names when it trains on one small world)."""
     hop_mix: tuple[tuple[int, float], ...] | None = None
     """``[[hops, weight], ...]``; None = the preset's."""
+    visits: int = 0
+    """(service) Visits per episode; 0 = the preset's."""
+    events_between: int = -1
+    """(service) World events between two visits; -1 = the preset's."""
+    unannounced_share: float = -1.0
+    """(service) Probability that an event is not announced by the user; -1 = the preset's."""
     eval_split: Literal["validation", "test"] = "validation"
     """Split the periodic evaluation runs on (``test`` only for the final report)."""
     seed: int = 0
@@ -120,7 +130,11 @@ class DataConfig(_Section):
     means ``$MOSAIC_CACHE`` when that is set (``mosaic.envs.cache``, the same for every verb)."""
 
     def _validate(self) -> None:
-        self._positive("n_train_tasks", "n_eval_tasks", "world_entities", "train_world_entities", allow_zero=True)
+        self._positive("n_train_tasks", "n_eval_tasks", "world_entities", "train_world_entities", "visits",
+                       allow_zero=True)
+        self._need(self.events_between >= -1, "events_between", "must be >= 0 (or -1: the preset's)")
+        self._need(self.unannounced_share == -1.0 or 0.0 <= self.unannounced_share <= 1.0, "unannounced_share",
+                   "must be in [0, 1] (or -1: the preset's)")
         if self.hop_mix is not None:
             self._need(len(self.hop_mix) > 0, "hop_mix", "must list at least one (hops, weight) pair")
             for h, w in self.hop_mix:

@@ -95,8 +95,10 @@ def split_config_from_args(args: argparse.Namespace, verb: str = "data"):
     from mosaic.envs.world import WorldConfig
     from mosaic.envs.splits import split_config_for
 
-    cfg = shared_config(args, verb)
+    cfg = getattr(args, "resolved_config", None) or shared_config(args, verb)
     args.resolved_config = cfg
+    if cfg.data.family != "deepsearch":
+        raise UsageError(f"data.family={cfg.data.family}: only generate and show are available for this family so far")
     base = split_config_for(cfg, args.split)
     if args.set_items:
         from mosaic.config.cliargs import deprecated
@@ -193,10 +195,28 @@ def _load(args: argparse.Namespace):
         raise UsageError(f"{' '.join(f'--set {x}' for x in args.set_items)}: {exc}") from None
 
 
+def _service(args: argparse.Namespace) -> bool:
+    """Whether the command line asks for ``data.family=service`` (the config is resolved and kept)."""
+    if getattr(args, "resolved_config", None) is None:
+        args.resolved_config = shared_config(args, f"data {args.data_command}")
+    if args.resolved_config.data.family != "service":
+        return False
+    if args.data_command not in ("generate", "show"):
+        raise UsageError("data.family=service: only generate and show are available for this family so far")
+    if args.set_items:
+        raise UsageError("--set applies to deep-search splits; use data.visits=, data.events_between=, "
+                         "data.unannounced_share=, data.n_train_tasks= for the service family")
+    return True
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     import collections
     import time
 
+    if _service(args):
+        from mosaic.envs.service.cli import generate
+
+        return generate(args.resolved_config, args.split)
     t0 = time.perf_counter()
     split = _load(args)
     hops = collections.Counter(t.hops for t in split.tasks)
@@ -213,6 +233,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
+    if _service(args):
+        from mosaic.envs.service.cli import show
+
+        bad = show(args.resolved_config, args.split, args.index, args.json)
+        if bad:
+            raise UsageError(bad)
+        return 0
     split = _load(args)
     if not 0 <= args.index < len(split.tasks):
         raise UsageError(f"--index must be in [0, {len(split.tasks)}), got {args.index}")

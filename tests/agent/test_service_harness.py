@@ -1,0 +1,76 @@
+"""The service family through the real harness: JSON-argument tools, a backend per trajectory, the env's
+reward and outcome in the trajectory (issue 29)."""
+
+import json
+
+import pytest
+from _tiny import tiny_tokenizer
+
+from mosaic.agent.chat import ChatFormat
+from mosaic.agent.harness import Harness, HarnessConfig
+from mosaic.agent.service_expert import ServiceExpertPolicy, transcript_of
+from mosaic.agent.tools import parse_action
+from mosaic.envs.service import SERVICE_RULES, ServiceConfig, ServiceEnv, generate_episodes
+
+PROMPT = "You are a customer-service agent with tools on the customer's account.\nTools:\n{tools}\n" + SERVICE_RULES
+
+
+@pytest.fixture(scope="module")
+def chat():
+    return ChatFormat(tiny_tokenizer())
+
+
+@pytest.fixture(scope="module")
+def episodes():
+    return generate_episodes(ServiceConfig(seed=11, n_users=16, visits=3))
+
+
+def run(chat, episodes, revalidate, group=1, **cfg):
+    policy = ServiceExpertPolicy(chat.tokenizer, episodes, revalidate=revalidate)
+    config = HarnessConfig(**{"mode": "single", "context_budget": 16384, "max_new_tokens": 256, "max_turns": 40,
+                              "max_total_turns": 40, "system_prompt": PROMPT, **cfg})
+    env = ServiceEnv()
+    return Harness(policy, chat, env, config).run(episodes, group_size=group), env
+
+
+def test_the_experts_through_the_harness(chat, episodes):
+    trajs, env = run(chat, episodes, True, group=2)
+    assert all(t.success and t.reward == 1.0 for t in trajs), [t.meta.get("env") for t in trajs if not t.success]
+    assert all(t.meta["env"]["stale_actions"] == 0 and t.meta["tool_errors"] == 0 for t in trajs)
+    assert all(t.meta["num_invalid"] == 0 and t.meta["tool_calls"]["get_account"] == 3 for t in trajs)
+    assert env.rollouts == {}  # every rollout freed
+    trusting, _env = run(chat, episodes, False)
+    traps = [e.trap for e in episodes]
+    assert [not t.success for t in trusting] == traps and any(traps) and not all(traps)
+    first = trajs[0].sessions[0]
+    assert "create_order(item, address, card)" in chat.decode(first.prompt_ids)  # the env's tool docs
+
+
+def test_a_trajectory_cut_short_is_scored_and_freed(chat, episodes):
+    trajs, env = run(chat, episodes[:3], True, max_turns=3)
+    assert all(t.end_reason == "turn_cap" and not t.success and t.meta["env"]["visits_reached"] == 1
+               for t in trajs)
+    assert env.rollouts == {}
+
+
+def test_bad_json_arguments_are_counted_not_fatal(chat, episodes):
+    tools = ("search", "get_order", "end_visit")
+    ok = parse_action('<tool_call>{"name": "get_order", "arguments": {"order_id": "o1"}}</tool_call>', tools,
+                      json_tools=tools[1:])
+    assert ok.kind == "call" and ok.meta["arguments"] == {"order_id": "o1"}
+    bad = parse_action('<tool_call>{"name": "get_order", "arguments": ["o1"]}</tool_call>', tools,
+                       json_tools=tools[1:])
+    assert bad.kind == "invalid" and bad.error == "bad_arguments"
+    long = parse_action(json.dumps({"name": "get_order", "arguments": {"order_id": "o" * 600}}).join(
+        ["<tool_call>", "</tool_call>"]), tools, json_tools=tools[1:])
+    assert long.error == "argument_too_long"
+    odd = parse_action('<tool_call>{"name": "get_order", "arguments": {"order_id": "\\udfff"}}</tool_call>', tools,
+                       json_tools=tools[1:])
+    assert odd.sanitized and odd.meta["arguments"] == {"order_id": "\ufffd"}
+
+
+def test_transcript_unwraps_tool_responses():
+    text = ("<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nVisit 1 of 2, day 3. Hi<|im_end|>\n"
+            "<|im_start|>assistant\nX<|im_end|>\n<|im_start|>tool\n<tool_response>\nR\n</tool_response><|im_end|>\n"
+            "<|im_start|>assistant\n")
+    assert transcript_of(text) == [("user", "Visit 1 of 2, day 3. Hi"), ("assistant", "X"), ("tool", "R")]
