@@ -112,7 +112,7 @@ class MosaicGRPOTrainer(GRPOTrainer):
         trajs = self.rollouts.collect(rows, step, model, self.processing_class, temperature=self.temperature,
                                       top_p=self.top_p, seed=seed)  # fmt: skip
         t_gen = time.perf_counter() - t0
-        self._reward(inputs, trajs)
+        self._reward(inputs, trajs, start)
         scores = self._score(model, trajs)
         t_score = time.perf_counter() - t0 - t_gen
         all_trajs = gather_object(trajs)
@@ -134,18 +134,18 @@ class MosaicGRPOTrainer(GRPOTrainer):
             self._metrics["train"][k].append(float(v))
         return {k: v.to(acc.device) for k, v in out.items()}
 
-    def _reward(self, inputs: list[dict[str, Any]], trajs) -> None:
+    def _reward(self, inputs: list[dict[str, Any]], trajs, start: int) -> None:
         """Rewards through TRL's reward functions (prompt: the question, completion: the final answer);
-        the weighted sum replaces each trajectory's reward, and its success flag when the sum differs."""
+        the weighted sum replaces each trajectory's reward, and its success flag when the sum differs.
+        ``start``: the rank's first row in the gathered batch."""
         prompts = [x["prompt"] for x in inputs]
         completions = [t.answer or "" for t in trajs]
         rich = [{**x, "mosaic_reward": t.reward} for x, t in zip(inputs, trajs)]
         per_func = self._calculate_rewards(rich, prompts, completions, [[] for _ in trajs])  # gathered (N, F)
         w = self.reward_weights.to(per_func.device)
         total = (per_func * w.unsqueeze(0)).nansum(dim=1)
-        rank_rows = slice(self.accelerator.process_index * len(trajs), (self.accelerator.process_index + 1) * len(trajs))
         threshold = self.mosaic.harness.success_threshold
-        for t, r in zip(trajs, total[rank_rows].tolist()):
+        for t, r in zip(trajs, total[start:start + len(trajs)].tolist()):
             if abs(r - t.reward) > 1e-6:  # (float32 sums of the default reward leave it alone)
                 t.reward, t.success = float(r), r >= threshold
         for i, name in enumerate(self.reward_func_names):

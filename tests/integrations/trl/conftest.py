@@ -62,7 +62,8 @@ def trl_run(trl_python, recorded, tmp_path_factory):
             cmd = [str(trl_python.parent / "accelerate"), "launch", "--multi_gpu", "--num_processes", str(processes),
                    "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                    "--main_process_port", str(_free_port()), *script]  # fmt: skip
-        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        env |= {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
         res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1500)
         assert res.returncode == 0, f"TRL runner failed ({processes} processes, {scope}):\n{res.stderr[-4000:]}"
         done[(processes, scope)] = out

@@ -79,8 +79,8 @@ def main() -> None:
     torch.save(trainer.captured, out / f"batch-rank{rank}.pt")
     (out / f"metrics-rank{rank}.json").write_text(json.dumps(trainer.logged))
     if rank == 0:
-        torch.save({k: v.detach().cpu() for k, v in trainer.accelerator.unwrap_model(trainer.model).state_dict().items()},
-                   out / "params.pt")  # fmt: skip
+        params = trainer.accelerator.unwrap_model(trainer.model).state_dict()
+        torch.save({k: v.detach().cpu() for k, v in params.items()}, out / "params.pt")
 
 
 if __name__ == "__main__":

@@ -72,7 +72,8 @@ def test_ranks_together_give_the_one_process_batch(cfg):
     assert got_adv == pytest.approx([r.advantage for r in rows], abs=1e-7)
     assert got_w == pytest.approx(w.tolist(), abs=1e-9)
     # the per-rank variant: other group statistics, z-scores and normalisers
-    per_rank = [rank_batch(trajs, gathered, cfg, range(a, b), world_size=2, scope="rank") for a, b in zip(cuts, cuts[1:])]
+    per_rank = [rank_batch(trajs, gathered, cfg, range(a, b), world_size=2, scope="rank")
+                for a, b in zip(cuts, cuts[1:])]
     adv_rank = [r.advantage for rb in per_rank for r in rb.rows]
     assert max(abs(x - y) for x, y in zip(adv_rank, got_adv)) > 0.05
 
