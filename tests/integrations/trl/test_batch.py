@@ -10,6 +10,7 @@ from mosaic.core.estimators import get_estimator
 from mosaic.core.loss import token_weights
 from mosaic.integrations.trl.batch import concat_scores, rank_batch, row_tensors, sample_indices
 from mosaic.trace.graph import Session, Trajectory
+from mosaic.trace.rows import turn_layout
 from mosaic.train.batch import Scores, compute_advantages, training_rows
 from mosaic.train.config import load_config
 
@@ -39,7 +40,8 @@ def _scores(trajs, seed: int = 1) -> Scores:
     rng = np.random.default_rng(seed)
     final = torch.tensor([s.is_final for t in trajs for s in t.sessions])
     gains = torch.from_numpy(rng.normal(0, 1, len(final)).astype(np.float32)) * ~final
-    return Scores(gains=gains, is_final=final)
+    turns = len(turn_layout(trajs).session)
+    return Scores(gains=gains, is_final=final, turn_gains=torch.from_numpy(rng.normal(0, 1, turns).astype(np.float32)))
 
 
 @pytest.fixture(scope="module")
@@ -48,28 +50,35 @@ def cfg():
 
 
 def _split_scores(trajs, scores, cuts):
-    out, s0 = [], 0
+    out, s0, u0 = [], 0, 0
     for a, b in zip(cuts, cuts[1:]):
         s1 = s0 + sum(len(t.sessions) for t in trajs[a:b])
-        out.append(Scores(gains=scores.gains[s0:s1], is_final=scores.is_final[s0:s1]))
-        s0 = s1
+        u1 = u0 + len(turn_layout(trajs[a:b]).session)
+        out.append(Scores(gains=scores.gains[s0:s1], is_final=scores.is_final[s0:s1],
+                          turn_gains=scores.turn_gains[u0:u1]))
+        s0, u0 = s1, u1
     return out
 
 
-def test_ranks_together_give_the_one_process_batch(cfg):
+@pytest.mark.parametrize("estimator", ["broadcast", "mosaic-traj", "mosaic", "turn-level", "fold"])
+def test_ranks_together_give_the_one_process_batch(estimator):
+    tiny_budget = ["harness.context_budget=8", "harness.max_new_tokens=2", "harness.summary_max_new_tokens=2"]
+    cfg = load_config("cpu", overrides=[f"algo.estimator={estimator}", "algo.lam=0.5", *tiny_budget])
     trajs, scores = _trajs(), _scores(_trajs())
     cuts = [0, 6, 12]  # group t1 straddles the two ranks
     gathered = concat_scores(_split_scores(trajs, scores, cuts))
-    assert torch.equal(gathered.gains, scores.gains)
+    assert torch.equal(gathered.gains, scores.gains) and torch.equal(gathered.turn_gains, scores.turn_gains)
     adv, _ = compute_advantages(trajs, cfg, scores)
     rows = training_rows(trajs, adv, get_estimator(cfg.algo.estimator))
     w = token_weights([r.num_trainable for r in rows], [r.traj_index for r in rows], mode=cfg.algo.loss_agg)
-    got_adv, got_w = [], []
+    got_adv, got_tok, got_w = [], [], []
     for a, b in zip(cuts, cuts[1:]):
         rb = rank_batch(trajs, gathered, cfg, range(a, b), world_size=2)
         got_adv += [r.advantage for r in rb.rows]
+        got_tok += [r.token_advantages for r in rb.rows]
         got_w += rb.weights.tolist()
     assert got_adv == pytest.approx([r.advantage for r in rows], abs=1e-7)
+    assert got_tok == [r.token_advantages for r in rows]
     assert got_w == pytest.approx(w.tolist(), abs=1e-9)
     # the per-rank variant: other group statistics, z-scores and normalisers
     per_rank = [rank_batch(trajs, gathered, cfg, range(a, b), world_size=2, scope="rank")
