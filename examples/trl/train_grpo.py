@@ -4,10 +4,13 @@ The shipped embedded base model (``mosaic/assets/models/tiny-base``) trains with
 (subclassed as ``MosaicGRPOTrainer``) on the deep-search world's training questions; the Mosaic
 estimator computes each session's advantage over the whole batch of every process.
 
-    accelerate launch --cpu --num_processes 2 examples/trl/train_grpo.py --max_steps 2
+    accelerate launch --multi_gpu --num_processes 2 examples/trl/train_grpo.py --max_steps 2   # 2 CPU processes
     python examples/trl/train_grpo.py --max_steps 2                      # one process
     python examples/trl/train_grpo.py --set algo.estimator=broadcast      # any registered estimator
 
+``use_cpu=True`` makes the torchrun processes ``--multi_gpu`` starts CPU processes (gloo);
+``accelerate launch --cpu --num_processes 2`` starts ONE process (accelerate 1.15's ``--cpu`` launcher
+forks nothing without ``mpirun``), which this script says when it sees it.
 ``--set`` takes Mosaic config overrides (``mosaic train``'s ``key=value``; preset ``cpu``); the TRL
 arguments below default to the matching Mosaic values, so both trainers run the same setting.
 """
@@ -42,6 +45,9 @@ def main() -> None:
     model, tok = setup.build_base_model(cfg, torch.device("cpu"), torch.float32)
     split = setup.load_split(cfg, "train")
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    if os.environ.get("ACCELERATE_USE_CPU") == "True" and "WORLD_SIZE" not in os.environ:
+        print("[mosaic] one process: `accelerate launch --cpu` starts one; for several CPU processes use "
+              "`accelerate launch --multi_gpu --num_processes N` (use_cpu=True keeps them on the CPU, gloo)")
     rows = cfg.train.batch_tasks * cfg.train.group_size  # prompts x samples of one step, over every process
     if rows % world:
         raise SystemExit(f"train.batch_tasks x train.group_size = {rows} rows do not split over {world} processes")
