@@ -8,7 +8,7 @@ exact versions of ``constraints-<name>.txt``, into ``<repo>/.venv-<name>``
 succeeds; builders take a file lock so parallel test processes build once.
 A development tool of the checkout (it reads its ``pyproject.toml``), not part
 of the installed package.
-``python bench/_peers.py deepagents|verl`` builds (or finds) one and prints its python.
+``python bench/_peers.py deepagents|trl|verl`` builds (or finds) one and prints its python.
 
 deepagents (:func:`ensure_deepagents_venv`): the ``deepagents`` extra under
 ``constraints-deepagents.txt`` (langchain and its providers would otherwise enter the core environment),
@@ -35,6 +35,7 @@ REPO = Path(__file__).resolve().parent.parent
 VERL_VENV = REPO / ".venv-verl"
 _PROBE = ("import verl, verl.trainer.ppo.core_algos, verl.trainer.ppo.v1.utils, mosaic.integrations.verl.plugin as p; "
           "assert p.LOAD_ERROR is None; print(verl.__version__)")
+_TRL_PROBE = "import trl, datasets, accelerate, mosaic.integrations.trl.trainer; print(trl.__version__)"
 _DEEPAGENTS_PROBE = ("import deepagents, langchain_openai; from deepagents.middleware.summarization import "
                      "SummarizationMiddleware; print(deepagents.__version__)")
 
@@ -115,10 +116,16 @@ def ensure_deepagents_venv(log=sys.stderr) -> Path:
     return ensure_venv(REPO, "deepagents", "deepagents", _DEEPAGENTS_PROBE, log=log)
 
 
-BUILDERS = {"deepagents": ensure_deepagents_venv, "verl": ensure_verl_venv}
+def ensure_trl_venv(log=sys.stderr) -> Path:
+    """The TRL venv's python (torch first, then this checkout ``-e .[trl]`` under ``constraints-trl.txt``),
+    building it first if needed (~5-8 min on a loaded 2-core machine). Used by ``tests/integrations/trl``."""
+    return ensure_venv(REPO, "trl", "trl", _TRL_PROBE, first=(core_pin(REPO, "torch"),), editable=True, log=log)
 
 
-if __name__ == "__main__":  # python bench/_peers.py deepagents|verl: build (or find) the venv, print its python
+BUILDERS = {"deepagents": ensure_deepagents_venv, "trl": ensure_trl_venv, "verl": ensure_verl_venv}
+
+
+if __name__ == "__main__":  # python bench/_peers.py deepagents|trl|verl: build (or find) the venv, print its python
     if len(sys.argv) != 2 or sys.argv[1] not in BUILDERS:
         sys.exit(f"usage: python bench/_peers.py {{{'|'.join(BUILDERS)}}}")
     print(BUILDERS[sys.argv[1]]())
