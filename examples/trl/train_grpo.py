@@ -27,7 +27,7 @@ from trl import GRPOConfig  # noqa: E402
 
 from mosaic.integrations.trl import HarnessRollouts, MosaicGRPOTrainer, task_dataset  # noqa: E402
 from mosaic.train import setup  # noqa: E402
-from mosaic.train.config import load_config  # noqa: E402
+from mosaic.config.loader import load_config  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:

@@ -99,6 +99,14 @@ class PolicyLossOutput:
     ``actor/ratio_mean|max|min``, ``actor/entropy`` (when given)."""
 
 
+def _kl_loss(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor, w_tok: torch.Tensor) -> torch.Tensor:
+    """The weighted k3 KL to the reference, ``sum(w_tok * k3)``; all (B, L)."""
+    # Off-mask inputs are replaced by 0 *before* the exp, so the backward never multiplies 0 by inf/NaN.
+    zeros = torch.zeros_like(logprobs)
+    kl = kl_k3(torch.where(mask, logprobs, zeros), torch.where(mask, ref_logprobs.detach(), zeros))
+    return (w_tok * kl).sum()
+
+
 def _loss_metrics(w_tok: torch.Tensor, mask: torch.Tensor, pg_loss: torch.Tensor, kl_loss: torch.Tensor,
                   log_ratio: torch.Tensor, ratio: torch.Tensor, *, clipped: torch.Tensor,
                   entropy: torch.Tensor | None) -> dict[str, float]:
@@ -176,13 +184,7 @@ def policy_loss(
     if clip_ratio_c is not None:  # dual clip: bound the loss of very large ratios when A < 0
         pg = torch.where(adv < 0, torch.minimum(pg, -adv * clip_ratio_c), pg)
     pg_loss = (w_tok * pg).sum()
-    if ref_logprobs is not None:
-        # Off-mask inputs are replaced by 0 *before* the exp, so the backward never multiplies 0 by inf/NaN.
-        zeros = torch.zeros_like(logprobs)
-        kl = kl_k3(torch.where(mask, logprobs, zeros), torch.where(mask, ref_logprobs.detach(), zeros))
-        kl_loss = (w_tok * kl).sum()
-    else:
-        kl_loss = pg_loss.new_zeros(())
+    kl_loss = _kl_loss(logprobs, ref_logprobs, mask, w_tok) if ref_logprobs is not None else pg_loss.new_zeros(())
     loss = pg_loss + kl_coef * kl_loss
     metrics = _loss_metrics(w_tok, mask, pg_loss, kl_loss, log_ratio, ratio, clipped=pg2 > pg1, entropy=entropy)
     return PolicyLossOutput(loss=loss, pg_loss=pg_loss, kl_loss=kl_loss, metrics=metrics)

@@ -231,6 +231,25 @@ def run_from_caches(model, hosts: list[Host], caches: list[RowKV], stats: ScoreS
     return L
 
 
+def _left_padded_cache(rows_kv: Sequence[RowKV], sel: list[tuple[int, int, int]], n_layers: int, Cm: int,
+                       Pm: int) -> DynamicCache:
+    """One cache for a probe batch: row i holds the first ``c_i - 1`` positions of its ``rows_kv`` left-padded to
+    ``Cm``, with room for ``Pm`` probe tokens after them (the forward appends them in place, no copy)."""
+    cache = DynamicCache()
+    cache.layers = []
+    n = len(sel)
+    for layer in range(n_layers):
+        K0, V0 = rows_kv[sel[0][0]][layer]
+        Kb = K0.new_zeros((n, K0.shape[0], Cm + Pm, K0.shape[2]))
+        Vb = V0.new_zeros((n, V0.shape[0], Cm + Pm, V0.shape[2]))
+        for i, (r, _, c) in enumerate(sel):
+            if c > 1:
+                Kb[i, :, Cm - (c - 1) : Cm] = rows_kv[r][layer][0][:, : c - 1]
+                Vb[i, :, Cm - (c - 1) : Cm] = rows_kv[r][layer][1][:, : c - 1]
+        cache.layers.append(_FilledLayer(Kb, Vb, Cm))
+    return cache
+
+
 def _probe_batch(model, rows_kv: Sequence[RowKV], members: list[tuple[int, int]], hosts: list[Host],
                  L: list[dict[int, float]], stats: ScoreStats, *, max_batch_tokens: int, max_batch_size: int) -> None:
     """Run the probes of every ``(row, host)`` in ``members`` against ``rows_kv[row]`` (holding at least
@@ -251,18 +270,7 @@ def _probe_batch(model, rows_kv: Sequence[RowKV], members: list[tuple[int, int]]
         Cm, Pm = int(pre.max()), max(len(s) for s in seqs)
         # Left-pad the cached prefixes: slot k of row i holds position k - (Cm - pre_i).
         valid = (torch.arange(Cm)[None, :] - (Cm - pre)[:, None]) >= 0  # (n, Cm)
-        cache = DynamicCache()
-        cache.layers = []
-        for layer in range(n_layers):
-            K0, V0 = rows_kv[sel[0][0]][layer]
-            # room for the probe tokens too: the forward appends them in place (no copy of the whole cache)
-            Kb = K0.new_zeros((n, K0.shape[0], Cm + Pm, K0.shape[2]))
-            Vb = V0.new_zeros((n, V0.shape[0], Cm + Pm, V0.shape[2]))
-            for i, (r, _, c) in enumerate(sel):
-                if c > 1:
-                    Kb[i, :, Cm - (c - 1) : Cm] = rows_kv[r][layer][0][:, : c - 1]
-                    Vb[i, :, Cm - (c - 1) : Cm] = rows_kv[r][layer][1][:, : c - 1]
-            cache.layers.append(_FilledLayer(Kb, Vb, Cm))
+        cache = _left_padded_cache(rows_kv, sel, n_layers, Cm, Pm)
         pid = torch.zeros(n, Pm, dtype=torch.long)
         patt = torch.zeros(n, Cm + Pm, dtype=torch.long)
         patt[:, :Cm] = valid.long()

@@ -27,7 +27,7 @@ from mosaic.trace.graph import Trajectory
 from mosaic.trace.rows import TrainingRow, turn_layout
 from mosaic.train.batch import Scores, compute_advantages, training_rows
 from mosaic.train.batching import collate, pack_rows
-from mosaic.train.config import Config
+from mosaic.config.loader import Config
 
 __all__ = ["Scope", "RankBatch", "sample_indices", "concat_scores", "rank_batch", "row_tensors", "ROW_KEYS"]
 

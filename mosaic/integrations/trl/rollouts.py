@@ -20,7 +20,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Protocol, Sequence
 
-from mosaic.agent.config import HarnessConfig
+from mosaic.config.harness import HarnessConfig
 from mosaic.agent.harness import DeepSearchEnv, Harness
 from mosaic.agent.policies.local import LocalPolicy, LocalPolicyConfig
 from mosaic.envs.splits import Split
@@ -28,10 +28,14 @@ from mosaic.trace.graph import Trajectory
 from mosaic.trace.storage import load_trajectories
 from mosaic.train.setup import chat_format
 
-__all__ = ["RolloutSource", "HarnessRollouts", "RecordedRollouts", "task_dataset"]
+__all__ = ["RowSource", "HarnessRollouts", "RecordedRollouts", "task_dataset"]
 
 
-class RolloutSource(Protocol):
+class RowSource(Protocol):
+    """TRL's side of the rollout seam: TRL hands each rank its share of prompt rows, so a source here
+    collects one trajectory per ``(task, sample)`` row with the live model (the trainer's
+    :class:`mosaic.train.sources.RolloutSource` collects whole groups per step instead)."""
+
     def task(self, task_id: str): ...
 
     def collect(self, rows: Sequence[tuple], step: int, model, tokenizer, *, temperature: float, top_p: float,

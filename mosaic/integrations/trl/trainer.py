@@ -41,7 +41,7 @@ from mosaic.core.loss import policy_loss
 from mosaic.integrations.trl.batch import Scope, concat_scores, rank_batch, row_tensors, sample_indices
 from mosaic.train.batch import Scores, score_for
 from mosaic.train.batching import RowBatch, completion_logprobs
-from mosaic.train.config import Config
+from mosaic.config.loader import Config
 from mosaic.train.metrics import rollout_metrics
 from mosaic.train.setup import chat_format
 
@@ -80,7 +80,7 @@ def _combine(per_rank: list[dict[str, float]]) -> dict[str, float]:
 
 class MosaicGRPOTrainer(GRPOTrainer):
     """``GRPOTrainer(model, args=..., train_dataset=task_dataset(...), processing_class=tok)`` plus
-    ``mosaic=`` (a Mosaic :class:`~mosaic.train.config.Config`: estimator and harness) and ``rollouts=``
+    ``mosaic=`` (a Mosaic :class:`~mosaic.config.loader.Config`: estimator and harness) and ``rollouts=``
     (a :mod:`.rollouts` source). ``scope="rank"`` computes group statistics and normalisers per rank
     (for tests: it does not train like one process)."""
 

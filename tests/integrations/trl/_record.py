@@ -9,7 +9,7 @@ import torch
 from mosaic.agent.harness import DeepSearchEnv, Harness
 from mosaic.trace.storage import write_jsonl
 from mosaic.train import setup
-from mosaic.train.config import load_config
+from mosaic.config.loader import load_config
 
 OVERRIDES = ["train.batch_tasks=4", "train.group_size=4", "algo.estimator=mosaic", "algo.lam=0.5"]
 """The Mosaic config both engines run in these tests (4 tasks x 4 samples, Mosaic with a visible gain term)."""

@@ -76,7 +76,7 @@ def trl_run(trl_python, recorded, tmp_path_factory):
 def base_params() -> dict[str, torch.Tensor]:
     """The shipped base model's parameters (what every run starts from)."""
     from mosaic.train import setup
-    from mosaic.train.config import load_config
+    from mosaic.config.loader import load_config
 
     model, _ = setup.build_base_model(load_config("cpu"), torch.device("cpu"), torch.float32)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -28,7 +28,7 @@ from _record import OVERRIDES  # noqa: E402
 from mosaic.integrations.trl import RecordedRollouts, task_dataset  # noqa: E402
 from mosaic.integrations.trl.trainer import MosaicGRPOTrainer  # noqa: E402
 from mosaic.train import setup  # noqa: E402
-from mosaic.train.config import load_config  # noqa: E402
+from mosaic.config.loader import load_config  # noqa: E402
 
 LR = 0.05
 

@@ -12,7 +12,7 @@ from mosaic.integrations.trl.batch import concat_scores, rank_batch, row_tensors
 from mosaic.trace.graph import Session, Trajectory
 from mosaic.trace.rows import turn_layout
 from mosaic.train.batch import Scores, compute_advantages, training_rows
-from mosaic.train.config import load_config
+from mosaic.config.loader import load_config
 
 
 def _trajs(seed: int = 0) -> list[Trajectory]:

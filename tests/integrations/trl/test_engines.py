@@ -19,7 +19,7 @@ import torch
 import mosaic.train.rl as rl
 from mosaic.trace.storage import read_jsonl
 from mosaic.train import setup
-from mosaic.train.config import load_config
+from mosaic.config.loader import load_config
 from mosaic.train.optim import build_optimizer, build_scheduler
 
 pytestmark = [pytest.mark.peer, pytest.mark.slow]
