@@ -47,7 +47,7 @@ def main() -> None:
     import bm25s
 
     from mosaic.envs.deepsearch import SearchIndex, WorldConfig, generate_world, make_tasks
-    from mosaic.envs.search import _stemmer
+    from mosaic.envs.search import stemmer
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--docs", type=int, default=10_000)
@@ -78,7 +78,7 @@ def main() -> None:
     ours = [index.search(q, 3) for q in queries]
     t_ours = time.perf_counter() - t0
 
-    stem = _stemmer()
+    stem = stemmer()
     corpus = [f"{d.title}. {d.text}" for d in world.documents]
     t0 = time.perf_counter()
     docs_terms = bm25s.tokenize(corpus, stopwords="en", stemmer=stem, show_progress=False,

@@ -360,8 +360,8 @@ def _data_group(args, parser) -> int:
 
 
 def register(subparsers) -> None:
-    data = subparsers.add_parser("data", help="the offline deep-search data: generate, show, search, "
-                                               "score, export, calibrate")
+    data = subparsers.add_parser("data", help="the task data (deep search; data.family=service): generate, "
+                                               "show, search, score, export, import, calibrate")
     sub = data.add_subparsers(dest="data_command", metavar="SUBCOMMAND")
     data.add_argument("--preset", help="base preset for --help-config / --print-config: cpu (default), smollm2, paper")
     data.add_argument("--help-config", action="store_true",

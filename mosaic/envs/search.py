@@ -54,7 +54,7 @@ def _stopwords() -> frozenset[str]:
     return frozenset(STOPWORDS_EN)
 
 
-def _stemmer():
+def stemmer():
 
     return Stemmer.Stemmer("english")
 
@@ -79,7 +79,7 @@ class SearchIndex:
         self.snippet_tokens = snippet_tokens
         self.snippet_mode = snippet_mode
         self.docs = world.documents
-        self._stem = _stemmer()
+        self._stem = stemmer()
         self._stopwords = _stopwords()
         self.key = hashlib.sha256(
             f"bm25s/{INDEX_FORMAT}/stopwords=en/stemmer=english/{world.content_hash}".encode()

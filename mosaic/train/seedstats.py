@@ -16,7 +16,7 @@ training seed, every row on the same ``Q`` questions (a crossed design). This mo
 - :func:`compare_seeds`: all of it for one pair of arms, with the question-level sign test kept and
   labelled as what it is — conditional on the trained models.
 
-Formulas: ``docs/incoming/stats.md``.
+Formulas: ``docs/stats.md``.
 """
 
 from __future__ import annotations

@@ -51,7 +51,7 @@ def test_the_other_spelling_is_accepted_with_one_note():
 
 
 def test_the_docs_knob_table_is_the_registrys():
-    doc = (REPO / "docs" / "incoming" / "knobs.md").read_text(encoding="utf-8")
+    doc = (REPO / "docs" / "knobs.md").read_text(encoding="utf-8")
     assert knob_table() in doc
 
 
