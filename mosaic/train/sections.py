@@ -306,7 +306,8 @@ class TrainConfig(_Section):
     """Where metrics go besides ``metrics.jsonl`` (always written), as verl's ``trainer.logger``: any of
     ``console`` (progress bars and a line every ``log_every`` steps), ``tensorboard`` (``<run_dir>/tb``),
     ``wandb`` (online with an API key and a reachable server, else offline under ``<run_dir>/wandb``; needs
-    the ``wandb`` package). E.g. ``train.logger=[console,tensorboard,wandb]``. Null: console, plus
+    the ``wandb`` package). E.g. ``train.logger=[console,tensorboard,wandb]``, or one name as a plain
+    string (``train.logger=console``, as verl accepts). Null: console, plus
     TensorBoard while ``train.tensorboard``, plus wandb offline when ``train.wandb=offline``."""
     project_name: str = "mosaic"
     """Project the run is logged under (wandb project), as verl's ``trainer.project_name``."""
@@ -393,6 +394,8 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
                 errors.append(exc)
         raise errors[0] if len(rest) == 1 else bad(f"must be {' or '.join(_type_name(a) for a in args)}")
     if origin is tuple:
+        if isinstance(value, str) and args == (str, Ellipsis):  # `train.logger=console`, as verl takes it
+            value = [value]
         if not isinstance(value, (list, tuple)):
             raise bad("must be a list")
         if len(args) == 2 and args[1] is Ellipsis:
