@@ -35,6 +35,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--prefix-cache-tokens", type=int, default=65536,
                    help="tokens of KV cache kept across requests and reused by the longest common prefix with a "
                         "new prompt (0: off)")
+    p.add_argument("--max-heavy-requests", type=int, default=4,
+                   help="most request bodies of 1 MiB or more parsed and tokenised at once (503 beyond)")
     p.add_argument("--api-key-env", default=None, metavar="VAR",
                    help="environment variable holding the bearer token clients must send (default: open)")
     p.set_defaults(func=_run)
@@ -45,7 +47,8 @@ def _args_error(args: argparse.Namespace) -> str | None:
     line naming the flag, or None."""
     from mosaic.serving import address_error  # lazy: uvicorn
 
-    for flag, value in (("--max-batch-size", args.max_batch_size), ("--default-max-tokens", args.default_max_tokens)):
+    for flag, value in (("--max-batch-size", args.max_batch_size), ("--default-max-tokens", args.default_max_tokens),
+                        ("--max-heavy-requests", args.max_heavy_requests)):
         if value < 1:
             return f"{flag} must be >= 1, got {value}"
     if args.prefix_cache_tokens < 0:
@@ -76,7 +79,7 @@ def _run(args: argparse.Namespace) -> int:
                      max_batch_size=args.max_batch_size, default_max_tokens=args.default_max_tokens,
                      api_key=os.environ[args.api_key_env] if args.api_key_env else None,
                      max_body_bytes=max(1, int(args.max_body_mb * 1024 * 1024)),
-                     prefix_cache_tokens=args.prefix_cache_tokens)
+                     prefix_cache_tokens=args.prefix_cache_tokens, max_heavy_requests=args.max_heavy_requests)
     run_server(app, host=args.host, port=args.port, log_level="info",
                announce=f"mosaic serve: {args.name or args.model} listening on {{url}}")
     return 0

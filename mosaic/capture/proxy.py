@@ -10,11 +10,13 @@ completion ids. When the upstream returns no ids the proxy tokenizes with the
 model's tokenizer (``tokenizer=``) and marks the record ``retokenized``.
 
 The rollout a call belongs to comes from the base URL
-(``/rollouts/{id}/v1/...``) or the ``X-Mosaic-Rollout`` header.
+(``/rollouts/{id}/v1/...``) or the ``X-Mosaic-Rollout`` header; a call with neither is recorded
+under the rollout id ``no-rollout-id`` (:data:`~mosaic.capture.records.NO_ROLLOUT_ID`).
 ``POST /rollouts/{id}/reward`` attaches the outcome.
 
 Faults: bodies over ``max_body_bytes`` get 413, malformed JSON (or JSON nested
-deeper than ``MAX_JSON_DEPTH``) 400, a wrong schema 422 (OpenAI error objects
+deeper than ``MAX_JSON_DEPTH``) 400, ``max_tokens`` outside [1, 2**31 - 1] 400 (not
+forwarded), a wrong schema 422 (OpenAI error objects
 with a message). Only a failure to *connect* is retried (``retries`` times, with
 backoff): once a request may have reached the upstream it is never sent again,
 so a read timeout cannot start a second generation. Each call has one overall
@@ -37,6 +39,7 @@ clients ignore.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import itertools
 import json
 import math
@@ -56,12 +59,13 @@ from starlette.requests import ClientDisconnect
 
 from mosaic.agent.tokenizer import load_tokenizer
 from mosaic.agent.tools import safe_json
-from mosaic.capture.records import RECORDS_FILE, CallRecord, RecordWriter, RewardRecord, make_record_safe
+from mosaic.capture.records import NO_ROLLOUT_ID, RECORDS_FILE, CallRecord, RecordWriter, RewardRecord, make_record_safe
 from mosaic.capture.wire import (
     MAX_JSON_DEPTH,
     OVERFLOW,
     ApiError,
     StreamAccumulator,
+    check_max_tokens,
     check_upstream_fields,
     choice_token_ids,
     error_body,
@@ -231,8 +235,8 @@ class RecordingProxy:
     def check_auth(self, request) -> None:
         if self.cfg.api_key is None:
             return
-        got = request.headers.get("authorization", "")
-        if got != f"Bearer {self.cfg.api_key}":
+        got = request.headers.get("authorization", "").encode("latin-1")  # the header's bytes, as sent
+        if not hmac.compare_digest(got, f"Bearer {self.cfg.api_key}".encode()):  # constant time, like serve's
             raise ApiError(401, "missing or wrong bearer token", "authentication_error")
 
     async def read_json(self, request) -> Any:
@@ -356,7 +360,9 @@ class RecordingProxy:
         self.check_auth(request)
         body, n_safe = safe_json(await self.read_json(request))
         validate_request(endpoint, body)
-        rid = rollout_id if rollout_id is not None else request.headers.get("x-mosaic-rollout", "")
+        check_max_tokens(body)
+        rid = rollout_id if rollout_id is not None else request.headers.get("x-mosaic-rollout", "").strip()
+        rid = rid or NO_ROLLOUT_ID
         self._check_rollout(rid, "calls")
         seq = next(self._seq)
         rec = CallRecord(

@@ -110,13 +110,19 @@ def _check_call(d: dict[str, Any]) -> None:
             raise TraceError(f"field {name!r}: must be true or false, got {d[name]!r}")
 
 
+NO_ROLLOUT_ID = "no-rollout-id"
+"""The rollout id the proxy records a call under when the call names none (no ``/rollouts/{id}``
+base URL, no ``X-Mosaic-Rollout`` header): such calls are kept, in one bucket that says so."""
+
+
 @dataclass
 class CallRecord:
     """One model call seen by the proxy.
 
     Attributes:
         call_id: unique id (the proxy's, ``<proxy start>-<seq>``).
-        rollout_id: the rollout (``/rollouts/{id}/v1/...`` or ``X-Mosaic-Rollout``); "" when none.
+        rollout_id: the rollout (``/rollouts/{id}/v1/...`` or ``X-Mosaic-Rollout``); a call that
+            names none is recorded under :data:`NO_ROLLOUT_ID` (older records: "").
         seq: arrival order within one proxy process; ``t_start`` orders across restarts.
         endpoint: ``chat`` (``/v1/chat/completions``) or ``completions`` (``/v1/completions``).
         model: the requested model name.

@@ -85,6 +85,22 @@ def validate_request(endpoint: str, body: Any) -> None:
             raise ApiError(422, "field 'prompt' must be a string")
 
 
+MAX_TOKENS_LIMIT = 2**31 - 1
+"""Largest ``max_tokens`` forwarded (what an int32 holds; vLLM and SGLang take no more)."""
+
+
+def check_max_tokens(body: dict) -> None:
+    """``max_tokens`` / ``max_completion_tokens``, when set, must be an integer in [1, 2**31 - 1]:
+    a negative or huge value is refused here (400), not forwarded to fail upstream."""
+    for key in ("max_tokens", "max_completion_tokens"):
+        v = body.get(key)
+        if v is None:
+            continue
+        if type(v) is not int or not 1 <= v <= MAX_TOKENS_LIMIT:
+            shown = repr(v) if len(repr(v)) <= 40 else repr(v)[:37] + "..."
+            raise ApiError(400, f"field {key!r}: {shown} must be an integer in [1, {MAX_TOKENS_LIMIT}]")
+
+
 def choice_token_ids(ch: dict[str, Any]) -> list[int] | None:
     """A choice's (or stream delta's) generated ids: vLLM's ``token_ids``, or ``output_ids``."""
     for key in ("token_ids", "output_ids"):

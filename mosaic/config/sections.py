@@ -338,7 +338,8 @@ class TrainConfig(_Section):
     """Where metrics go besides ``metrics.jsonl`` (always written), as verl's ``trainer.logger``: any of
     ``console`` (progress bars and a line every ``log_every`` steps), ``tensorboard`` (``<run_dir>/tb``),
     ``wandb`` (online with an API key and a reachable server, else offline under ``<run_dir>/wandb``; needs
-    the ``wandb`` package). E.g. ``train.logger=[console,tensorboard,wandb]``. Null: console, plus
+    the ``wandb`` package). E.g. ``train.logger=[console,tensorboard,wandb]``, or one name as a plain
+    string (``train.logger=console``, as verl accepts). Null: console, plus
     TensorBoard while ``train.tensorboard``, plus wandb offline when ``train.wandb=offline``."""
     project_name: str = "mosaic"
     """Project the run is logged under (wandb project), as verl's ``trainer.project_name``."""

@@ -43,6 +43,8 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
                 errors.append(exc)
         raise errors[0] if len(rest) == 1 else bad(f"must be {' or '.join(_type_name(a) for a in args)}")
     if origin is tuple:
+        if isinstance(value, str) and args == (str, Ellipsis):  # `train.logger=console`, as verl takes it
+            value = [value]
         if not isinstance(value, (list, tuple)):
             raise bad("must be a list")
         if len(args) == 2 and args[1] is Ellipsis:

@@ -252,9 +252,16 @@ runner, the statistics and the report, not an experiment)."""
 def load_grid(path: str | Path) -> Grid:
     p = Path(path)
     if not p.is_file():
-        raise GridError(f"grid file {str(p)!r} does not exist")
+        raise GridError(f"grid file {str(p)!r} " + ("is a directory" if p.is_dir() else "does not exist"))
     try:
-        doc = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as exc:
-        raise GridError(f"grid file {str(p)!r} is not valid YAML: {exc}") from None
+        doc = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise GridError(f"grid file {str(p)!r} is not UTF-8 text (byte {exc.start}); a grid is a YAML file") from None
+    except OSError as exc:
+        raise GridError(f"grid file {str(p)!r} cannot be read: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:  # one line: the problem and where (PyYAML's message spans lines)
+        mark = getattr(exc, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        what = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise GridError(f"grid file {str(p)!r} is not valid YAML: {what}{where}") from None
     return parse_grid(doc, p)

@@ -81,7 +81,13 @@ def _run(fn_name: str):
         from mosaic.train import entrypoints
         from mosaic.train.checkpoint import CheckpointError
         from mosaic.config.loader import ConfigError
+        from mosaic.train.preflight import eval_error, sft_error, train_error
 
+        bad = {"run_train": lambda: train_error(cfg), "run_sft": lambda: sft_error(cfg),
+               "run_eval": lambda: eval_error(cfg, args.checkpoint)}[fn_name]()
+        if bad:  # a path the config names that cannot be used: before any work
+            print(f"mosaic {args.command}: config error: {bad}", file=sys.stderr)
+            return EXIT_CONFIG
         try:
             if fn_name == "run_eval":
                 bad = _eval_args_error(args)

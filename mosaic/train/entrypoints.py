@@ -26,11 +26,13 @@ from pathlib import Path
 import torch
 
 from mosaic.agent.models.embedded import save_model
-from mosaic.trace import load_trajectories, write_jsonl
+from mosaic.trace import TraceError, load_trajectories, write_jsonl
 from mosaic.train import setup
 from mosaic.train.checkpoint import check_resume_config, find_latest, load_checkpoint, resolve_resume, save_checkpoint
 from mosaic.config.loader import Config, ConfigError, dump_config, resolve_steps
 from mosaic.train.evaluate import evaluate, paired_outcomes
+from mosaic.train.hf_export import save_final_model, set_sampling_defaults
+from mosaic.train.metrics import VAL_SOURCE
 from mosaic.train.optim import build_optimizer, build_scheduler
 from mosaic.train.rl import RLState, make_reference, rl_step
 from mosaic.train.sources import open_source
@@ -81,9 +83,13 @@ def run_sft(cfg: Config) -> int:
 
 
 def _train_sft(cfg: Config) -> Path:
-
-
     t0 = time.perf_counter()
+    trajs = None
+    if cfg.sft.data:  # read first: a file that is not trajectories fails before the model is built
+        try:
+            trajs = load_trajectories(cfg.sft.data)
+        except (TraceError, OSError) as exc:
+            raise ConfigError(f"config key 'sft.data': {exc}") from None
     torch.manual_seed(cfg.train.seed)
     device = setup.resolve_device(cfg)
     dtype = setup.resolve_dtype(cfg, device)
@@ -92,8 +98,7 @@ def _train_sft(cfg: Config) -> Path:
     chat = setup.chat_format(tok)
     out = Path(cfg.sft.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    if cfg.sft.data:
-        trajs = load_trajectories(cfg.sft.data)
+    if trajs is not None:
         _log(f"sft: {len(trajs)} trajectories from {cfg.sft.data}")
     else:
         _log(f"sft: rolling the scripted expert over {cfg.sft.n_tasks} training tasks "
@@ -104,6 +109,7 @@ def _train_sft(cfg: Config) -> Path:
     n_params = sum(p.numel() for p in model.parameters())
     _log(f"sft: expert accuracy {100 * expert_acc:.1f} %; training {n_params / 1e6:.2f}M parameters")
     res = sft_train(model, trajs, cfg, pad_id=tok.pad_token_id, device=device, seed=cfg.train.seed)
+    set_sampling_defaults(model, cfg)
     save_model(model, tok, out)
     meta = {"key": _sft_key(cfg), "expert_accuracy": expert_acc, "trajectories": len(trajs),
             "steps": res.steps, "final_loss": res.final_loss, "seconds": time.perf_counter() - t0,
@@ -195,17 +201,20 @@ def run_train(cfg: Config) -> int:
         from mosaic.train.usercode import check_callables
 
         check_callables(cfg.rollout)
+    replay = _records_replay(cfg)  # captured records that cannot be read fail before the warm start's evaluation
     plan = prepare_run(cfg)
     plan.run_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.train.seed)
     device = setup.resolve_device(cfg)
     model, tok = setup.load_policy(ensure_warm_start(cfg), device=device, dtype=setup.resolve_dtype(cfg, device))
+    set_sampling_defaults(model, cfg)  # in every checkpoint's and the final model's generation_config.json
     chat = setup.chat_format(tok)
     held = None if cfg.train.heldout_split == "none" else setup.load_split(cfg, cfg.train.heldout_split)
     base = _heldout_eval(cfg, plan.run_dir, "warmstart", model, tok, chat, held) if held is not None else None
-    _rl_loop(cfg, plan, model, tok, chat, device)
+    final = _rl_loop(cfg, plan, model, tok, chat, device, replay, base=base,
+                     final_eval=(lambda: _heldout_eval(cfg, plan.run_dir, "final", model, tok, chat, held))
+                     if held is not None else None)
     if held is not None:
-        final = _heldout_eval(cfg, plan.run_dir, "final", model, tok, chat, held)
         extra = _report_gain(cfg, plan.run_dir, base, final, time.perf_counter() - t_start)
         write_summary(plan.run_dir, title=f"mosaic train ({cfg.algo.estimator})", extra=extra)
     return 0
@@ -234,11 +243,44 @@ def _heldout_eval(cfg: Config, run_dir: Path, name: str, model, tok, chat, split
     return res
 
 
-def _rl_loop(cfg: Config, plan: RunPlan, model, tok, chat, device) -> None:
-    """RL steps from the resume point to the end: metrics, samples, checkpoints."""
+def _records_replay(cfg: Config):
+    """The captured rollouts of ``rollout.source=records`` (None for other sources); a records path that
+    is missing or unreadable is a :class:`ConfigError`."""
+    if cfg.rollout.source != "records":
+        return None
+    from mosaic.train.replay import RecordsReplay
+
+    try:
+        return RecordsReplay(cfg)
+    except (OSError, ValueError) as exc:
+        msg = str(exc)
+        raise ConfigError(msg if msg.startswith("rollout.records") else f"rollout.records: {msg}") from None
+
+
+def _run_logger(cfg: Config, plan: RunPlan, steps: int, start: int) -> RunLogger:
+    return RunLogger(plan.run_dir, config_yaml=plan.config_yaml, total_steps=steps, start_step=start,
+                     logger=cfg.train.logger, tensorboard=cfg.train.tensorboard, wandb=cfg.train.wandb,
+                     project_name=cfg.train.project_name, experiment_name=cfg.train.experiment_name,
+                     log_every=cfg.train.log_every, plot_every=cfg.train.plot_every,
+                     title=f"mosaic train ({cfg.algo.estimator})")
+
+
+def heldout_metrics(cfg: Config, res: dict) -> dict[str, float]:
+    """A held-out evaluation's accuracy and its interval, named for the sinks by its split
+    (``val-core/deepsearch-test/acc/mean@N``: apart from the periodic validation's names)."""
+    src = f"/{VAL_SOURCE}/"
+    return {k.replace(src, f"/{VAL_SOURCE}-{res['split']}/", 1): v for k, v in res["metrics"].items()
+            if k.startswith(("val-core/", "val-aux/")) and src in k}
+
+
+def _rl_loop(cfg: Config, plan: RunPlan, model, tok, chat, device, replay=None, *, base: dict | None = None,
+             final_eval=None) -> dict | None:
+    """RL steps from the resume point to the end: metrics, samples, checkpoints. The held-out results
+    go to the sinks: ``base`` (the warm start's) at step 0 on a fresh run, ``final_eval()``'s (run
+    after the last step, returned) at the last step."""
     train = setup.load_split(cfg, "train")
     source, n_groups = open_source(cfg, model, tok, chat, train, plan.run_dir, log=_log,
-                                   resumed=plan.resume_from is not None)
+                                   resumed=plan.resume_from is not None, replay=replay)
     try:
         steps = resolve_steps(cfg, n_groups if n_groups is not None else len(train.tasks))
         optimizer = build_optimizer(model, cfg.optim)
@@ -253,25 +295,24 @@ def _rl_loop(cfg: Config, plan: RunPlan, model, tok, chat, device) -> None:
                                 state=ck.state)
             _log(f"resumed from {plan.resume_from} at step {start}")
         st = RLState(cfg, model, tok, chat, train, optimizer, scheduler, device, ref_model=ref, source=source)
-        _run_steps(st, plan, start, steps)
+        return _run_steps(st, plan, start, steps, base=base, final_eval=final_eval)
     finally:
         source.close()
 
 
-def _run_steps(st: RLState, plan: RunPlan, start: int, steps: int) -> None:
+def _run_steps(st: RLState, plan: RunPlan, start: int, steps: int, *, base: dict | None,
+               final_eval) -> dict | None:
     """Steps ``start``..``steps`` of a run: each step's metrics (and validation every ``train.eval_every``),
-    samples and checkpoints; the logger closes whatever happens."""
+    samples and checkpoints, then the final model and its held-out evaluation; the logger closes whatever
+    happens."""
     cfg, model, tok, chat = st.cfg, st.model, st.tokenizer, st.chat
     val = setup.load_split(cfg, cfg.data.eval_split) if cfg.train.eval_every else None
-    logger = RunLogger(plan.run_dir, config_yaml=plan.config_yaml, total_steps=steps, start_step=start,
-                       logger=cfg.train.logger, tensorboard=cfg.train.tensorboard, wandb=cfg.train.wandb,
-                       project_name=cfg.train.project_name,
-                       experiment_name=cfg.train.experiment_name, log_every=cfg.train.log_every,
-                       plot_every=cfg.train.plot_every, title=f"mosaic train ({cfg.algo.estimator})")  # fmt: skip
-    if cfg.train.rollout_samples and not (plan.run_dir / "vocab.json").exists():
-        # the token texts samples.jsonl's ids print as (mosaic view), written once per run
+    logger = _run_logger(cfg, plan, steps, start)
+    if cfg.train.rollout_samples and not (plan.run_dir / "vocab.json").exists():  # the ids' texts (mosaic view)
         (plan.run_dir / "vocab.json").write_text(json.dumps({"pieces": vocab_pieces(tok)}))
-    extra: dict[str, str] | None = None
+    extra, final = None, None
+    if base is not None and start == 0:
+        logger.log_eval(0, heldout_metrics(cfg, base))
     try:
         for step in range(start, steps):
             m = rl_step(st, step)
@@ -288,9 +329,14 @@ def _run_steps(st: RLState, plan: RunPlan, start: int, steps: int) -> None:
                 save_checkpoint(plan.run_dir, n, model=model, tokenizer=tok, optimizer=st.optimizer,
                                 scheduler=st.scheduler, state={"step": n, "estimator": cfg.algo.estimator},
                                 keep_last=cfg.train.keep_last)
-        extra = {"steps": str(steps)}
+        extra = {"steps": str(steps), "final model": str(save_final_model(plan.run_dir, model, tok))}
+        _log(f"final model (Hugging Face layout) → {extra['final model']}")
+        if final_eval is not None:
+            final = final_eval()
+            logger.log_eval(steps, heldout_metrics(cfg, final))
     finally:
         logger.close(extra=extra)
+    return final
 
 
 def _report_gain(cfg: Config, run_dir: Path, base: dict, final: dict, seconds: float) -> dict[str, str]:

@@ -298,6 +298,21 @@ class RunLogger:
         if self.plot_every and step % self.plot_every == 0:
             self.plot()
 
+    def log_eval(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """A held-out evaluation outside the training steps (the warm start at step 0, the final model at
+        the last step): to TensorBoard, wandb and the console, not ``metrics.jsonl`` (one line per
+        training step; the evaluations have their own files, ``eval_*.json`` and ``result.json``)."""
+        clean = {k: float(v) for k, v in metrics.items()
+                 if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+        if self._tb is not None:
+            for k, v in clean.items():
+                self._tb.add_scalar(k, v, global_step=step)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(dict(clean), step=step)
+        if self._console:
+            self.write(format_console_line(step, clean))
+
     def log_samples(self, step: int, samples: Iterable[Mapping[str, Any]]) -> None:
         """Append rollout records (any JSON-able dicts; the trainer's are :mod:`mosaic.train.samples`) to
         ``samples.jsonl``."""

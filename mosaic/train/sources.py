@@ -81,14 +81,15 @@ class HarnessRollouts:
 
 
 def open_source(cfg: Config, model, tokenizer, chat, split, run_dir: Path, log: Callable[[str], Any] = print, *,
-                resumed: bool = False) -> tuple[RolloutSource, int | None]:
+                resumed: bool = False, replay=None) -> tuple[RolloutSource, int | None]:
     """The run's rollout source, and the number of task groups it brings (a replay's; None when the
-    tasks come from the training split). A replay writes what it dropped to ``RUN_DIR/drops.jsonl``
-    once (not again when ``resumed``)."""
+    tasks come from the training split). A replay (``replay``: one already read, so that bad records
+    fail before any work) writes what it dropped to ``RUN_DIR/drops.jsonl`` once (not again when
+    ``resumed``)."""
     if cfg.rollout.source == "records":
         from mosaic.train.replay import RecordsReplay
 
-        replay = RecordsReplay(cfg)
+        replay = replay if replay is not None else RecordsReplay(cfg)
         if not resumed:
             replay.write_drops(run_dir)
         log(f"replaying {sum(len(g) for g in replay.groups.values())} captured rollouts in {replay.n_groups} "

@@ -30,6 +30,7 @@ def register(sub) -> None:
 
 def _run(args) -> int:
     from mosaic.config.cliargs import output_error
+    from mosaic.trace import TraceError
     from mosaic.view.data import ViewError, load_view
     from mosaic.view.page import write_page
 
@@ -46,7 +47,7 @@ def _run(args) -> int:
     try:
         view = load_view(path, tokenizer=args.tokenizer, max_trajectories=args.max_trajectories)
         write_page(view, out)
-    except (ViewError, OSError, ValueError) as exc:  # (write_page leaves no partial page behind)
+    except (ViewError, TraceError, OSError, ValueError) as exc:  # TraceError: a rollouts file that breaks the data model
         print(f"mosaic view: {exc}", file=sys.stderr)
         return 2
     n = len(view["samples"])

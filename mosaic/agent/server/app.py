@@ -4,6 +4,14 @@ Guards: a body over ``max_body_bytes`` is refused with 413 before it is read who
 ``api_key`` every route but ``/health`` needs ``Authorization: Bearer <key>`` (401). Parsing a
 body, rendering the chat template and tokenising run in worker threads, so a large request never
 stalls the event loop (``/health`` and other requests keep being answered).
+
+Work per request is bounded by the model's context, not by the body limit: a prompt text (a
+completions string, a rendered chat) longer than ``(context - 1) * L`` characters is refused with
+400 before it is tokenised, where ``L``, the longest token string in the vocabulary, bounds the
+characters one token covers (byte-level BPE writes each byte of the text as one character of a
+token string; SentencePiece one character as one), so such a text could never fit. At most
+``max_heavy_requests`` bodies of ``heavy_body_bytes`` or more are parsed and tokenised at once;
+one more gets 503 (``Retry-After: 1``) at once, without being parsed.
 """
 
 from __future__ import annotations
@@ -37,7 +45,8 @@ class ModelServer:
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *,
                  model_name: str, device: str | None, max_batch_size: int, batch_window_s: float,
-                 default_max_tokens: int, prefix_cache_tokens: int = 65536) -> None:
+                 default_max_tokens: int, prefix_cache_tokens: int = 65536,
+                 heavy_body_bytes: int = 1 << 20, max_heavy_requests: int = 4) -> None:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.default_max_tokens = default_max_tokens
@@ -48,6 +57,9 @@ class ModelServer:
         self.policy = LocalPolicy(model, tokenizer, pc, device=device)
         self.vocab = model.get_input_embeddings().num_embeddings
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
+        self.token_chars = chars_per_token(tokenizer)
+        self.max_chars = (self.max_positions - 1) * self.token_chars if self.max_positions else None
+        self.heavy_body_bytes, self.max_heavy, self.heavy_now = heavy_body_bytes, max_heavy_requests, 0
         self.worker = ModelWorker(self.policy, max_batch_size=max_batch_size,
                                   batch_window_s=batch_window_s, decode=self.decode)
 
@@ -68,6 +80,30 @@ class ModelServer:
         return self.worker.version
 
     # ---- request checks
+    @contextlib.asynccontextmanager
+    async def heavy_slot(self, nbytes: int):
+        """Held while a body of ``heavy_body_bytes`` or more is parsed and tokenised; 503 when
+        ``max_heavy_requests`` are already (smaller bodies pass freely)."""
+        if nbytes < self.heavy_body_bytes:
+            yield
+            return
+        if self.heavy_now >= self.max_heavy:
+            raise ApiError(503, f"server busy: {self.heavy_now} large requests (>= {self.heavy_body_bytes} "
+                                f"bytes) are being prepared, the most allowed (max_heavy_requests); retry later")
+        self.heavy_now += 1
+        try:
+            yield
+        finally:
+            self.heavy_now -= 1
+
+    def check_chars(self, text: str, param: str) -> str:
+        """``text`` unless it is too long to fit the context whatever its tokens (400, before tokenising)."""
+        if self.max_chars is not None and len(text) > self.max_chars:
+            raise ApiError(400, f"prompt has {len(text)} characters; the model's context is {self.max_positions} "
+                                f"tokens of at most {self.token_chars} characters each, so at most "
+                                f"{self.max_chars} characters can fit", param)
+        return text
+
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
             raise ApiError(404, f"model {name!r} does not exist; this server serves {self.model_name!r}",
@@ -86,19 +122,22 @@ class ModelServer:
                            "prompt")
         out = []
         for p in prompts:
-            ids = self.tokenizer(p, add_special_tokens=False)["input_ids"] if isinstance(p, str) else list(p)
+            if isinstance(p, str):
+                ids = self.tokenizer(self.check_chars(p, "prompt"), add_special_tokens=False)["input_ids"]
+            else:
+                ids = list(p)
             out.append(self.check_ids(ids))
         return out
 
     def check_ids(self, ids: list[int]) -> list[int]:
         if not ids:
             raise ApiError(400, "prompt is empty (no tokens)", "prompt")
-        bad = [t for t in ids if not 0 <= t < self.vocab]
-        if bad:
-            raise ApiError(400, f"prompt token ids out of range [0, {self.vocab}): {bad[:5]}", "prompt")
         if self.max_positions is not None and len(ids) >= self.max_positions:
             raise ApiError(400, f"prompt has {len(ids)} tokens; the model's context is "
                                 f"{self.max_positions}", "prompt")
+        bad = [t for t in ids if not 0 <= t < self.vocab]
+        if bad:
+            raise ApiError(400, f"prompt token ids out of range [0, {self.vocab}): {bad[:5]}", "prompt")
         return ids
 
     def stop_ids(self, body: BaseCompletionRequest) -> tuple[int, ...]:
@@ -131,11 +170,13 @@ class ModelServer:
         return self.tokenizer.decode([t])
 
     # ---- the endpoints
-    async def completions(self, body: CompletionRequest):
+    async def completion_prompts(self, body: CompletionRequest) -> list[list[int]]:
         self.check_model(body.model)
         if body.echo:
             raise ApiError(400, "echo is not supported", "echo")
-        prompts = await asyncio.to_thread(self.prompt_ids, body.prompt)
+        return await asyncio.to_thread(self.prompt_ids, body.prompt)
+
+    async def completions(self, body: CompletionRequest, prompts: list[list[int]]):
         job = self.submit(prompts, body, body.max_tokens)
         cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         prompt_of = [p for p in prompts for _ in range(body.n)]
@@ -164,9 +205,11 @@ class ModelServer:
                 "choices": choices, "usage": usage([len(p) for p in prompt_of], counts),
                 "policy_version": job_version}
 
-    async def chat(self, body: ChatCompletionRequest):
+    async def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
         self.check_model(body.model)
-        ids = await asyncio.to_thread(self._chat_ids, body)
+        return await asyncio.to_thread(self._chat_ids, body)
+
+    async def chat(self, body: ChatCompletionRequest, ids: list[int]):
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         job = self.submit([ids], body, max_tokens)
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
@@ -202,7 +245,8 @@ class ModelServer:
 
     def _chat_ids(self, body: ChatCompletionRequest) -> list[int]:
         """The prompt's ids (runs in a worker thread: the template and the tokenizer)."""
-        return self.check_ids(self.tokenizer(self._render_chat(body), add_special_tokens=False)["input_ids"])
+        text = self.check_chars(self._render_chat(body), "messages")
+        return self.check_ids(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def _render_chat(self, body: ChatCompletionRequest) -> str:
         template = getattr(self.tokenizer, "chat_template", None)
@@ -218,6 +262,12 @@ class ModelServer:
                                                       tokenize=False)
         except Exception as exc:
             raise ApiError(400, f"chat template failed: {exc}", "messages") from exc
+
+
+def chars_per_token(tokenizer: PreTrainedTokenizerBase) -> int:
+    """An upper bound on the characters of text one token stands for: the longest token string in the
+    vocabulary (added tokens included)."""
+    return max((len(t) for t in tokenizer.get_vocab()), default=1) or 1
 
 
 def _lone_surrogate(obj: Any) -> bool:
@@ -318,7 +368,8 @@ async def _results(job: Job) -> list:
 def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *,
                model_name: str = "mosaic-local", device: str | None = None, max_batch_size: int = 64,
                batch_window_s: float = 0.002, default_max_tokens: int = 16, api_key: str | None = None,
-               max_body_bytes: int = 32 * 1024 * 1024, prefix_cache_tokens: int = 65536) -> FastAPI:
+               max_body_bytes: int = 32 * 1024 * 1024, prefix_cache_tokens: int = 65536,
+               heavy_body_bytes: int = 1 << 20, max_heavy_requests: int = 4) -> FastAPI:
     """The FastAPI app serving ``model``; run it with :func:`mosaic.serving.run_server` (foreground) or
     :class:`mosaic.serving.ServerThread` (in-process).
 
@@ -328,12 +379,16 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *,
     ``max_body_bytes``: largest request body accepted (413 above).
     ``prefix_cache_tokens``: tokens of KV cache kept across requests, found by the longest common prefix
     with a new prompt (0: none); dropped whenever the weights change.
+    ``heavy_body_bytes``, ``max_heavy_requests``: at most this many bodies of that size or more are
+    parsed and tokenised at once (503 beyond).
     """
-    if max_body_bytes < 1:
-        raise ValueError(f"max_body_bytes: {max_body_bytes} must be positive")
+    if max_body_bytes < 1 or max_heavy_requests < 1:
+        raise ValueError(f"max_body_bytes {max_body_bytes} and max_heavy_requests {max_heavy_requests} "
+                         "must be positive")
     srv = ModelServer(model, tokenizer, model_name=model_name, device=device,
                       max_batch_size=max_batch_size, batch_window_s=batch_window_s,
-                      default_max_tokens=default_max_tokens, prefix_cache_tokens=prefix_cache_tokens)
+                      default_max_tokens=default_max_tokens, prefix_cache_tokens=prefix_cache_tokens,
+                      heavy_body_bytes=heavy_body_bytes, max_heavy_requests=max_heavy_requests)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -346,7 +401,10 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *,
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return error_response(exc.status, exc.message, exc.param)
+        resp = error_response(exc.status, exc.message, exc.param)
+        if exc.status == 503:
+            resp.headers["Retry-After"] = "1"
+        return resp
 
     @app.get("/health")
     async def health() -> dict:
@@ -359,12 +417,18 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *,
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = await asyncio.to_thread(_parse, CompletionRequest, await request.body())
-        return await srv.completions(body)
+        raw = await request.body()
+        async with srv.heavy_slot(len(raw)):
+            body = await asyncio.to_thread(_parse, CompletionRequest, raw)
+            prompts = await srv.completion_prompts(body)
+        return await srv.completions(body, prompts)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = await asyncio.to_thread(_parse, ChatCompletionRequest, await request.body())
-        return await srv.chat(body)
+        raw = await request.body()
+        async with srv.heavy_slot(len(raw)):
+            body = await asyncio.to_thread(_parse, ChatCompletionRequest, raw)
+            ids = await srv.chat_prompt(body)
+        return await srv.chat(body, ids)
 
     return app

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 from mosaic.envs.names import in_partition, make_name, make_word, name_key
 from mosaic.envs.service.state import (
-    CHANNELS, PLANS, Request, answer_for, apply_event, new_state, snapshot, visit_plan,
+    CHANNELS, PLANS, Call, Request, answer_for, apply_event, new_state, snapshot, visit_plan,
 )
 from mosaic.envs.service.text import announcement, call_from_json, visit_text
 

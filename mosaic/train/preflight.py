@@ -1,0 +1,85 @@
+"""Paths a ``mosaic train | sft | eval`` config names, checked before any work (issue 33): one line
+naming the config key, or None.
+
+The config's own validation checks values; these checks look at the file system: a run or output
+directory that cannot be created (``/proc/x``, an existing file, a read-only parent), a trajectory
+or records file that does not exist, a model directory without ``config.json``. Nothing is written.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from mosaic.config.cliargs import output_error
+
+__all__ = ["train_error", "sft_error", "eval_error"]
+
+
+def _key(name: str) -> str:
+    return f"config key {name!r}:"
+
+
+def _model_error(cfg) -> str | None:
+    if cfg.model.source != "dir":
+        return None
+    p = Path(cfg.model.path)
+    if not p.is_dir():
+        return f"{_key('model.path')} {p}: " + ("not a directory" if p.exists() else "no such directory")
+    if not (p / "config.json").is_file():
+        return f"{_key('model.path')} {p}: no config.json; not a saved model directory"
+    return None
+
+
+def _input_file_error(name: str, value: str, *, dir_ok: bool = False) -> str | None:
+    p = Path(value)
+    if not p.exists():
+        return f"{_key(name)} {p}: no such file" + (" or directory" if dir_ok else "")
+    if p.is_dir() and not dir_ok:
+        return f"{_key(name)} {p}: is a directory, not a file"
+    try:
+        if p.is_file():
+            with open(p, "rb"):
+                pass
+        else:
+            next(iter(p.iterdir()), None)
+    except OSError as exc:
+        return f"{_key(name)} {p}: cannot be read ({exc.strerror or exc})"
+    return None
+
+
+def _sft_output_needed(cfg) -> bool:
+    """Whether the warm start of ``train`` / ``eval`` may be (re)trained into ``sft.output_dir``."""
+    return cfg.model.source not in ("dir", "base")
+
+
+def sft_error(cfg) -> str | None:
+    """``mosaic sft``: the base model, ``sft.data`` (when given) and ``sft.output_dir``."""
+    return (_model_error(cfg)
+            or (_input_file_error("sft.data", cfg.sft.data) if cfg.sft.data else None)
+            or output_error(_key("sft.output_dir"), cfg.sft.output_dir, is_dir=True))
+
+
+def train_error(cfg) -> str | None:
+    """``mosaic train``: ``train.run_dir``, the warm start's model and output, ``rollout.records``."""
+    bad = output_error(_key("train.run_dir"), cfg.train.run_dir, is_dir=True) or _model_error(cfg)
+    if bad:
+        return bad
+    if cfg.rollout.source == "records":
+        bad = _input_file_error("rollout.records", cfg.rollout.records, dir_ok=True)
+    if not bad and _sft_output_needed(cfg):
+        bad = ((_input_file_error("sft.data", cfg.sft.data) if cfg.sft.data else None)
+               or output_error(_key("sft.output_dir"), cfg.sft.output_dir, is_dir=True))
+    return bad
+
+
+def eval_error(cfg, checkpoint: str | None) -> str | None:
+    """``mosaic eval``: the warm start's model when it is what gets evaluated (no ``--checkpoint``, no
+    checkpoint in ``train.run_dir``)."""
+    if checkpoint:
+        return None
+    from mosaic.train.checkpoint import find_latest
+
+    if Path(cfg.train.run_dir).is_dir() and find_latest(cfg.train.run_dir) is not None:
+        return None
+    return _model_error(cfg) or (output_error(_key("sft.output_dir"), cfg.sft.output_dir, is_dir=True)
+                                 if _sft_output_needed(cfg) else None)

@@ -1,0 +1,93 @@
+"""Paths a config names that cannot be used (issue 33 item 5): one line, exit 2, before any work.
+
+"Before any work" is checked by making the first heavy steps (building or loading a model, loading a
+split) fail the test if they are reached."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mosaic.cli import main
+
+
+@pytest.fixture()
+def no_work(monkeypatch):
+    from mosaic.train import setup
+
+    def reached(*a, **k):
+        raise AssertionError("work started before the bad path was reported")
+
+    for name in ("build_base_model", "load_policy", "load_split"):
+        monkeypatch.setattr(setup, name, reached)
+
+
+def _one_line(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err, err
+    return err
+
+
+def _cases(tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    bad_traj = tmp_path / "bad.jsonl"
+    bad_traj.write_text(json.dumps({"a": 1}) + "\n")
+    records = tmp_path / "records"
+    records.mkdir()
+    (records / "records.jsonl").write_text("not json\n{}\n")
+    ok_out = tmp_path / "sft-out"
+    return [
+        (["train", "train.run_dir=/proc/forbidden"], "config key 'train.run_dir': /proc/forbidden: cannot create"),
+        (["train", f"train.run_dir={afile}"], f"config key 'train.run_dir': {afile}: not a directory"),
+        (["sft", "sft.data=/nonexistent.jsonl", f"sft.output_dir={ok_out}"],
+         "config key 'sft.data': /nonexistent.jsonl: no such file"),
+        (["sft", "sft.output_dir=/proc/x"], "config key 'sft.output_dir': /proc/x: cannot create"),
+        (["sft", f"sft.data={tmp_path}", f"sft.output_dir={ok_out}"], "is a directory, not a file"),
+        (["sft", f"sft.data={bad_traj}", f"sft.output_dir={ok_out}"],
+         f"config key 'sft.data': {bad_traj}:1: not a Mosaic trajectory record"),
+        (["train", "rollout.source=records", "rollout.records=/nonexistent", f"train.run_dir={tmp_path / 'r1'}"],
+         "config key 'rollout.records': /nonexistent: no such file or directory"),
+        (["train", "rollout.source=records", f"rollout.records={records}", f"train.run_dir={tmp_path / 'r2'}"],
+         "rollout.records: "),
+        (["train", "model.source=dir", "model.path=/nonexistent", f"train.run_dir={tmp_path / 'r3'}"],
+         "config key 'model.path': /nonexistent: no such directory"),
+        (["train", "model.source=dir", f"model.path={tmp_path}", f"train.run_dir={tmp_path / 'r4'}"],
+         "no config.json"),
+        (["eval", "model.source=dir", "model.path=/nonexistent", f"train.run_dir={tmp_path / 'r5'}"],
+         "config key 'model.path': /nonexistent: no such directory"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(11))
+def test_bad_paths_are_one_line_exit_2_before_any_work(tmp_path, capsys, no_work, case):
+    argv, fragment = _cases(tmp_path)[case]
+    assert main(argv) == 2, argv
+    err = _one_line(capsys)
+    assert err.startswith(f"mosaic {argv[0]}: ") and fragment in err, (argv, err)
+    for name in ("r1", "r2", "r3", "r4", "r5", "sft-out"):
+        assert not (tmp_path / name).exists()  # nothing was created
+
+
+def test_view_of_a_bad_trajectory_file_is_one_line(tmp_path, capsys):
+    f = tmp_path / "rollouts.jsonl"
+    f.write_text(json.dumps({"schema": "mosaic.trajectory", "id": "t"}) + "\n")
+    assert main(["view", str(f)]) == 2
+    err = _one_line(capsys)
+    assert err.startswith(f"mosaic view: {f}:1: ")
+    assert not f.with_suffix(".html").exists()
+
+
+@pytest.mark.parametrize("content, fragment", [
+    (b"\xff\xfe\x00garbage", "is not UTF-8 text (byte 0)"),
+    (b'{"a": 1}\n{"b": 2}\n', "is not valid YAML: expected '<document start>', but found '{' (line 2, column 1)"),
+    (b"a: [1\n", "is not valid YAML: "),
+    (b"- 1\n- 2\n", "the grid file must hold a mapping"),
+])
+def test_experiment_garbage_grid_is_one_line(tmp_path, capsys, content, fragment):
+    g = tmp_path / "garbage.jsonl"
+    g.write_bytes(content)
+    assert main(["experiment", str(g), "--dry-run"]) == 2
+    err = _one_line(capsys)
+    assert err.startswith("mosaic experiment: ") and fragment in err
