@@ -416,10 +416,7 @@ class ExternalRollouts:
 
     def _wait_quiet(self, timeout: float = 10.0) -> None:
         """Until the proxy has written every answered call (a streamed call's record lands after its last byte)."""
-        proxy = self.proxy_app.state.proxy
-        t_end = time.monotonic() + timeout
-        while proxy.in_flight > 0 and time.monotonic() < t_end:
-            time.sleep(0.02)
+        self.proxy_app.state.proxy.wait_quiet(timeout)
 
     def _reward(self, task, ht: HarnessTask, out: _Outcome, posted: list[RewardRecord]) -> tuple[float | None, str | None]:
         """(reward, answer) of a rollout that ended, or (None, reason) when it has none."""
@@ -505,7 +502,7 @@ class ExternalRollouts:
                     if why is not None:
                         reason, detail = "unbuildable", why
                     else:
-                        self.proxy_app.state.proxy.writer.write(rec)
+                        self.proxy_app.state.proxy.record(rec)
             if reason is not None:
                 drops.append({"step": step + 1, "rollout_id": ht.rollout_id, "task_id": task.id, "reason": reason,
                               "detail": detail})
