@@ -233,7 +233,8 @@ class RecordingProxy:
             tools=body.get("tools") or [] if endpoint == "chat" else [],
             prompt=(body["prompt"][0] if isinstance(body.get("prompt"), list) else body.get("prompt"))
             if endpoint == "completions" else None,
-            request_params={k: v for k, v in body.items() if k not in _FORWARD_PARAMS_SKIP},
+            # as forwarded: what the upstream sampled with (a trainer's forced temperature, top-p)
+            request_params={k: v for k, v in {**body, **self.force_params}.items() if k not in _FORWARD_PARAMS_SKIP},
             stream=bool(body.get("stream")), t_start=t_start,
             headers={k: v for k, v in request.headers.items() if k.startswith("x-mosaic-")},
         )
