@@ -270,6 +270,8 @@ def export(records: str, out: str, *, tokenizer: str | None = None, rules=None, 
     return {"calls": len(calls), "rollouts": len(trajs), "sessions": kinds, "retokenized_now": fixed,
             "bad_records": len(report.bad_records), "invalid_rollouts": invalid,
             "dropped": dict(report.counts()), "sanitized_text": report.sanitized_text,
+            "drift_repairs": sum(len(s.detached) for t in trajs for s in t.sessions),
+            "drift_detached_tokens": sum(sum(x.loss_mask) for t in trajs for s in t.sessions for x in s.detached),
             "warnings": [str(w.message) for w in caught], "out": out}
 
 

@@ -110,7 +110,7 @@ class Linker:
             return
         if not compaction and not best and self.rules.message_match and self.continue_by_messages(i):
             return
-        new = SessionDraft(idx=len(sessions), calls=[i], tip=c.tip(), offsets=[len(c.prompt_ids)])
+        new = SessionDraft.open(len(sessions), i, c)
         if compaction:
             new.kind = "compaction"
             new.meta["by"] = "instruction"
@@ -129,50 +129,53 @@ class Linker:
 
     def continue_by_messages(self, i: int) -> bool:
         """Rule 3b: the call repeats, message by message (loosely), the last request of a session
-        plus that request's reply, and goes on from there: it continues that session. Its tokens
-        join the session from the end of the re-rendered reply in its prompt (found as the first
-        occurrence, after the previous prompt, of the reply's last token: the end-of-turn token)."""
-        c, calls = self.calls[i], self.calls
+        plus that request's reply, and goes on from there: it continues that session, whose row is
+        rebuilt to follow the call's prompt (:meth:`SessionDraft.rebase`: the tokens sampled on the
+        earlier rendering are kept, detached, on the context they were sampled on)."""
+        c = self.calls[i]
         if c.endpoint != "chat" or not c.messages:
             return False
         keys = [message_key(m) for m in c.messages]
-        found: list[tuple[int, int]] = []  # (session, where the inserted tokens start in c's prompt)
+        found: list[tuple[int, int | None]] = []  # (session, where the re-rendered reply ends in c's prompt)
         for s in self.sessions:
-            if s.kind == "compaction":
-                continue
-            p = calls[s.calls[-1]]
-            n = len(p.messages)
-            # the reply must have ended with its end-of-turn token: that is where the splice looks
-            if (p.endpoint != "chat" or not n or len(keys) <= n or not p.completion_ids
-                    or p.finish_reason not in ("stop", "tool_calls")):
-                continue
-            if keys[:n] != [message_key(m) for m in p.messages]:
-                continue
-            role, text, tcs = keys[n]
-            if role != "assistant" or text != loose(p.text) or tcs != tool_call_keys(p.tool_calls):
-                continue
-            start = len(p.prompt_ids)
-            if not is_prefix(p.prompt_ids, c.prompt_ids):
-                continue
-            try:
-                q = c.prompt_ids.index(p.completion_ids[-1], start) + 1
-            except ValueError:
-                continue
-            found.append((s.idx, q))
+            if s.kind != "compaction":
+                hit = self._resends(keys, c, self.calls[s.calls[-1]])
+                if hit is not False:
+                    found.append((s.idx, hit))
         if not found:
             return False
         pick = self._pick([f[0] for f in found])
-        q = dict(found)[pick]
         s = self.sessions[pick]
-        prev = calls[s.calls[-1]]
+        prev = self.calls[s.calls[-1]]
         if len(found) > 1:
             s.meta.setdefault("ambiguous_with", []).append(
                 {"call_id": c.call_id, "sessions": [f[0] for f in found if f[0] != pick]})
+        moved = s.rebase(i, c, dict(found)[pick])
         s.meta.setdefault("resent", []).append(
-            {"call_id": c.call_id, "sampled": len(prev.completion_ids), "rendered": q - len(prev.prompt_ids)})
-        s.add(i, c, c.prompt_ids[q:], calls)
+            {"call_id": c.call_id, "sampled": len(prev.completion_ids), "detached_tokens": moved})
         self.call_sess.append(pick)
         return True
+
+    @staticmethod
+    def _resends(keys: list[tuple], c: CallRecord, p: CallRecord) -> int | None | bool:
+        """Whether call c re-sends call p's request and reply (False if not); if it does, where p's
+        re-rendered reply ends in c's prompt: after the first occurrence of the reply's last token
+        when the reply ended with its end-of-turn token, else None (a reply cut at ``max_tokens``)."""
+        n = len(p.messages)
+        if p.endpoint != "chat" or not n or len(keys) <= n or not p.completion_ids:
+            return False
+        if keys[:n] != [message_key(m) for m in p.messages] or not is_prefix(p.prompt_ids, c.prompt_ids):
+            return False
+        role, text, tcs = keys[n]
+        # tool calls: the reply's own, or, for a reply that had none, those the harness parsed out of its text
+        if role != "assistant" or text != loose(p.text) or (p.tool_calls and tcs != tool_call_keys(p.tool_calls)):
+            return False
+        if p.finish_reason not in ("stop", "tool_calls"):
+            return None
+        try:
+            return c.prompt_ids.index(p.completion_ids[-1], len(p.prompt_ids)) + 1
+        except ValueError:
+            return False
 
     # -- rule 5: links ---------------------------------------------------------------------------
     def output_hits(self) -> dict[int, int]:

@@ -29,13 +29,18 @@ Rules (per rollout; settings in :class:`ReconstructionRules`):
    the call continues the session whose last request it repeats message by
    message, followed by that request's reply, compared loosely (words only:
    a harness that drops whitespace-only text next to tool calls, or strips
-   markup that leaked into content, re-sends the same turn). The session's
-   row keeps the tokens the policy sampled; the new prompt's tokens after the
-   re-rendered reply (after the first occurrence of the reply's last token,
-   its end-of-turn) join as inserted tokens. The call is listed in
-   ``meta["resent"]`` with the sampled and re-rendered lengths: the later
-   turns of that session were sampled after the re-rendered reply, which
-   differs from the row in that span. Otherwise the call opens a new session;
+   markup that leaked into content, re-sends the same turn; a reply without
+   tool calls may come back with tool calls the harness parsed out of its
+   text; a reply cut at ``max_tokens`` counts). **Drift repair**: the later
+   turns were sampled after the re-sent version, so the session's row is
+   rebuilt to follow the call's prompt from the first token where it departs
+   from the row; the sampled tokens from there on move, with the exact
+   context they were sampled on, to a detached stretch of the session
+   (``Session.detached``, trained as a row of its own with the session's
+   advantage). Every trained token then sits on the context it was sampled
+   from. The call is listed in ``meta["resent"]`` (with ``detached_tokens``);
+   the trajectory counts ``meta["drift_repairs"]`` and
+   ``meta["drift_detached_tokens"]``. Otherwise the call opens a new session;
    if some session's *prompt* is a prefix of it but not its tip, that session
    is named in ``meta["diverged_from"]``.
 4. **Compaction by instruction.** A call whose last message matches one of
@@ -107,7 +112,7 @@ from mosaic.capture.linking import chain_end, link_sessions
 from mosaic.capture.sessions import (  # noqa: F401  (ReconstructionRules: re-exported, the public path)
     DEFAULT_COMPACTION_PATTERNS, ReconstructionRules, SessionDraft, dedup_retries,
 )
-from mosaic.trace.graph import Session, StateRef, TraceError, Trajectory, validate
+from mosaic.trace.graph import Session, StateRef, Stretch, TraceError, Trajectory, validate
 
 
 def reconstruct_rollout(
@@ -142,6 +147,8 @@ def reconstruct_rollout(
         "overflow_calls": [c.call_id for c in calls if not c.ok],
         "retokenized": any(c.retokenized for c in calls), "reward_missing": reward is None,
         "unlinked_sessions": [s.idx for s in sessions if s.meta.get("unlinked")],
+        "drift_repairs": sum(len(s.detached) for s in sessions),
+        "drift_detached_tokens": sum(sum(x[2]) for s in sessions for x in s.detached),
     }
     if answer is None:
         answer, end_reason = _answer(sessions, final, calls, meta)
@@ -186,28 +193,14 @@ def _answer(sessions: list[SessionDraft], final: int, calls: list[CallRecord], m
     return last.text or None, _end_reason(last)
 
 
-def _session_tokens(s: SessionDraft, calls: list[CallRecord]) -> tuple[list[int], list[bool], list[float], dict]:
-    """A session's completion ids, loss mask and log-probs from its calls, and flags for its meta:
-    what the model sampled is trainable, what the harness inserted between calls is not."""
-    comp, mask, lps = [], [], []
-    logprobs_missing = False
-    retok = False
-    for k, ci in enumerate(s.calls):
-        c = calls[ci]
-        inserted = s.inserted[k] if k > 0 else []
-        comp += inserted
-        mask += [False] * len(inserted)
-        lps += [0.0] * len(inserted)
-        comp += c.completion_ids
-        mask += [True] * len(c.completion_ids)
-        if len(c.logprobs) == len(c.completion_ids):
-            lps += [float(x) for x in c.logprobs]
-        else:
-            logprobs_missing = True
-            lps += [0.0] * len(c.completion_ids)
-        retok = retok or c.retokenized
-    flags = {"logprobs_missing": True} if logprobs_missing else {}
-    return comp, mask, lps, {**flags, **({"retokenized": True} if retok else {})}
+def _session_flags(s: SessionDraft, calls: list[CallRecord]) -> dict:
+    """Flags for a session's meta: a call without log-probs (its tokens carry 0.0), a retokenized call."""
+    flags = {}
+    if any(len(calls[ci].logprobs) != len(calls[ci].completion_ids) for ci in s.calls):
+        flags["logprobs_missing"] = True
+    if any(calls[ci].retokenized for ci in s.calls):
+        flags["retokenized"] = True
+    return flags
 
 
 def _states(s: SessionDraft, calls: list[CallRecord], sessions: list[SessionDraft]) -> tuple:
@@ -227,19 +220,18 @@ def _states(s: SessionDraft, calls: list[CallRecord], sessions: list[SessionDraf
 
 def _trace_session(s: SessionDraft, calls: list[CallRecord], sessions: list[SessionDraft], is_final: bool) -> Session:
     first, last = calls[s.calls[0]], calls[s.calls[-1]]
-    comp, mask, lps, flags = _session_tokens(s, calls)
     meta = dict(s.meta)
     meta["call_ids"] = [calls[ci].call_id for ci in s.calls]
     meta["t_start"], meta["t_end"] = first.t_start, last.t_end
-    meta.update(flags)
+    meta.update(_session_flags(s, calls))
     before, after = _states(s, calls, sessions)
     if s.kind == "compaction":
         end_reason = "compaction"
     else:
         end_reason = "context_overflow" if not last.ok else (last.finish_reason or "")
     return Session(
-        id=s.idx, kind=s.kind, prompt_ids=list(first.prompt_ids), completion_ids=comp, loss_mask=mask,
-        logprobs=lps, parent=s.parent, edge=s.edge, end_reason=end_reason, is_final=is_final,
+        id=s.idx, kind=s.kind, prompt_ids=list(s.prompt), completion_ids=list(s.comp), loss_mask=list(s.mask),
+        logprobs=list(s.lps), detached=[Stretch(*map(list, x)) for x in s.detached], parent=s.parent, edge=s.edge, end_reason=end_reason, is_final=is_final,
         state_before=before, state_after=after, num_turns=sum(1 for ci in s.calls if calls[ci].ok), meta=meta,
     )
 

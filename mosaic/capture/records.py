@@ -128,7 +128,8 @@ class CallRecord:
         model: the requested model name.
         messages / tools: the request's chat messages and tool schemas, as sent (chat only).
         prompt: the request's prompt string (completions only).
-        request_params: the other sampling parameters the client sent (temperature, ...).
+        request_params: the other sampling parameters as forwarded (the client's, with the proxy's
+            ``force_params`` applied: what the upstream sampled with).
         prompt_ids: exact token ids of the prompt the upstream fed the model.
         completion_ids: sampled token ids of the first choice.
         logprobs: (len(completion_ids),) sampling log-probs; empty when the upstream gave none.

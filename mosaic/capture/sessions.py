@@ -141,21 +141,36 @@ def history_texts(c: CallRecord) -> list[str]:
     return out
 
 
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for k in range(n):
+        if a[k] != b[k]:
+            return k
+    return n
+
+
 @dataclass
 class SessionDraft:
-    """A session being rebuilt: its calls, tip, kind and links (indices into the session list).
+    """A session being rebuilt: its calls, its row, its kind and links (indices into the session list).
 
-    The session's row (prompt + completion tokens) is the first call's prompt, then per later call
-    the tokens the harness inserted (``inserted``), then each call's completion. Normally a call's
-    prompt extends the previous tip, so its offset is its prompt length; after a re-sent turn (rule
-    3b) the inserted tokens are what follows the re-rendered turn in the new prompt.
+    The row is ``prompt`` + ``comp`` (with ``mask`` True on sampled tokens and their ``lps``). It holds,
+    for every call, exactly the prompt that call was given (``row[:offsets[k]] == calls[k].prompt_ids``)
+    followed by what the call sampled: a call that extends the tip adds the tokens the harness inserted
+    (mask False) and its completion; a call that re-sends an earlier turn differently (rule 3b) rebuilds
+    the row from where its prompt departs from it (:meth:`rebase`), and the sampled tokens past that
+    point move to ``detached`` with the context they were sampled on.
     """
 
     idx: int
     calls: list[int]  # indices into the ordered call list
     tip: list[int]  # the last call's prompt + completion: what the next call's prompt must extend
     offsets: list[int]  # where each call's completion starts in the session's row
-    inserted: list[list[int]] = field(default_factory=list)  # per call: tokens inserted before it
+    prompt: list[int] = field(default_factory=list)
+    comp: list[int] = field(default_factory=list)
+    mask: list[bool] = field(default_factory=list)
+    lps: list[float] = field(default_factory=list)
+    ends: list[int] = field(default_factory=list)  # where each call's reply ends in the row
+    detached: list[tuple[list[int], list[int], list[bool], list[float]]] = field(default_factory=list)
     kind: str = "main"
     parent: int | None = None
     edge: str | None = None
@@ -165,20 +180,57 @@ class SessionDraft:
     successor: int | None = None
     meta: dict[str, Any] = field(default_factory=dict)
 
-    def __post_init__(self) -> None:
-        if not self.inserted:
-            self.inserted = [[] for _ in self.calls]
+    @staticmethod
+    def open(idx: int, i: int, c: CallRecord) -> "SessionDraft":
+        """A session opened by call ``i``."""
+        s = SessionDraft(idx=idx, calls=[], tip=[], offsets=[], prompt=list(c.prompt_ids))
+        s._append(i, c)
+        return s
 
-    def end_of(self, k: int, calls: list[CallRecord]) -> int:
-        """The row length after call ``k`` (a position in :attr:`calls`) and its completion."""
-        return self.offsets[k] + len(calls[self.calls[k]].completion_ids)
+    def end_of(self, k: int, calls: list[CallRecord] | None = None) -> int:
+        """The row length after call ``k`` (a position in :attr:`calls`) and its reply."""
+        return self.ends[k]
 
-    def add(self, i: int, c: CallRecord, inserted: list[int], calls: list[CallRecord]) -> None:
-        start = self.end_of(len(self.calls) - 1, calls)
+    def _append(self, i: int, c: CallRecord) -> None:
         self.calls.append(i)
-        self.inserted.append(list(inserted))
-        self.offsets.append(start + len(inserted))
+        self.offsets.append(len(self.prompt) + len(self.comp))
+        self.comp += c.completion_ids
+        self.mask += [True] * len(c.completion_ids)
+        ok = len(c.logprobs) == len(c.completion_ids)
+        self.lps += [float(x) for x in c.logprobs] if ok else [0.0] * len(c.completion_ids)
+        self.ends.append(len(self.prompt) + len(self.comp))
         self.tip = c.tip()
+
+    def _insert(self, ids: Sequence[int]) -> None:
+        self.comp += ids
+        self.mask += [False] * len(ids)
+        self.lps += [0.0] * len(ids)
+
+    def add(self, i: int, c: CallRecord, inserted: list[int], calls: list[CallRecord] | None = None) -> None:
+        """Rule 3: call ``i`` extends the tip; ``inserted`` is what its prompt adds to it."""
+        self._insert(inserted)
+        self._append(i, c)
+
+    def rebase(self, i: int, c: CallRecord, reply_end: int | None) -> int:
+        """Rule 3b: call ``i``'s prompt re-renders the row differently from some point ``d`` on. The row
+        keeps its first ``d`` tokens and follows the prompt from there; the sampled tokens at ``d`` and
+        after move, with the context they were sampled on, to a detached stretch. ``reply_end``: where the
+        re-rendered last reply ends in the prompt, if known. Returns the number of sampled tokens moved."""
+        row = self.prompt + self.comp
+        d = _common_prefix(row, c.prompt_ids)  # >= the last call's prompt: 3b checks it is a prefix
+        r = d - len(self.prompt)
+        moved = sum(self.mask[r:])
+        if moved:
+            self.detached.append((row[:d], self.comp[r:], self.mask[r:], self.lps[r:]))
+        del self.comp[r:], self.mask[r:], self.lps[r:]
+        last_end = self.ends[-1]
+        self.offsets = [min(o, d) for o in self.offsets]
+        self.ends = [min(e, d) for e in self.ends]
+        # the re-rendered reply's end when found; else the prompt's end (its tool results included)
+        self.ends[-1] = reply_end if reply_end is not None else (last_end if last_end <= d else len(c.prompt_ids))
+        self._insert(c.prompt_ids[d:])
+        self._append(i, c)
+        return moved
 
 
 class RolloutCalls:

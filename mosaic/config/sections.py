@@ -166,6 +166,9 @@ class RolloutConfig(_Section):
     posted), ``harness`` (the reward the harness posts to its reward URL) or ``module:function(task, answer)``."""
     records: str = ""
     """``source=records``: a records file or directory (``mosaic proxy serve`` output, rewards included)."""
+    agreement_warn_corr: float = 0.99
+    """Warn when the Pearson correlation of the trainer's and the sampler's token probabilities on the trained
+    tokens, before the update, falls below this (``training/rollout_actor_probs_pearson_corr``); 0 = never."""
 
     def _validate(self) -> None:
         self._positive("batch_size", "concurrency", "deadline_s")
@@ -177,6 +180,7 @@ class RolloutConfig(_Section):
                    is not None, "reward", "must be deepsearch, harness, module:function or file.py:function")
         self._need(self.temperature > 0, "temperature", "must be > 0 for RL rollouts (log-probs need sampling)")
         self._need(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
+        self._need(0 <= self.agreement_warn_corr <= 1, "agreement_warn_corr", "must be in [0, 1]")
 
 
 def _with_knobs(cls: type) -> type:

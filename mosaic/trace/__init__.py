@@ -4,6 +4,7 @@ from mosaic.trace.graph import (
     KIND_CODES,
     Session,
     StateRef,
+    Stretch,
     TraceError,
     Trajectory,
     kind_names,
@@ -27,7 +28,7 @@ from mosaic.trace.storage import (
 )
 
 __all__ = [
-    "KIND_CODES", "Session", "StateRef", "TraceError", "Trajectory", "kind_names", "register_kind",
+    "KIND_CODES", "Session", "StateRef", "Stretch", "TraceError", "Trajectory", "kind_names", "register_kind",
     "validate", "validate_all", "FlatBatch", "TrainingRow", "TurnLayout", "flatten", "to_rows", "turn_layout",
     "turn_spans", "turn_boundaries", "SCHEMA_VERSION", "BadRecordWarning",
     "JsonlWriter", "StorageError", "TornLineWarning", "iter_jsonl", "load_trajectories", "read_jsonl",

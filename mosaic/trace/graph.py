@@ -78,6 +78,47 @@ class StateRef:
 
 
 @dataclass
+class Stretch:
+    """Sampled tokens kept apart from their session's row, on the exact context they were sampled from:
+    a harness re-sent an earlier turn with other tokens than were sampled, the later turns (and the row)
+    follow the re-sent tokens (capture reconstruction, rule 3b). Trained as a row of their own with the
+    session's advantage; ``prompt_ids`` is their context, the rest as in a :class:`Session`."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    loss_mask: list[bool]
+    logprobs: list[float]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"prompt_ids": list(self.prompt_ids), "completion_ids": list(self.completion_ids),
+                "loss_mask": [bool(m) for m in self.loss_mask], "logprobs": [float(x) for x in self.logprobs]}
+
+    @staticmethod
+    def from_dict(d: Any) -> "Stretch":
+        if not isinstance(d, dict):
+            raise TraceError(f"a detached stretch must be an object, got {show_value(d)}")
+        try:
+            return Stretch(prompt_ids=as_int_list(d["prompt_ids"], "prompt_ids"),
+                           completion_ids=as_int_list(d["completion_ids"], "completion_ids"),
+                           loss_mask=as_bool_list(d["loss_mask"], "loss_mask"),
+                           logprobs=as_float_list(d["logprobs"], "logprobs"))
+        except KeyError as exc:
+            raise TraceError(f"a detached stretch is missing field {exc.args[0]!r}") from None
+
+    def check(self, where: str) -> None:
+        n = len(self.completion_ids)
+        if len(self.loss_mask) != n or len(self.logprobs) != n:
+            raise TraceError(f"{where}: loss_mask / logprobs lengths {len(self.loss_mask)} / {len(self.logprobs)} "
+                             f"!= {n} completion tokens")
+        try:
+            check_ids(self.prompt_ids, "prompt_ids")
+            check_ids(self.completion_ids, "completion_ids")
+            check_logprobs(self.logprobs, "logprobs")
+        except TraceError as exc:
+            raise TraceError(f"{where} {exc}") from None
+
+
+@dataclass
 class Session:
     """One stretch of interaction over one context prefix.
 
@@ -96,6 +137,7 @@ class Session:
         state_before / state_after: the gain scorer's states (docs/algorithm.md §4.4).
         num_turns: assistant turns sampled in this session.
         meta: free-form, JSON-serialisable extras (tool errors, timings, ...).
+        detached: sampled tokens trained on a context the row no longer holds (:class:`Stretch`).
     """
 
     id: int
@@ -112,6 +154,7 @@ class Session:
     state_after: StateRef | None = None
     num_turns: int = 0
     meta: dict[str, Any] = field(default_factory=dict)
+    detached: list[Stretch] = field(default_factory=list)
 
     @property
     def kind_code(self) -> int:
@@ -141,6 +184,7 @@ class Session:
             "state_after": self.state_after.to_dict() if self.state_after else None,
             "num_turns": self.num_turns,
             "meta": self.meta,
+            **({"detached": [x.to_dict() for x in self.detached]} if self.detached else {}),
         }
 
     @staticmethod
@@ -170,6 +214,7 @@ class Session:
                 state_after=refs["state_after"],
                 num_turns=as_int(d.get("num_turns", 0), "num_turns"),
                 meta=as_dict(d.get("meta"), "meta"),
+                detached=[Stretch.from_dict(x) for x in as_list(d.get("detached", []), "detached")],
             )
         except KeyError as exc:
             raise TraceError(f"session record is missing field {exc.args[0]!r}") from None
@@ -331,6 +376,8 @@ def _check_session(s: Session, k: int, n: int, where: str) -> None:
         check_logprobs(s.logprobs, "logprobs")
     except TraceError as exc:
         raise TraceError(f"{where} {exc}") from None
+    for j, x in enumerate(s.detached):
+        x.check(f"{where} field 'detached' [{j}]")
     if s.num_turns < 0:
         raise TraceError(f"{where} field 'num_turns': {s.num_turns} is negative")
     if s.parent is None:

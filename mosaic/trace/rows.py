@@ -167,6 +167,9 @@ class TrainingRow:
     reward: float
     advantage: float = 0.0
     token_advantages: list[float] | None = None
+    stretch: int | None = None
+    """None: the session's own row; k: its k-th detached stretch (:class:`~mosaic.trace.graph.Stretch`),
+    trained on the context it was sampled from, with the session's advantage."""
 
     @property
     def input_ids(self) -> list[int]:
@@ -178,31 +181,35 @@ class TrainingRow:
 
 
 def to_rows(trajs: Sequence[Trajectory], advantages: Sequence[float] | None = None) -> list[TrainingRow]:
-    """One row per session, in the order of :func:`flatten` (trajectory-major).
+    """One row per session, then one per detached stretch of that session, in the order of
+    :func:`flatten` (trajectory-major).
 
-    ``advantages``: optional (S,) per-session advantages in the same order.
+    ``advantages``: optional (S,) per-session advantages in the same order (a stretch gets its session's).
     """
     rows: list[TrainingRow] = []
+    adv = None if advantages is None else [float(a) for a in advantages]
+    n_sessions = sum(len(t.sessions) for t in trajs)
+    if adv is not None and len(adv) != n_sessions:
+        raise ValueError(f"advantages has {len(adv)} entries for {n_sessions} sessions")
+    k = 0
     for i, t in enumerate(trajs):
         for s in t.sessions:
-            rows.append(
-                TrainingRow(
-                    traj_index=i,
-                    session_index=s.id,
-                    kind=s.kind,
-                    is_final=s.is_final,
-                    group_id=t.group_id,
-                    prompt_ids=list(s.prompt_ids),
-                    completion_ids=list(s.completion_ids),
-                    loss_mask=list(s.loss_mask),
-                    logprobs=list(s.logprobs),
-                    reward=float(t.reward),
+            for j, part in enumerate([s, *s.detached]):
+                rows.append(
+                    TrainingRow(
+                        traj_index=i,
+                        session_index=s.id,
+                        kind=s.kind,
+                        is_final=s.is_final,
+                        group_id=t.group_id,
+                        prompt_ids=list(part.prompt_ids),
+                        completion_ids=list(part.completion_ids),
+                        loss_mask=list(part.loss_mask),
+                        logprobs=list(part.logprobs),
+                        reward=float(t.reward),
+                        advantage=0.0 if adv is None else adv[k],
+                        stretch=None if j == 0 else j - 1,
+                    )
                 )
-            )
-    if advantages is not None:
-        adv = [float(a) for a in advantages]
-        if len(adv) != len(rows):
-            raise ValueError(f"advantages has {len(adv)} entries for {len(rows)} sessions")
-        for r, a in zip(rows, adv):
-            r.advantage = a
+            k += 1
     return rows

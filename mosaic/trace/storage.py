@@ -276,6 +276,7 @@ def _arrow_schema():
             ("state_after", ref),
             ("num_turns", pa.int32()),
             ("meta", pa.string()),
+            ("detached", pa.string()),  # JSON, like meta: rare, and absent from older files
         ]
     )
     return pa.schema(
@@ -311,6 +312,7 @@ def write_parquet(path: str | os.PathLike, trajs: Iterable[Trajectory]) -> int:
         d = t.to_dict()
         for s_obj, s in zip(d["sessions"], t.sessions):
             s_obj["meta"] = json.dumps(s.meta)
+            s_obj["detached"] = json.dumps(s_obj.get("detached", []))
             s_obj["state_before"] = _ref_row(s.state_before)
             s_obj["state_after"] = _ref_row(s.state_after)
         d["meta"] = json.dumps(t.meta)
@@ -338,6 +340,10 @@ def _parquet_row(d: dict[str, Any]) -> dict[str, Any]:
                 s["meta"] = json.loads(s.get("meta") or "{}")
             except (TypeError, ValueError) as exc:
                 raise TraceError(f"session {k} field 'meta': not a JSON object ({exc})") from None
+            try:
+                s["detached"] = json.loads(s.get("detached") or "[]")
+            except (TypeError, ValueError) as exc:
+                raise TraceError(f"session {k} field 'detached': not JSON ({exc})") from None
             for key in ("state_before", "state_after"):
                 ref = s.get(key)
                 if isinstance(ref, dict):

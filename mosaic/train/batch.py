@@ -163,13 +163,21 @@ def training_rows(trajs: Sequence[Trajectory], adv: torch.Tensor, est: Estimator
     rows = to_rows(trajs)
     if adv.shape != (len(layout.session),):
         raise ValueError(f"turn advantages have shape {tuple(adv.shape)}, expected ({len(layout.session)},) turns")
-    per_row = [np.zeros(len(r.completion_ids), dtype=np.float64) for r in rows]
+    own = [r for r in rows if r.stretch is None]  # (S,) the sessions' rows, in flatten order
+    per_row = [np.zeros(len(r.completion_ids), dtype=np.float64) for r in own]
     for u, (k, a, b) in enumerate(zip(layout.session, layout.start, layout.end)):
         per_row[k][a:b] = float(adv[u])
-    for r, v in zip(rows, per_row):
+    for r, v in zip(own, per_row):
         r.token_advantages = v.tolist()
         trained = v[np.asarray(r.loss_mask, dtype=bool)]
         r.advantage = float(trained.mean()) if trained.size else 0.0  # for reading; the loss uses the tokens'
+    session_row = None
+    for r in rows:  # a detached stretch has no turns of its own: its session's mean advantage on every token
+        if r.stretch is None:
+            session_row = r
+        else:
+            r.advantage = session_row.advantage
+            r.token_advantages = [r.advantage] * len(r.completion_ids)
     return rows
 
 

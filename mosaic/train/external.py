@@ -304,7 +304,7 @@ class ExternalRollouts:
                                               concurrency=self.rc.concurrency, deadline_s=self.rc.deadline_s))
         finally:
             self.live = set()  # late calls of a timed-out harness are refused from here on
-        self.proxy.wait_idle(timeout=10.0)  # a streamed call's record lands after its last byte
+        self.proxy.wait_quiet(timeout=10.0)  # a streamed call's record lands after its last byte
         calls, rewards, _, bad = self._read_new(offset)
         wall = time.perf_counter() - t0
         by_calls: dict[str, list[CallRecord]] = {}

@@ -94,6 +94,10 @@ def rollout_metrics(trajs: Sequence[Trajectory], gains=None, is_final=None) -> d
         m[f"session/count/{k}"] = float(np.mean([t.count_kinds().get(k, 0) for t in trajs]))
     m["session/compactions"] = m["session/count/compaction"]
     m["session/forks"] = m["session/count/subagent"]
+    # drift repairs (captured rollouts whose harness re-sent a turn differently): stretches trained apart
+    m["rollout/drift_repairs"] = float(sum(len(s.detached) for t in trajs for s in t.sessions))
+    m["rollout/drift_detached_tokens"] = float(sum(sum(x.loss_mask) for t in trajs for s in t.sessions
+                                                   for x in s.detached))
     ends: dict[str, int] = {}
     for t in trajs:
         ends[t.end_reason or "unknown"] = ends.get(t.end_reason or "unknown", 0) + 1

@@ -29,6 +29,7 @@ from mosaic.core.loss import policy_loss, token_weights
 from mosaic.envs.splits import Split
 from mosaic.trace import Trajectory
 from mosaic.train.batch import Scores, StepAdvantages, drop_uniform_groups, score_for, step_advantages, training_rows
+from mosaic.train.agreement import Agreement, warn_if_low
 from mosaic.train.batching import collate, completion_logprobs, micro_batches, pack_rows
 from mosaic.config.loader import Config
 from mosaic.train.metrics import rollout_metrics
@@ -97,14 +98,18 @@ def rollout(st: RLState, tasks: Sequence, step: int) -> list[Trajectory]:
     return st.source.collect(tasks, step)[0]
 
 
-def _accumulate_gradients(st: RLState, packed, w_rows: torch.Tensor, *, temperature: float) -> dict[str, float]:
+def _accumulate_gradients(st: RLState, packed, w_rows: torch.Tensor, *, temperature: float,
+                          agree: Agreement | None = None) -> dict[str, float]:
     """Backward the loss of every micro-batch of ``packed`` (weights from the whole mini-batch) and
-    combine their metrics: weighted ones add up, extrema combine."""
+    combine their metrics: weighted ones add up, extrema combine. ``agree``: fed the trainer's and the
+    sampler's log-probs of the trained tokens (before any update of this step)."""
     cfg = st.cfg
     out: dict[str, float] = {}
     for micro in micro_batches(packed, range(len(packed)), cfg.optim.micro_batch_size):
         batch = collate(packed, micro, pad_id=st.tokenizer.pad_token_id).to(st.device)
         lp, ent = completion_logprobs(st.model, batch, temperature=temperature, with_entropy=True)
+        if agree is not None:
+            agree.add(lp, batch.old_logprobs, batch.loss_mask)
         ref_lp = None
         if st.ref_model is not None and cfg.algo.kl_coef > 0:
             with torch.no_grad():
@@ -134,6 +139,9 @@ def update(st: RLState, rows, *, temperature: float) -> dict[str, float]:
     traj_ids = sorted({r.traj_index for r in rows})
     sums: dict[str, float] = {}
     n_updates = 0
+    # measured on the first mini-batch, before its optimizer step (every trained token with mini_batches=1)
+    agree: Agreement | None = Agreement()
+    agreement: dict[str, float] = {}
     rng = random.Random(cfg.train.seed)
     for _epoch in range(o.ppo_epochs):
         order = list(traj_ids)
@@ -149,7 +157,10 @@ def update(st: RLState, rows, *, temperature: float) -> dict[str, float]:
             # Sessions whose ids prefix another session's (main → its compaction) train in one pass.
             packed = pack_rows(rows, idx)
             st.optimizer.zero_grad(set_to_none=True)
-            mb_metrics = _accumulate_gradients(st, packed, w_rows, temperature=temperature)
+            mb_metrics = _accumulate_gradients(st, packed, w_rows, temperature=temperature, agree=agree)
+            if agree is not None:
+                agreement = agree.metrics(cfg.rollout.agreement_warn_corr)
+                agree = None
             clip = o.grad_clip if o.grad_clip > 0 else float("inf")
             gn = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
             mb_metrics["actor/grad_norm"] = float(gn)
@@ -165,6 +176,8 @@ def update(st: RLState, rows, *, temperature: float) -> dict[str, float]:
     out = {k: v / max(1, n_updates) for k, v in sums.items()}
     out["actor/lr"] = float(st.scheduler.get_last_lr()[0])
     out["actor/updates"] = float(n_updates)
+    out.update(agreement)
+    warn_if_low(agreement, cfg.rollout.agreement_warn_corr)
     return out
 
 

@@ -59,7 +59,8 @@ class ScriptLLM:
         self._seq = itertools.count()
         self._clock = itertools.count()
 
-    async def __call__(self, messages, tools, text: str, tool_calls=(), *, max_tokens: int = 64):
+    async def __call__(self, messages, tools, text: str, tool_calls=(), *, max_tokens: int = 64, cut: bool = False):
+        """``cut``: the reply is cut at ``max_tokens`` (no end-of-turn token, ``finish_reason`` "length")."""
         t0 = next(self._clock)
         await asyncio.sleep(0)  # concurrent subagents interleave here
         tool_calls = list(tool_calls)
@@ -74,11 +75,11 @@ class ScriptLLM:
             rec.error = (f"upstream returned 400: This model's maximum context length is {self.max_context} "
                          f"tokens. However, you requested {len(prompt) + max_tokens} tokens.")
             raise ContextOverflow(rec.error)
-        comp = self.rnd.completion(text + render_tool_calls(tool_calls))
+        comp = self.rnd.completion(text + render_tool_calls(tool_calls), stop=not cut)
         rec.prompt_ids, rec.completion_ids = prompt, comp
         rec.logprobs = [fake_logprob(i, t) for i, t in enumerate(comp)]
         rec.text, rec.tool_calls = text, tool_calls
-        rec.finish_reason = "tool_calls" if tool_calls else "stop"
+        rec.finish_reason = "length" if cut else "tool_calls" if tool_calls else "stop"
         await asyncio.sleep(0)
         return text, tool_calls
 
@@ -232,4 +233,25 @@ async def random_team(llm: ScriptLLM, plan: list[dict], lead_searches: int, lead
         text, _ = await llm(msgs, TOOLS_LEAD, "\n" if lead_ws else "", [t])
         msgs += [assistant(drop(text), [t]), {"role": "tool", "tool_call_id": t["id"], "content": document(f"lead {k}")}]
     answer, _ = await llm(msgs, TOOLS_LEAD, f"ANSWER: {len(plan)} researchers")
+    return answer
+
+
+async def cut_reply_resent(llm: ScriptLLM) -> str:
+    """Issue 33 item 11, the trainer test's scripted harness (main → sub-agent → main → compaction →
+    main) with its random model's luck made deterministic: every reply is cut at ``max_tokens``; the
+    lead's first reply ends with a fragment the harness does not re-send as sampled (a split character,
+    here a stray ``<``), and the harness attaches the delegate tool call to it itself."""
+    head = [{"role": "system", "content": LEAD_SYS}, {"role": "user", "content": TASK}]
+    msgs = list(head)
+    call = tool_call("delegate", {"question": QA}, QA)
+    text, _ = await llm(msgs, None, "I ask a helper about it <", cut=True)
+    sub_answer, _ = await llm([{"role": "system", "content": SUB_SYS}, {"role": "user", "content": QA}], None,
+                              "It starts high in the hills", cut=True)
+    msgs += [assistant(text.rstrip("<").rstrip(), [call]),
+             {"role": "tool", "tool_call_id": call["id"], "content": sub_answer}]
+    text, _ = await llm(msgs, None, "Then I search the archive", cut=True)
+    msgs += [assistant(text, None), {"role": "tool", "content": document("river")}]
+    summary, _ = await llm(msgs + [{"role": "user", "content": "Summarize the conversation so far."}], None,
+                           "Notes: the river starts in the hills", cut=True)
+    answer, _ = await llm(head + [{"role": "user", "content": summary}], None, "ANSWER: the hills", cut=True)
     return answer

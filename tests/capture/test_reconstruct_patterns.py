@@ -16,6 +16,7 @@ from mosaic.capture.scripted import Renderer, build_tokenizer
 from mosaic.trace import StateRef
 
 from . import _patterns as P
+from ._fidelity import assert_trained_on_sampled_contexts
 
 
 @functools.lru_cache(maxsize=1)
@@ -38,17 +39,18 @@ def _first_user(t, s, recs):
 
 
 def _exact(t, recs):
-    """Every call's completion sits in its session's row where the offsets say, trainable, with its
-    log-probs; the row's trainable tokens are exactly the calls' completions."""
+    """Every call's completion is trained once, on the context it was sampled from (in its session's
+    row, or in a detached stretch after a re-sent turn); each session starts with its first call's prompt
+    and its row ends with its last call's completion."""
     by_id = {r.call_id: r for r in recs}
     for s in t.sessions:
         toks = s.tokens()
         calls = [by_id[c] for c in s.meta["call_ids"]]
         assert s.prompt_ids == calls[0].prompt_ids
-        assert s.num_trainable == sum(len(c.completion_ids) for c in calls)
-        sampled = [tok for tok, m in zip(s.completion_ids, s.loss_mask) if m]
-        assert sampled == [tok for c in calls for tok in c.completion_ids]
+        assert s.num_trainable + sum(sum(x.loss_mask) for x in s.detached) == sum(len(c.completion_ids) for c in calls)
         assert toks[-len(calls[-1].completion_ids) or len(toks):] == calls[-1].completion_ids
+        assert toks[: len(calls[-1].prompt_ids)] == calls[-1].prompt_ids  # the row follows the last prompt
+    assert_trained_on_sampled_contexts(t, recs)
 
 
 def test_subagent_that_compacts_its_own_history(rnd):
@@ -96,23 +98,29 @@ def test_whitespace_dropped_when_turns_are_resent(rnd):
     lead, sub = t.sessions
     assert lead.num_turns == 4 and sub.num_turns == 3
     assert len(lead.meta["resent"]) == 3 and len(sub.meta["resent"]) == 2
-    assert all(r["rendered"] < r["sampled"] for r in lead.meta["resent"] + sub.meta["resent"])
+    # each re-sent turn was rebuilt: the sampled tokens the harness re-sent differently were detached
+    assert all(r["detached_tokens"] > 0 for r in lead.meta["resent"] + sub.meta["resent"])
+    assert t.meta["drift_repairs"] == 5 == len(lead.detached) + len(sub.detached)
     assert not any("diverged_from" in s.meta for s in t.sessions)
     assert t.answer == answer and t.sessions[0].end_reason == "stop"
-    # What the harness inserted after each re-sent turn is the new prompt's tail, token for token.
-    by_id = {r.call_id: r for r in recs}
-    calls = [by_id[c] for c in lead.meta["call_ids"]]
-    row = lead.tokens()
-    for prev, c, r in zip(calls, calls[1:], lead.meta["resent"]):
-        q = len(prev.prompt_ids) + r["rendered"]
-        assert c.prompt_ids[: len(prev.prompt_ids)] == prev.prompt_ids
-        tail = c.prompt_ids[q:]
-        assert any(row[k: k + len(tail) + len(c.completion_ids)] == tail + c.completion_ids
-                   for k in range(len(row)))
     _exact(t, recs)
     # Without message matching every re-sent turn opens a session (the old behaviour, flagged).
     old = reconstruct_rollout(recs, rules=ReconstructionRules(message_match=False))
     assert len(old.sessions) > 2 and any("diverged_from" in s.meta for s in old.sessions)
+
+
+def test_cut_reply_resent_differently_keeps_the_subagent(rnd):
+    """Issue 33 item 11: a reply cut at max_tokens and re-sent differently used to open a new session,
+    which then took the sub-agent for a compaction by output (kinds {main, compaction} only)."""
+    recs, answer = P.run(P.cut_reply_resent, rnd, "p11")
+    t = reconstruct_rollout(recs, RewardRecord("p11", 1.0))
+    assert _shape(t) == [("main", None, None, False), ("subagent", 0, "forks", False),
+                         ("compaction", 0, "continues", False), ("main", 2, "continues", True)]
+    lead = t.sessions[0]
+    assert [r["call_id"] for r in lead.meta["resent"]] == [lead.meta["call_ids"][1]]
+    assert t.meta["drift_repairs"] == 1 and t.meta["drift_detached_tokens"] > 0
+    assert t.answer == answer
+    _exact(t, recs)
 
 
 def test_leaked_markup_is_not_taken_for_a_compaction(rnd):
@@ -121,6 +129,7 @@ def test_leaked_markup_is_not_taken_for_a_compaction(rnd):
     assert _shape(t) == [("main", None, None, True), ("subagent", 0, "forks", False)]
     lead, sub = t.sessions
     assert lead.meta["resent"][0]["call_id"] == lead.meta["call_ids"][1]
+    assert t.meta["drift_repairs"] == 1 == len(lead.detached) and not sub.detached
     assert sub.meta["parent_by"] == "result"
     assert "RESULT for" in rnd.decode(t.resolve_state(sub.state_after)[sub.state_before.upto:])
     assert t.answer == answer
@@ -192,3 +201,19 @@ def test_random_teams_rebuild_to_their_graph(plan, lead_searches, lead_ws, patte
         assert (s.parent, s.edge, s.kind) == want, (r, k, s.meta)
     assert not t.meta["unlinked_sessions"] and not any("diverged_from" in s.meta for s in t.sessions)
     _exact(t, recs)
+
+
+def test_export_summary_counts_the_drift_repairs(rnd, tmp_path):
+    from mosaic.capture.cli import export
+    from mosaic.capture.records import RecordWriter
+    from mosaic.trace import load_trajectories
+
+    recs, _ = P.run(P.whitespace_dropped, rnd, "p3a")
+    w = RecordWriter(tmp_path / "records" / "records.jsonl")
+    for r in recs + [RewardRecord("p3a", 1.0)]:
+        w.write(r)
+    w.close()
+    summary = export(str(tmp_path / "records"), str(tmp_path / "out.jsonl"))
+    assert summary["drift_repairs"] == 5 and summary["drift_detached_tokens"] > 0
+    (t,) = load_trajectories(tmp_path / "out.jsonl")
+    _exact(t, recs)  # the detached stretches survive the file

@@ -10,8 +10,9 @@ import httpx
 
 
 def _chat(task, messages, max_tokens=6):
+    # a temperature of its own, which the trainer's proxy replaces with the trainer's
     r = httpx.post(task.base_url + "/chat/completions", timeout=max(1.0, task.deadline - time.time()),
-                   json={"model": task.model, "messages": messages, "max_tokens": max_tokens})
+                   json={"model": task.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.25})
     r.raise_for_status()
     return r.json()["choices"][0]["message"]["content"] or ""
 

@@ -15,6 +15,8 @@ import torch
 from mosaic.train import entrypoints, setup
 from mosaic.config.loader import ConfigError, load_config
 
+from tests.capture._fidelity import assert_trained_on_sampled_contexts
+
 from .conftest import save_tiny_base
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -71,7 +73,11 @@ def test_graphs_trained_on_equal_what_proxy_export_rebuilds(base_dir, tmp_path):
         assert all(t.group_id in {x.id for x in tasks} for t in trajs)
         calls, _ = load_records(src.records_dir)
         assert calls and {c.policy_version for c in calls} == {0}
-        assert all(c.request_params.get("temperature") is None or True for c in calls)
+        for t in trajs:  # every trained token on the context it was sampled from (drift repaired, issue 33)
+            assert_trained_on_sampled_contexts(t, calls)
+        # sampling is the trainer's: the harness asked for 0.25, every call was sampled as the trainer samples
+        sampled_with = {(c.request_params.get("temperature"), c.request_params.get("top_p")) for c in calls}
+        assert sampled_with == {(cfg.rollout.temperature, cfg.rollout.top_p)} and cfg.rollout.temperature != 0.25
 
         export(str(src.records_dir), str(tmp_path / "exported.jsonl"), rules=src.rules)
         again = {t.id: t for t in load_trajectories(tmp_path / "exported.jsonl")}

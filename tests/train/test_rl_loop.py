@@ -275,3 +275,55 @@ def _runs(values):
         if not out or abs(out[-1] - v) > 1e-5 * max(1.0, abs(v)):
             out.append(v)
     return out
+
+
+def test_rollout_training_agreement_is_logged_and_a_mismatched_sampler_warns(base_dir, tmp_path, capsys):
+    """Issue 33 item 7: the trainer's recomputed token probabilities against the sampler's, on the trained
+    tokens before the update: a matched sampler (the built-in harness, same weights and temperature) agrees
+    above 0.99; log-probs from perturbed weights or from a temperature other than the one trained with move
+    the figures and warn."""
+    import copy
+
+    from mosaic.trace import to_rows
+    from mosaic.train.agreement import CORR
+    from mosaic.train.batching import collate, completion_logprobs
+
+    cfg = _cfg(base_dir, tmp_path, "algo.estimator=broadcast")
+    st = _state(cfg)
+    trajs = rl.rollout(st, rl.tasks_for_step(st.split, 0, 2, 0), step=0)
+    rows = to_rows(trajs, [0.5] * sum(len(t.sessions) for t in trajs))
+    fresh = {k: v.clone() for k, v in st.model.state_dict().items()}
+
+    def sampled_by(model, temperature: float):
+        """The rows with the log-probs ``model`` gives their tokens at ``temperature`` (a mismatched sampler)."""
+        with torch.no_grad():
+            lp, _ = completion_logprobs(model, collate(rows, range(len(rows)), pad_id=st.tokenizer.pad_token_id),
+                                        temperature=temperature)
+        out = copy.deepcopy(rows)
+        for k, r in enumerate(out):
+            r.logprobs = [float(x) if m else 0.0 for x, m in zip(lp[k, : len(r.completion_ids)], r.loss_mask)]
+        return out
+
+    T = cfg.rollout.temperature
+
+    def update_from_fresh(rs):
+        st.model.load_state_dict(fresh)
+        return rl.update(st, rs, temperature=T)
+
+    noisy = copy.deepcopy(st.model)
+    with torch.no_grad():
+        for p in noisy.parameters():
+            p.add_(torch.randn_like(p, generator=torch.Generator().manual_seed(0)) * 0.5 * p.std().clamp(min=1e-3))
+    got = {}
+    for name, rs in [("matched", rows), ("temperature", sampled_by(st.model, T / 2)), ("perturbed", sampled_by(noisy, T))]:
+        got[name] = update_from_fresh(rs)
+        got[name]["stderr"] = capsys.readouterr().err
+    m = got["matched"]
+    assert m["training/rollout_agreement_tokens"] == sum(r.num_trainable for r in rows)
+    assert m[CORR] > 0.99 and m["training/rollout_probs_diff_mean"] < 1e-3, m
+    assert m["training/rollout_agreement_warn"] == 0.0 and "Pearson" not in m["stderr"]
+    for name in ("temperature", "perturbed"):
+        bad = got[name]
+        assert bad["training/rollout_probs_diff_mean"] > 10 * m["training/rollout_probs_diff_mean"], (name, bad)
+        assert bad[CORR] < 0.99 and bad["training/rollout_agreement_warn"] == 1.0, (name, bad)
+        assert "Pearson" in bad["stderr"] and "rollout.agreement_warn_corr=0.99" in bad["stderr"]
