@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Literal
 
+from mosaic.trace.stretch import Stretch  # noqa: F401  (re-exported: part of the data model)
 from mosaic.trace.fields import (  # noqa: F401  (TraceError and the limits are re-exported)
     TraceError, MAX_TOKEN_ID, LOGPROB_TOLERANCE, show_value, as_int, as_str, as_bool, as_number, as_list, as_int_list, as_bool_list, as_float_list, as_dict, check_ids, check_logprobs,
 )
@@ -75,47 +76,6 @@ class StateRef:
         return StateRef(session=as_int(d.get("session"), "session", optional=True),
                         upto=as_int(d.get("upto"), "upto", optional=True),
                         state=as_int(d.get("state"), "state", optional=True))
-
-
-@dataclass
-class Stretch:
-    """Sampled tokens kept apart from their session's row, on the exact context they were sampled from:
-    a harness re-sent an earlier turn with other tokens than were sampled, the later turns (and the row)
-    follow the re-sent tokens (capture reconstruction, rule 3b). Trained as a row of their own with the
-    session's advantage; ``prompt_ids`` is their context, the rest as in a :class:`Session`."""
-
-    prompt_ids: list[int]
-    completion_ids: list[int]
-    loss_mask: list[bool]
-    logprobs: list[float]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"prompt_ids": list(self.prompt_ids), "completion_ids": list(self.completion_ids),
-                "loss_mask": [bool(m) for m in self.loss_mask], "logprobs": [float(x) for x in self.logprobs]}
-
-    @staticmethod
-    def from_dict(d: Any) -> "Stretch":
-        if not isinstance(d, dict):
-            raise TraceError(f"a detached stretch must be an object, got {show_value(d)}")
-        try:
-            return Stretch(prompt_ids=as_int_list(d["prompt_ids"], "prompt_ids"),
-                           completion_ids=as_int_list(d["completion_ids"], "completion_ids"),
-                           loss_mask=as_bool_list(d["loss_mask"], "loss_mask"),
-                           logprobs=as_float_list(d["logprobs"], "logprobs"))
-        except KeyError as exc:
-            raise TraceError(f"a detached stretch is missing field {exc.args[0]!r}") from None
-
-    def check(self, where: str) -> None:
-        n = len(self.completion_ids)
-        if len(self.loss_mask) != n or len(self.logprobs) != n:
-            raise TraceError(f"{where}: loss_mask / logprobs lengths {len(self.loss_mask)} / {len(self.logprobs)} "
-                             f"!= {n} completion tokens")
-        try:
-            check_ids(self.prompt_ids, "prompt_ids")
-            check_ids(self.completion_ids, "completion_ids")
-            check_logprobs(self.logprobs, "logprobs")
-        except TraceError as exc:
-            raise TraceError(f"{where} {exc}") from None
 
 
 @dataclass

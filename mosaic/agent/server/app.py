@@ -365,6 +365,42 @@ async def _results(job: Job) -> list:
     return ev[1]
 
 
+def _add_routes(app: FastAPI, srv: ModelServer, model_name: str) -> None:
+    """The error handler and the routes: ``/health``, ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``
+    (a large body is parsed and tokenised only in one of the server's heavy-request slots)."""
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+        resp = error_response(exc.status, exc.message, exc.param)
+        if exc.status == 503:
+            resp.headers["Retry-After"] = "1"
+        return resp
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok", "worker": dict(srv.worker.stats)}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": model_name, "object": "model",
+                                            "created": 0, "owned_by": "mosaic"}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        raw = await request.body()
+        async with srv.heavy_slot(len(raw)):
+            body = await asyncio.to_thread(_parse, CompletionRequest, raw)
+            prompts = await srv.completion_prompts(body)
+        return await srv.completions(body, prompts)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        raw = await request.body()
+        async with srv.heavy_slot(len(raw)):
+            body = await asyncio.to_thread(_parse, ChatCompletionRequest, raw)
+            ids = await srv.chat_prompt(body)
+        return await srv.chat(body, ids)
+
+
 def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *,
                model_name: str = "mosaic-local", device: str | None = None, max_batch_size: int = 64,
                batch_window_s: float = 0.002, default_max_tokens: int = 16, api_key: str | None = None,
@@ -399,36 +435,5 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *,
     app.state.server = srv
     app.add_middleware(Guard, max_body_bytes=max_body_bytes, api_key=api_key)
 
-    @app.exception_handler(ApiError)
-    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-        resp = error_response(exc.status, exc.message, exc.param)
-        if exc.status == 503:
-            resp.headers["Retry-After"] = "1"
-        return resp
-
-    @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok", "worker": dict(srv.worker.stats)}
-
-    @app.get("/v1/models")
-    async def models() -> dict:
-        return {"object": "list", "data": [{"id": model_name, "object": "model",
-                                            "created": 0, "owned_by": "mosaic"}]}
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        raw = await request.body()
-        async with srv.heavy_slot(len(raw)):
-            body = await asyncio.to_thread(_parse, CompletionRequest, raw)
-            prompts = await srv.completion_prompts(body)
-        return await srv.completions(body, prompts)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        raw = await request.body()
-        async with srv.heavy_slot(len(raw)):
-            body = await asyncio.to_thread(_parse, ChatCompletionRequest, raw)
-            ids = await srv.chat_prompt(body)
-        return await srv.chat(body, ids)
-
+    _add_routes(app, srv, model_name)
     return app
