@@ -52,7 +52,10 @@ def evaluate(cfg: Config, model, tokenizer, chat, split, *, n_tasks: int | None 
     ``progress``: a progress bar over the trajectories (a string: its label; ``True``: ``eval``)."""
     t0 = time.perf_counter()
     tasks = split.tasks[: n_tasks or len(split.tasks)]
-    policy = sampling_policy(cfg, model, tokenizer, temperature=temperature, seed=seed)
+    # No update waits on an evaluation: every trajectory in one batch (rollout.eval_batch_size), so each decode
+    # step serves them all and a question's samples share their first prompt's prefill.
+    batch = cfg.rollout.eval_batch_size or max(1, len(tasks) * samples)
+    policy = sampling_policy(cfg, model, tokenizer, temperature=temperature, seed=seed, batch_size=batch)
     harness = Harness(policy, chat, DeepSearchEnv(split), cfg.harness)
     trajs = harness.run(tasks, group_size=samples, seed=seed, progress="eval" if progress is True else progress,
                         step="eval")
