@@ -22,7 +22,7 @@ from mosaic.agent.harness import DeepSearchEnv, Harness
 from mosaic.trace import Trajectory
 from mosaic.train.config import Config
 from mosaic.train.metrics import rollout_metrics, val_keys
-from mosaic.train.scorer import score_gains as score_gains_
+from mosaic.train.scorer import LiveScorer, score_gains as score_gains_
 from mosaic.train.setup import sampling_policy
 from mosaic.train.stats import accuracy_ci
 
@@ -56,12 +56,16 @@ def evaluate(cfg: Config, model, tokenizer, chat, split, *, n_tasks: int | None 
     # step serves them all and a question's samples share their first prompt's prefill.
     batch = cfg.rollout.eval_batch_size or max(1, len(tasks) * samples)
     policy = sampling_policy(cfg, model, tokenizer, temperature=temperature, seed=seed, batch_size=batch)
-    harness = Harness(policy, chat, DeepSearchEnv(split), cfg.harness)
+    # Gains scored as in training: each main session's states off the policy's live cache as it closes.
+    live = (LiveScorer(policy, chat.answer_probe, max_batch_tokens=cfg.algo.score_batch_tokens)
+            if score_gains and cfg.algo.scorer == "cached" and cfg.algo.score_live else None)
+    harness = Harness(policy, chat, DeepSearchEnv(split), cfg.harness, state_scorer=live)
     trajs = harness.run(tasks, group_size=samples, seed=seed, progress="eval" if progress is True else progress,
                         step="eval")
     gains = is_final = None
     if score_gains:
-        res = score_gains_(trajs, model, chat.answer_probe, max_batch_tokens=cfg.algo.score_batch_tokens)
+        res = score_gains_(trajs, model, chat.answer_probe, max_batch_tokens=cfg.algo.score_batch_tokens,
+                           known=live.known(trajs) if live is not None else None)
         gains, is_final = res.gains.numpy(), res.is_final.numpy()
     metrics = rollout_metrics(trajs, gains, is_final)
     outcomes: dict[str, list[float]] = {}
