@@ -128,7 +128,7 @@ def unit(args) -> None:
 def _checkout(commit: str, where: Path) -> Path:
     tree = where / f"old-{commit}"
     subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(tree), commit], check=True,
-                   stdout=subprocess.DEVNULL)  # fmt: skip
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     return tree
 
 
