@@ -8,7 +8,7 @@ so both see the same machine load; same config and seed. Prints seconds per phas
 (wall, or with ``--clock cpu`` the process's CPU time: on a shared machine, with ``--threads 1``), and old / new:
 
 - generation: the rollouts (gain probes run live during them included); gain scoring: the pass after them;
-- reference pass: the KL anchor's forwards (timed by hooks on the reference model);
+- reference pass: the KL anchor's forwards (timed by hooks on the reference model's decoder and head);
 - update: ``timing_s/update_actor`` less the reference pass;
 - evaluation: the evaluations' wall time, gain scoring included (and trajectories per second); of it,
   the gain scoring run after the rollouts (``eval: scoring after``; now most states are scored live);
@@ -99,7 +99,9 @@ def unit(args) -> None:
 
     def timed_reference(model):
         ref = make_ref(model)
-        clocks.hook(ref, "reference pass")
+        # the update calls the decoder and the output layer directly (not ``ref.forward``)
+        clocks.hook(ref.get_decoder(), "reference pass")
+        clocks.hook(ref.get_output_embeddings(), "reference pass")
         return ref
 
     entrypoints.make_reference = timed_reference
