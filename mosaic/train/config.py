@@ -130,7 +130,7 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
         "model": {"source": "smollm2", "device": "cuda", "dtype": "bfloat16", "gradient_checkpointing": True},
         "data": {"preset": "paper"},
         "harness": {"context_budget": 4096, "max_new_tokens": 512, "summary_max_new_tokens": 512},
-        "rollout": {"batch_size": 128, "eval_batch_size": 128},
+        "rollout": {"batch_size": 128},
         "optim": {"lr": 1e-6, "warmup_steps": 5, "micro_batch_size": 8},
         "train": {"steps": 0, "batch_tasks": 16, "group_size": 8, "eval_every": 10, "save_every": 10,
                   "run_dir": "runs/paper"},

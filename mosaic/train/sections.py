@@ -141,8 +141,7 @@ class RolloutConfig(_Section):
     batch_size: int = 64
     """Most sequences the local policy decodes together."""
     eval_batch_size: int = 0
-    """Most sequences decoded together in a held-out evaluation (no update waits on it); 0: all of its
-    questions x samples in one batch."""
+    """Most sequences decoded together in a held-out evaluation; 0: ``batch_size``."""
     source: Literal["builtin", "harness", "records"] = "builtin"
     """Where RL rollouts come from: ``builtin`` (the project's harness), ``harness`` (an external agent
     harness, run against the served policy through the recording proxy: ``mosaic.train.external``) or

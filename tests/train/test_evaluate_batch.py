@@ -1,5 +1,5 @@
-"""``evaluate``: every trajectory in one decode batch, gains scored live off the policy's cache equal to the
-same gains scored after the rollouts."""
+"""``evaluate``: the decode batch (``rollout.eval_batch_size``), gains scored live off the policy's cache equal
+to the same gains scored after the rollouts."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def _eval(shipped, monkeypatch, overrides):
 def test_live_gains_equal_gains_scored_after(shipped, monkeypatch):
     live, n_live = _eval(shipped, monkeypatch, ["algo.score_live=true"])
     after, n_after = _eval(shipped, monkeypatch, ["algo.score_live=false"])
-    assert n_live == n_after == 12  # 4 questions x 3 samples in one batch
+    assert n_live == n_after == 64  # rollout.batch_size
     assert live.outcomes == after.outcomes  # the same rollouts
     keys = [k for k in after.metrics if k.startswith(("session/gain", "session/pos_gain_share"))]
     assert keys
