@@ -5,6 +5,7 @@ given, and prints the step's phases (``timing_s/*``), the top operators by self 
 Python call sites (``cProfile``, cumulative), so a change can be checked against the profile it targets.
 
     python bench/profile_step.py                                  # the main job (compaction, Mosaic)
+    python bench/profile_step.py algo.kl_coef=0.05                # with the KL anchor (the compaction grid)
     python bench/profile_step.py harness.mode=single harness.max_turns=1 algo.estimator=grpo
 """
 
@@ -41,6 +42,10 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     st = _our_state([f"train.steps={args.steps + 1}", *args.overrides])
+    if st.cfg.algo.kl_coef > 0:  # the KL anchor's reference model, as `mosaic train` builds it
+        from mosaic.train.rl import make_reference
+
+        st.ref_model = make_reference(st.model)
     rl_step(st, 0)  # warm-up
     metrics = []
     prof_py = cProfile.Profile()

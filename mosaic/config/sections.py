@@ -149,6 +149,8 @@ class RolloutConfig(_Section):
     """Nucleus mass of rollout sampling, in (0, 1]."""
     batch_size: int = 64
     """Most sequences the local policy decodes together."""
+    eval_batch_size: int = 0
+    """Most sequences decoded together in a held-out evaluation; 0: ``batch_size``."""
     source: Literal["builtin", "harness", "records"] = "builtin"
     """Where RL rollouts come from: ``builtin`` (the project's harness), ``harness`` (an external agent
     harness, run against the served policy through the recording proxy: ``mosaic.train.external``) or
@@ -172,6 +174,7 @@ class RolloutConfig(_Section):
 
     def _validate(self) -> None:
         self._positive("batch_size", "concurrency", "deadline_s")
+        self._positive("eval_batch_size", allow_zero=True)
         self._need(self.source != "harness" or bool(self.harness.strip()), "harness",
                    "rollout.source=harness needs the harness: module:function or a shell command")
         self._need(self.source != "records" or bool(self.records.strip()), "records",

@@ -22,7 +22,7 @@ from mosaic.agent.harness import DeepSearchEnv, Harness
 from mosaic.trace import Trajectory
 from mosaic.config.loader import Config
 from mosaic.train.metrics import rollout_metrics, val_keys
-from mosaic.train.scorer import score_gains as score_gains_
+from mosaic.train.scorer import LiveScorer, score_gains as score_gains_
 from mosaic.train.setup import sampling_policy
 from mosaic.train.stats import accuracy_ci
 
@@ -52,13 +52,20 @@ def evaluate(cfg: Config, model, tokenizer, chat, split, *, n_tasks: int | None 
     ``progress``: a progress bar over the trajectories (a string: its label; ``True``: ``eval``)."""
     t0 = time.perf_counter()
     tasks = split.tasks[: n_tasks or len(split.tasks)]
-    policy = sampling_policy(cfg, model, tokenizer, temperature=temperature, seed=seed)
-    harness = Harness(policy, chat, DeepSearchEnv(split), cfg.harness)
+    # rollout.eval_batch_size (0: rollout.batch_size). One batch of all 256 trajectories was slower on CPU than
+    # batches of 64 (3.9 vs 5.0 trajectories per CPU second) and sampled other draws: see docs (issue 27).
+    batch = cfg.rollout.eval_batch_size or cfg.rollout.batch_size
+    policy = sampling_policy(cfg, model, tokenizer, temperature=temperature, seed=seed, batch_size=batch)
+    # Gains scored as in training: each main session's states off the policy's live cache as it closes.
+    live = (LiveScorer(policy, chat.answer_probe, max_batch_tokens=cfg.algo.score_batch_tokens)
+            if score_gains and cfg.algo.scorer == "cached" and cfg.algo.score_live else None)
+    harness = Harness(policy, chat, DeepSearchEnv(split), cfg.harness, state_scorer=live)
     trajs = harness.run(tasks, group_size=samples, seed=seed, progress="eval" if progress is True else progress,
                         step="eval")
     gains = is_final = None
     if score_gains:
-        res = score_gains_(trajs, model, chat.answer_probe, max_batch_tokens=cfg.algo.score_batch_tokens)
+        res = score_gains_(trajs, model, chat.answer_probe, max_batch_tokens=cfg.algo.score_batch_tokens,
+                           known=live.known(trajs) if live is not None else None)
         gains, is_final = res.gains.numpy(), res.is_final.numpy()
     metrics = rollout_metrics(trajs, gains, is_final)
     outcomes: dict[str, list[float]] = {}

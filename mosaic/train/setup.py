@@ -86,13 +86,14 @@ def chat_format(tokenizer) -> ChatFormat:
     return chat
 
 
-def sampling_policy(cfg: Config, model, tokenizer, *, temperature: float | None = None, seed: int = 0):
+def sampling_policy(cfg: Config, model, tokenizer, *, temperature: float | None = None, seed: int = 0,
+                    batch_size: int | None = None):
     """A batched KV-cache :class:`~mosaic.agent.policies.local.LocalPolicy` over the live model."""
     r = cfg.rollout
     pc = LocalPolicyConfig(
         temperature=r.temperature if temperature is None else temperature,
         top_p=r.top_p,
-        max_batch_size=r.batch_size,
+        max_batch_size=r.batch_size if batch_size is None else batch_size,
         seed=seed,
     )
     return LocalPolicy(model, tokenizer, pc)

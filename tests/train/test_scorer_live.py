@@ -30,10 +30,8 @@ class TeacherForcedLocal(LocalPolicy):
             ids = list(req.prompt_ids) + list(res.token_ids[:-1])
             fed = GenRequest(req.session_key, ids + [0], 1)  # the prefill feeds all but the last id
             pre = self._lookup(fed)
-            _, cache, mask, _ = self._prefill([fed], [pre])
-            got: dict = {}
-            self._extract(cache, mask, [0], [0], got)
-            self._store(req.session_key, ids + [0], got[0])
+            _, batch = self._prefill([fed], [pre])
+            self._store(req.session_key, ids + [0], batch.kv_of(0))
             # drop the dummy last position: the cache holds exactly prompt + turn[:-1]
             entry = self._cache[req.session_key]
             entry.ids, entry.kv = ids, [(k[:, : len(ids)], v[:, : len(ids)]) for k, v in entry.kv]

@@ -6,23 +6,21 @@ request, batched with a KV cache:
 1. **Prefill.** Prompts are left-padded into one ``(B, L)`` batch with an attention
    mask and explicit position ids (``cumsum(mask) - 1``), so every row sees exactly
    the positions it would see alone. Only the last position's logits are computed.
-2. **Decode.** One token per active row per step, fed with the KV cache. A row that
-   samples an end-of-turn id (or reaches its ``max_new_tokens``) is *dropped* from
-   the batch (its cache rows are index-selected away), so finished sessions cost
-   nothing while the rest keep going.
+2. **Decode.** One token per live row per step, fed with the KV cache: a
+   :class:`~mosaic.agent.policies.kvcache.SlabCache` allocated once at the batch's final length (no
+   copy per token). A row that samples an end-of-turn id (or reaches its ``max_new_tokens``) finishes;
+   finished rows are dropped from the batch in one gather once a quarter of it has finished
+   (:class:`~mosaic.agent.policies.kvcache.DecodeBatch`), so finished sessions cost little while the
+   rest keep going.
 
 Sampling: temperature, then top-p (nucleus), from a seeded ``torch.Generator``
 owned by the policy (a run is reproducible for the same sequence of calls and
 batch compositions). ``temperature == 0`` is greedy.
 
-Log-probs (``GenResult.logprobs``): the log-probability of each sampled token
-under the **processed distribution actually sampled from** (``log_softmax(logits /
-T)`` restricted to the nucleus and renormalised). At ``T = 1, top_p = 1`` (the
-training default) this is exactly the raw policy's ``log_softmax(logits)``. At
-``T = 0`` the sampler is a point mass; we report the raw ``log_softmax(logits)``
-instead of 0. Every result also carries ``raw_logprobs`` (a :class:`LocalGenResult`):
-the unprocessed model log-probs of the same tokens, what a PPO ratio wants when
-the rollout used a different temperature.
+Log-probs (``GenResult.logprobs``): under the processed distribution actually sampled from
+(:func:`~mosaic.agent.policies.sampling.sample_next`); every result also carries ``raw_logprobs`` (a
+:class:`LocalGenResult`): the unprocessed model log-probs of the same tokens, what a PPO ratio wants
+when the rollout used a different temperature.
 
 Prefix cache (``prefix_cache=True``, default): a session's next prompt extends its
 previous prompt + sampled ids + inserted tool tokens, so after each turn the session's
@@ -45,9 +43,14 @@ from collections import OrderedDict
 from typing import Callable, Iterable, Sequence
 
 import torch
-from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from mosaic.agent.policies.kvcache import KV, DecodeBatch, PrefixEntry, make_cache
+from mosaic.agent.policies.sampling import Sampling, common_prefix, default_stop_ids, sample_next
 from mosaic.agent.policy import GenRequest, GenResult
+
+__all__ = ["LocalGenResult", "LocalPolicy", "LocalPolicyConfig", "StepCallback", "default_stop_ids", "sample_next"]
+_common_prefix = common_prefix  # (the name the tests know)
 
 log = logging.getLogger(__name__)
 
@@ -60,32 +63,9 @@ def _step_in_chunk(on_step, idx: list[int], rows: list[int], toks: list[int], lp
     where = {i: r for r, i in enumerate(idx)}
     return [where[i] for i in ended if i in where]
 
-def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
-    """Length of the longest common prefix of ``a`` and ``b``, at most ``limit`` (binary search over slice
-    comparisons, which run in C)."""
-    hi = min(len(a), len(b), limit)
-    if a[:hi] == b[:hi]:
-        return hi
-    lo = 0  # a[:lo] == b[:lo] holds; a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
-
 
 # on_step(indices, tokens, logprobs) -> indices to end now (they finish as "stop"), or None
 StepCallback = Callable[[list[int], list[int], list[float]], Iterable[int] | None]
-
-
-@dataclass(frozen=True)
-class _Sampling:
-    temperature: float
-    top_p: float
-    stop: torch.Tensor  # (K,) end-of-turn ids
-    generator: torch.Generator
 
 
 @dataclass
@@ -120,6 +100,9 @@ class LocalPolicyConfig:
     session (each HTTP call re-sends the whole context). Entries are kept, not consumed, so the G samples of
     one prompt all start from it."""
     shared_prefix_min: int = 16
+    slab_cache: bool = True
+    """Decode into KV buffers allocated once per batch (:class:`~mosaic.agent.policies.kvcache.SlabCache`)
+    instead of HF's cache grown by a copy per token; the same tokens for the same generator state."""
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -130,63 +113,6 @@ class LocalPolicyConfig:
             raise ValueError(f"max_batch_size: must be >= 1, got {self.max_batch_size}")
         if self.prefix_cache_tokens < 0:
             raise ValueError(f"prefix_cache_tokens: must be >= 0, got {self.prefix_cache_tokens}")
-
-
-def default_stop_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None) -> tuple[int, ...]:
-    """The model's eos id(s) plus ``<|im_end|>`` when the tokenizer has it."""
-    ids: set[int] = set()
-    for cfg in (model.generation_config, model.config):
-        eos = getattr(cfg, "eos_token_id", None)
-        if eos is not None:
-            ids.update([eos] if isinstance(eos, int) else eos)
-    if tokenizer is not None:
-        if tokenizer.eos_token_id is not None:
-            ids.add(tokenizer.eos_token_id)
-        im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-        if isinstance(im_end, int) and im_end != tokenizer.unk_token_id and im_end >= 0:
-            ids.add(im_end)
-    if not ids:
-        raise ValueError("no end-of-turn id: pass LocalPolicyConfig(stop_token_ids=...)")
-    return tuple(sorted(ids))
-
-
-def sample_next(logits: torch.Tensor, *, temperature: float, top_p: float,
-                generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Sample one token per row.
-
-    Args:
-        logits: (B, V) raw next-token logits.
-    Returns:
-        tokens (B,), sampling log-probs (B,) under the processed distribution,
-        raw log-probs (B,) = ``log_softmax(logits)`` at the sampled tokens.
-    """
-    logits = logits.float()
-    raw = torch.log_softmax(logits, dim=-1)  # (B, V)
-    if temperature == 0:
-        tokens = logits.argmax(dim=-1)
-        raw_lp = raw.gather(1, tokens[:, None]).squeeze(1)
-        return tokens, raw_lp, raw_lp
-    logp = raw if temperature == 1 else torch.log_softmax(logits / temperature, dim=-1)
-    if top_p < 1:
-        sorted_lp, order = logp.sort(dim=-1, descending=True)  # (B, V)
-        cum = sorted_lp.exp().cumsum(dim=-1)
-        # Drop a token when the mass *before* it already reaches top_p (the top one always stays).
-        drop_sorted = (cum - sorted_lp.exp()) >= top_p
-        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
-        logp = torch.log_softmax(logp.masked_fill(drop, float("-inf")), dim=-1)
-    probs = logp.exp()
-    tokens = torch.multinomial(probs, 1, generator=generator).squeeze(1)  # (B,)
-    return (tokens, logp.gather(1, tokens[:, None]).squeeze(1),
-            raw.gather(1, tokens[:, None]).squeeze(1))
-
-
-class _Entry:
-    """A session's cached KV: ``kv[layer] = (keys, values)``, each (H_kv, T, D), for ``ids`` (T,)."""
-
-    __slots__ = ("ids", "kv")
-
-    def __init__(self, ids: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        self.ids, self.kv = ids, kv
 
 
 class LocalPolicy:
@@ -208,7 +134,7 @@ class LocalPolicy:
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
         self.generator = torch.Generator(device=self.device).manual_seed(self.config.seed)
         self._stop = torch.tensor(self.stop_ids, device=self.device)
-        self._cache: OrderedDict[str, _Entry] = OrderedDict()  # LRU, oldest first
+        self._cache: OrderedDict[str, PrefixEntry] = OrderedDict()  # LRU, oldest first
         self._cached_tokens = 0
         self._weights_version = self._version()
         self.cache_stats = {"hits": 0, "misses": 0, "reused_tokens": 0, "prefilled_tokens": 0,
@@ -230,7 +156,7 @@ class LocalPolicy:
         it may return request indices to end after that token (finish ``stop``: the server's
         stop strings), or None.
         """
-        sampling = _Sampling(
+        sampling = Sampling(
             self.config.temperature if temperature is None else temperature,
             self.config.top_p if top_p is None else top_p,
             self._stop if stop_token_ids is None
@@ -239,7 +165,7 @@ class LocalPolicy:
         self._check_weights()
         results: list[GenResult | None] = [None] * len(requests)
         runnable: list[int] = []
-        prefixes: dict[int, tuple[_Entry, int] | None] = {}
+        prefixes: dict[int, tuple[PrefixEntry, int] | None] = {}
         for i, req in enumerate(requests):
             problem = self._check(req)
             if problem is not None:
@@ -274,7 +200,7 @@ class LocalPolicy:
         if entry is not None:
             self._cached_tokens -= len(entry.ids)
 
-    def cached_prefix(self, session_key: str) -> tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]] | None:
+    def cached_prefix(self, session_key: str) -> tuple[list[int], KV] | None:
         """``(ids, kv)`` the session's cache holds under the current weights (``kv[layer] = (K, V)``, each
         (H_kv, len(ids), D)), or None (no cache, evicted, or the weights changed since). Read-only: the
         tensors are shared with the cache."""
@@ -308,7 +234,7 @@ class LocalPolicy:
             self.clear_cache()
             self._weights_version = v
 
-    def _lookup(self, req: GenRequest) -> tuple[_Entry, int] | None:
+    def _lookup(self, req: GenRequest) -> tuple[PrefixEntry, int] | None:
         """(entry, reusable length) when the session's cached ids prefix this prompt."""
         if not self.config.prefix_cache:
             return None
@@ -326,13 +252,13 @@ class LocalPolicy:
         self.cache_stats["hits"] += 1
         return entry, n
 
-    def _lookup_shared(self, prompt: list[int]) -> tuple[_Entry, int] | None:
+    def _lookup_shared(self, prompt: list[int]) -> tuple[PrefixEntry, int] | None:
         """The cached sequence sharing the longest prefix with ``prompt`` (at most all but its last token)."""
         limit = len(prompt) - 1
-        best: tuple[_Entry, int] | None = None
+        best: tuple[PrefixEntry, int] | None = None
         best_key = None
         for key, entry in self._cache.items():
-            n = _common_prefix(entry.ids, prompt, limit)
+            n = common_prefix(entry.ids, prompt, limit)
             if n >= self.config.shared_prefix_min and (best is None or n > best[1]):
                 best, best_key = (entry, n), key
         if best is None:
@@ -342,11 +268,11 @@ class LocalPolicy:
         self.cache_stats["hits"] += 1
         return best
 
-    def _store(self, key: str, ids: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def _store(self, key: str, ids: list[int], kv: KV) -> None:
         if len(ids) > self.config.prefix_cache_tokens:
             return
         self.release(key)
-        self._cache[key] = _Entry(ids, kv)
+        self._cache[key] = PrefixEntry(ids, kv)
         self._cached_tokens += len(ids)
         while self._cached_tokens > self.config.prefix_cache_tokens:
             _, old = self._cache.popitem(last=False)
@@ -371,49 +297,56 @@ class LocalPolicy:
             return req.max_new_tokens
         return min(req.max_new_tokens, self.max_positions - len(req.prompt_ids))
 
-    def _prefill(self, reqs: list[GenRequest], prefixes: list[tuple[_Entry, int] | None]):
-        """Batched prefill of each prompt's uncached suffix after its cached prefix.
+    def _prefill(self, reqs: list[GenRequest], prefixes: list[tuple[PrefixEntry, int] | None], room: int = 0):
+        """Batched prefill of each prompt's uncached suffix after its cached prefix, into a cache with
+        ``room`` more positions per row (the decode's).
 
         Row layout along the cache axis: ``[pad][cached prefix c_b][pad][suffix s_b]``: the
         past block is ``P = max c`` wide, the new block ``S = max s``; pads are masked out
         and positions are explicit, so each row sees exactly its own sequence.
-        Returns (logits (B, V), cache, mask (B, P + S), next positions (B,)).
+        Returns (logits (B, V), :class:`DecodeBatch` over the B rows).
         """
         B = len(reqs)
         cached = [p[1] if p else 0 for p in prefixes]
         suffix = [len(r.prompt_ids) - c for r, c in zip(reqs, cached)]
         P, S = max(cached), max(suffix)
         input_ids = torch.full((B, S), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((B, P + S), dtype=torch.long)
+        mask = torch.zeros((B, P + S + room), dtype=torch.long)
         positions = torch.zeros((B, S), dtype=torch.long)
         for b, r in enumerate(reqs):
             c, s = cached[b], suffix[b]
             input_ids[b, S - s:] = torch.tensor(r.prompt_ids[c:], dtype=torch.long)
             mask[b, P - c:P] = 1
-            mask[b, P + S - s:] = 1
+            mask[b, P + S - s:P + S] = 1
             positions[b, S - s:] = torch.arange(c, c + s)
-        cache = DynamicCache(config=self.model.config)
+        cache = make_cache(self.model.config, P + S + room, slab=self.config.slab_cache)
         if P > 0:
-            ref = next(p for p in prefixes if p)[0].kv
-            for layer, (k0, v0) in enumerate(ref):
-                H, _, D = k0.shape
-                keys = k0.new_zeros((B, H, P, D))
-                values = v0.new_zeros((B, v0.shape[0], P, v0.shape[2]))
-                for b, pre in enumerate(prefixes):
-                    if pre:
-                        c = cached[b]
-                        keys[b, :, P - c:] = pre[0].kv[layer][0][:, :c]
-                        values[b, :, P - c:] = pre[0].kv[layer][1][:, :c]
-                cache.update(keys, values, layer)
+            self._fill_past(cache, prefixes, cached, P)
         self.cache_stats["reused_tokens"] += sum(cached)
         self.cache_stats["prefilled_tokens"] += sum(suffix)
         input_ids, mask, positions = (t.to(self.device) for t in (input_ids, mask, positions))
-        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
+        out = self.model(input_ids=input_ids, attention_mask=mask[:, :P + S], position_ids=positions,
                          past_key_values=cache, use_cache=True, logits_to_keep=1)
         next_pos = torch.tensor([len(r.prompt_ids) for r in reqs], device=self.device)
-        return out.logits[:, -1, :], cache, mask, next_pos
+        rows = torch.arange(B, device=self.device)
+        return out.logits[:, -1, :], DecodeBatch(cache, mask, P + S, rows, next_pos, self.pad_id)
 
-    def _prefill_shared(self, reqs: list[GenRequest], prefixes: list[tuple[_Entry, int] | None]):
+    @staticmethod
+    def _fill_past(cache, prefixes: list[tuple[PrefixEntry, int] | None], cached: list[int], P: int) -> None:
+        """Write the cached prefixes, right-aligned in a ``P``-wide block, as the cache's first positions."""
+        ref = next(p for p in prefixes if p)[0].kv
+        for layer, (k0, v0) in enumerate(ref):
+            keys = k0.new_zeros((len(prefixes), k0.shape[0], P, k0.shape[2]))
+            values = v0.new_zeros((len(prefixes), v0.shape[0], P, v0.shape[2]))
+            for b, pre in enumerate(prefixes):
+                if pre:
+                    c = cached[b]
+                    keys[b, :, P - c:] = pre[0].kv[layer][0][:, :c]
+                    values[b, :, P - c:] = pre[0].kv[layer][1][:, :c]
+            cache.update(keys, values, layer)
+
+    def _prefill_shared(self, reqs: list[GenRequest], prefixes: list[tuple[PrefixEntry, int] | None],
+                        room: int = 0):
         """:meth:`_prefill`, with identical uncached prompts (a group's G samples of one task open with the same
         prompt) prefilled once and their rows copied (the sampler still draws each row on its own)."""
         first: dict[tuple[int, ...], int] = {}
@@ -429,80 +362,56 @@ class LocalPolicy:
             where.append(len(uniq))
             uniq.append(b)
         if len(uniq) == len(reqs):
-            return self._prefill(reqs, prefixes)
-        logits, cache, mask, _ = self._prefill([reqs[b] for b in uniq], [prefixes[b] for b in uniq])
+            return self._prefill(reqs, prefixes, room)
+        logits, batch = self._prefill([reqs[b] for b in uniq], [prefixes[b] for b in uniq], room)
         idx = torch.tensor(where, device=self.device)
-        cache.batch_select_indices(idx)
+        batch.cache.batch_select_indices(idx)
         self.cache_stats["shared_prefill_rows"] += len(reqs) - len(uniq)
         next_pos = torch.tensor([len(r.prompt_ids) for r in reqs], device=self.device)
-        return logits[idx], cache, mask[idx], next_pos
-
-    @staticmethod
-    def _extract(cache: DynamicCache, mask: torch.Tensor, active: list[int], rows: list[int],
-                 into: dict[int, list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
-        """Copy the valid cache positions of active rows ``active`` (original rows ``rows``)."""
-        for a, r in zip(active, rows):
-            valid = mask[a].bool()
-            into[r] = [(layer.keys[a][:, valid].clone(), layer.values[a][:, valid].clone())
-                       for layer in cache.layers]
+        rows = torch.arange(len(reqs), device=self.device)
+        return logits[idx], DecodeBatch(batch.cache, batch.mask[idx], batch.length, rows, next_pos, self.pad_id)
 
     @torch.inference_mode()
-    def _generate_batch(self, reqs: list[GenRequest], sampling: "_Sampling",
-                        on_step: StepCallback | None = None,
-                        prefixes: list[tuple[_Entry, int] | None] | None = None) -> list[LocalGenResult]:
-        # ~70 lines, kept whole: prefill and the decode loop share the batch's tensors and row bookkeeping.
+    def _generate_batch(self, reqs: list[GenRequest], sampling: Sampling, on_step: StepCallback | None = None,
+                        prefixes: list[tuple[PrefixEntry, int] | None] | None = None) -> list[LocalGenResult]:
+        """Prefill, then decode one token per live row per step until every row has finished."""
         B = len(reqs)
-        keep_kv = self.config.prefix_cache
-        prefixes = prefixes or [None] * B
-        logits, cache, mask, next_pos = self._prefill_shared(reqs, prefixes)
-
         max_new = torch.tensor([self._max_new(r) for r in reqs], device=self.device)
-        rows = torch.arange(B, device=self.device)  # original row of each active row
-        tokens_out: list[torch.Tensor] = []  # per step: (B_active,)
-        rows_out: list[torch.Tensor] = []
-        lp_out: list[torch.Tensor] = []
-        raw_out: list[torch.Tensor] = []
+        logits, batch = self._prefill_shared(reqs, prefixes or [None] * B, int(max_new.max()))
+        steps: list[tuple[torch.Tensor, ...]] = []  # per step: request rows, tokens, log-probs, raw log-probs
         finish = ["length"] * B
-        kv_rows: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        step = 0
+        kv_rows: dict[int, KV] = {}
         while True:
-            tok, lp, raw = sample_next(logits, temperature=sampling.temperature,
+            act = batch.live_index()
+            rows = batch.rows if act is None else batch.rows[act]
+            tok, lp, raw = sample_next(logits if act is None else logits[act], temperature=sampling.temperature,
                                        top_p=sampling.top_p, generator=sampling.generator)
             ended = on_step(rows.tolist(), tok.tolist(), lp.tolist()) if on_step is not None else None
-            tokens_out.append(tok)
-            rows_out.append(rows)
-            lp_out.append(lp)
-            raw_out.append(raw)
-            step += 1
+            steps.append((rows, tok, lp, raw))
             stopped = torch.isin(tok, sampling.stop)
             if ended:
                 stopped = stopped | torch.isin(rows, torch.tensor(sorted(ended), device=rows.device))
-            done = stopped | (max_new[rows] <= step)
-            if bool(stopped.any()):
-                for r in rows[stopped].tolist():
-                    finish[r] = "stop"
-            if bool(done.all()):
-                if keep_kv:
-                    self._extract(cache, mask, list(range(len(rows))), rows.tolist(), kv_rows)
-                break
+            done = stopped | (max_new[rows] <= len(steps))
+            for r in rows[stopped].tolist():
+                finish[r] = "stop"
             if bool(done.any()):
-                if keep_kv:
-                    gone = done.nonzero().squeeze(1)
-                    self._extract(cache, mask, gone.tolist(), rows[gone].tolist(), kv_rows)
-                keep = (~done).nonzero().squeeze(1)  # (B_active',)
-                cache.batch_select_indices(keep)
-                rows, tok, mask, next_pos = rows[keep], tok[keep], mask[keep], next_pos[keep]
-            mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
-            out = self.model(input_ids=tok[:, None], attention_mask=mask,
-                             position_ids=next_pos[:, None], past_key_values=cache, use_cache=True)
-            logits = out.logits[:, -1, :]
-            next_pos = next_pos + 1
+                gone = done.nonzero().squeeze(1)
+                gone_b = gone if act is None else act[gone]
+                if self.config.prefix_cache:
+                    for a, r in zip(gone_b.tolist(), rows[gone].tolist()):
+                        kv_rows[r] = batch.kv_of(a)
+                if len(gone) == len(rows):
+                    break
+                batch.retire(gone_b)
+                tok = tok[~done]
+            logits = self.model(**batch.feed(tok), past_key_values=batch.cache, use_cache=True).logits[:, -1, :]
+        return self._results(reqs, steps, finish, kv_rows)
 
-        # Gather per-row sequences on the host once.
-        all_rows = torch.cat(rows_out).tolist()
-        all_tok = torch.cat(tokens_out).tolist()
-        all_lp = torch.cat(lp_out).tolist()
-        all_raw = torch.cat(raw_out).tolist()
+    def _results(self, reqs: list[GenRequest], steps: list[tuple[torch.Tensor, ...]], finish: list[str],
+                 kv_rows: dict[int, KV]) -> list[LocalGenResult]:
+        """Per-request results from the decode's steps (gathered on the host once); caches the rows' KV."""
+        B = len(reqs)
+        all_rows, all_tok, all_lp, all_raw = (torch.cat(col).tolist() for col in zip(*steps))
         toks: list[list[int]] = [[] for _ in range(B)]
         lps: list[list[float]] = [[] for _ in range(B)]
         raws: list[list[float]] = [[] for _ in range(B)]

@@ -1,0 +1,148 @@
+"""KV storage of :class:`~mosaic.agent.policies.local.LocalPolicy`'s batched decode.
+
+**Slab cache.** HF's ``DynamicCache`` grows every layer's keys and values by one position per decoded
+token (``torch.cat``: a full copy of the cache per token and layer) and copies the whole cache again
+each time a finished row is dropped. :class:`SlabCache` allocates each layer's keys and values once, at
+the batch's final length (prompt block + the longest ``max_new_tokens``), writes new positions in place
+and hands attention a view of the positions written so far: the same tensors' values and shapes as the
+growing cache, without the copies.
+
+**Decode rows.** :class:`DecodeBatch` keeps the attention mask in a buffer of the same capacity and
+retires finished rows lazily: a finished row stays in the batch (fed a pad token, masked, its position
+held) until a quarter of the rows are finished, then the live rows are gathered in one copy. Sampling,
+callbacks and outputs only ever see live rows, in their original order, so the generator draws the
+same numbers as when every finished row is dropped at once.
+
+**Prefix entries.** :class:`PrefixEntry` is a session's cached KV kept between turns.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache, PretrainedConfig
+from transformers.cache_utils import Cache, DynamicLayer
+
+KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values), each (H_kv, T, D)
+
+
+class PrefixEntry:
+    """A session's cached KV: ``kv[layer] = (keys, values)``, each (H_kv, T, D), for ``ids`` (T,)."""
+
+    __slots__ = ("ids", "kv")
+
+    def __init__(self, ids: list[int], kv: KV) -> None:
+        self.ids, self.kv = ids, kv
+
+
+class SlabLayer(DynamicLayer):
+    """A :class:`DynamicLayer` whose ``keys``/``values`` are views of buffers allocated once."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__()
+        self.capacity = capacity
+        self.length = 0
+        self.slab_k: torch.Tensor | None = None
+        self.slab_v: torch.Tensor | None = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        B, _, _, _ = key_states.shape
+        self.slab_k = key_states.new_empty((B, key_states.shape[1], self.capacity, key_states.shape[3]))
+        self.slab_v = value_states.new_empty((B, value_states.shape[1], self.capacity, value_states.shape[3]))
+        self.length = 0
+        self._views()
+        self.is_initialized = True
+
+    def _views(self) -> None:
+        self.keys = self.slab_k[:, :, : self.length]
+        self.values = self.slab_v[:, :, : self.length]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self.length + key_states.shape[-2]
+        if end > self.capacity:  # a caller's capacity was short: grow once (a copy) rather than fail
+            self._grow(max(end, 2 * self.capacity))
+        self.slab_k[:, :, self.length : end] = key_states
+        self.slab_v[:, :, self.length : end] = value_states
+        self.length = end
+        self._views()
+        return self.keys, self.values
+
+    def _grow(self, capacity: int) -> None:
+        k, v = self.slab_k, self.slab_v
+        self.slab_k = k.new_empty((*k.shape[:2], capacity, k.shape[3]))
+        self.slab_v = v.new_empty((*v.shape[:2], capacity, v.shape[3]))
+        self.slab_k[:, :, : self.length] = k[:, :, : self.length]
+        self.slab_v[:, :, : self.length] = v[:, :, : self.length]
+        self.capacity = capacity
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.is_initialized:
+            self.slab_k, self.slab_v = self.slab_k[indices], self.slab_v[indices]
+            self._views()
+
+
+class SlabCache(DynamicCache):
+    """A cache of :class:`SlabLayer` (``capacity`` positions per row), for full-attention models."""
+
+    def __init__(self, num_layers: int, capacity: int) -> None:
+        Cache.__init__(self, layers=[SlabLayer(capacity) for _ in range(num_layers)])
+
+
+def make_cache(config: PretrainedConfig, capacity: int, *, slab: bool = True) -> DynamicCache:
+    """A :class:`SlabCache` when every layer is plain full attention, else HF's growing cache."""
+    text = config.get_text_config(decoder=True)
+    kinds = set(getattr(text, "layer_types", None) or ["full_attention"])
+    sliding = getattr(text, "use_sliding_window", False) and getattr(text, "sliding_window", None)
+    if slab and kinds == {"full_attention"} and not sliding:
+        return SlabCache(text.num_hidden_layers, capacity)
+    return DynamicCache(config=config)
+
+
+class DecodeBatch:
+    """The rows of one batched decode: cache, attention mask buffer (B, capacity), live rows."""
+
+    def __init__(self, cache: DynamicCache, mask: torch.Tensor, length: int, rows: torch.Tensor,
+                 next_pos: torch.Tensor, pad_id: int) -> None:
+        self.cache, self.mask, self.length = cache, mask, length  # valid mask: mask[:, :length]
+        self.rows = rows  # (B,) the request row of each batch row
+        self.next_pos = next_pos  # (B,) position of the next fed token
+        self.live = torch.ones_like(rows, dtype=torch.bool)
+        self.n_live = len(rows)
+        self.pad_id = pad_id
+
+    def live_index(self) -> torch.Tensor | None:
+        """Batch indices of the live rows (ascending), or None when every row is live."""
+        return None if self.n_live == len(self.rows) else self.live.nonzero().squeeze(1)
+
+    def kv_of(self, a: int) -> KV:
+        """A copy of batch row ``a``'s valid cache positions."""
+        valid = self.mask[a, : self.length].bool()
+        return [(layer.keys[a][:, valid].clone(), layer.values[a][:, valid].clone()) for layer in self.cache.layers]
+
+    def retire(self, idx: torch.Tensor) -> None:
+        """Mark batch rows ``idx`` finished; gather the live rows once a quarter are finished."""
+        self.live[idx] = False
+        self.n_live -= len(idx)
+        if 4 * self.n_live <= 3 * len(self.rows):
+            keep = self.live.nonzero().squeeze(1)
+            self.cache.batch_select_indices(keep)
+            self.mask, self.rows, self.next_pos = self.mask[keep], self.rows[keep], self.next_pos[keep]
+            self.live = self.live[keep]
+
+    def feed(self, tokens: torch.Tensor) -> dict:
+        """Model inputs for one decode step; ``tokens`` (n_live,): the live rows' last samples."""
+        if self.n_live == len(self.rows):
+            ids = tokens
+        else:
+            ids = torch.full_like(self.rows, self.pad_id)
+            ids[self.live] = tokens
+        if self.length == self.mask.shape[1]:  # (never with a correct capacity)
+            self.mask = torch.cat([self.mask, torch.zeros_like(self.mask)], dim=1)
+        self.mask[:, self.length] = self.live
+        self.length += 1
+        inputs = {"input_ids": ids[:, None], "attention_mask": self.mask[:, : self.length],
+                  "position_ids": self.next_pos[:, None]}
+        self.next_pos = self.next_pos + self.live
+        return inputs
