@@ -79,7 +79,7 @@ def unit(args) -> None:
     from mosaic.experiment.spec import load_grid
     from mosaic.train import entrypoints, evaluate as ev, rl, setup
     from mosaic.train.checkpoint import find_latest
-    from mosaic.train.config import load_config
+    from mosaic.config.loader import load_config
 
     torch.set_num_threads(args.threads)
     grid = load_grid(Path(args.grid))

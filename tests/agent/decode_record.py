@@ -32,7 +32,7 @@ def rollouts(temperature: float, top_p: float, group: int, batch: int, seed: int
     from mosaic.agent.harness import DeepSearchEnv, Harness
     from mosaic.agent.policies.local import LocalPolicy, LocalPolicyConfig
     from mosaic.train import setup
-    from mosaic.train.config import load_config
+    from mosaic.config.loader import load_config
 
     cfg = load_config("cpu", overrides=HARNESS)
     model, tok = setup.load_policy(setup.base_model_dir("tiny"), device=torch.device("cpu"), dtype=torch.float32)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mosaic.train import evaluate as ev, setup
-from mosaic.train.config import ConfigError, load_config
+from mosaic.config.loader import ConfigError, load_config
 
 SHORT = ["harness.mode=compaction", "harness.context_budget=384", "harness.max_turns=4", "harness.max_total_turns=6",
          "data.n_eval_tasks=4"]
