@@ -176,15 +176,20 @@ class ModelServer:
             raise ApiError(400, "echo is not supported", "echo")
         return await asyncio.to_thread(self.prompt_ids, body.prompt)
 
-    async def completions(self, body: CompletionRequest, prompts: list[list[int]]):
-        job = self.submit(prompts, body, body.max_tokens)
-        cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        prompt_of = [p for p in prompts for _ in range(body.n)]
+    async def _answer(self, body: BaseCompletionRequest, prompts: list[list[int]], max_tokens: int | None, *,
+                      prefix: str, stream, to_json, prompt_of):
+        """The one generation path of both endpoints: submit, then stream (``stream``) or answer whole
+        (``to_json``); ``prompt_of``: what the endpoint's response reports as each choice's prompt."""
+        job = self.submit(prompts, body, max_tokens)
+        cid, created = f"{prefix}-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
-            return StreamingResponse(stream_completion(self, job, body, cid, created, prompt_of),
-                                     media_type="text/event-stream")
+            return StreamingResponse(stream(self, job, body, cid, created, prompt_of), media_type="text/event-stream")
         results = await _results(job)
-        return await asyncio.to_thread(self._completion_json, body, results, cid, created, prompt_of, job.version)
+        return await asyncio.to_thread(to_json, body, results, cid, created, prompt_of, job.version)
+
+    async def completions(self, body: CompletionRequest, prompts: list[list[int]]):
+        return await self._answer(body, prompts, body.max_tokens, prefix="cmpl", stream=stream_completion,
+                                  to_json=self._completion_json, prompt_of=[p for p in prompts for _ in range(body.n)])
 
     def _completion_json(self, body: CompletionRequest, results: list, cid: str, created: int,
                          prompt_of: list[list[int]], job_version: int | None = None) -> dict:
@@ -211,13 +216,8 @@ class ModelServer:
 
     async def chat(self, body: ChatCompletionRequest, ids: list[int]):
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        job = self.submit([ids], body, max_tokens)
-        cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        if body.stream:
-            return StreamingResponse(stream_chat(self, job, body, cid, created, ids),
-                                     media_type="text/event-stream")
-        results = await _results(job)
-        return await asyncio.to_thread(self._chat_json, body, results, cid, created, ids, job.version)
+        return await self._answer(body, [ids], max_tokens, prefix="chatcmpl", stream=stream_chat,
+                                  to_json=self._chat_json, prompt_of=ids)
 
     def _chat_json(self, body: ChatCompletionRequest, results: list, cid: str, created: int,
                    ids: list[int], job_version: int | None = None) -> dict:
