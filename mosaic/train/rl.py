@@ -50,6 +50,8 @@ class RLState:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     device: torch.device
     ref_model: PreTrainedModel | None = None
+    """The frozen KL reference (``algo.kl_coef > 0``); None there = a frozen copy of ``model`` as given,
+    made at construction (a resumed run passes the warm start instead)."""
     last_trajs: list[Trajectory] = field(default_factory=list)
     last_samples: list[dict] = field(default_factory=list)
     """The ``samples.jsonl`` lines of the last step (``train.rollout_samples`` of its trajectories)."""
@@ -60,6 +62,8 @@ class RLState:
     def __post_init__(self) -> None:
         if self.source is None:
             self.source = HarnessRollouts(self.cfg, self.model, self.tokenizer, self.chat, self.split)
+        if self.ref_model is None and self.cfg.algo.kl_coef > 0:
+            self.ref_model = make_reference(self.model)
 
 
 def task_order(n_tasks: int, seed: int, epoch: int) -> list[int]:
