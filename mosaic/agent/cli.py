@@ -45,6 +45,7 @@ from mosaic.agent.models import load_any
 from mosaic.agent.models.corpus import build_project_tokenizer
 from mosaic.agent.tokenizer import load_tokenizer, save_tokenizer
 from mosaic.config.cliargs import add_config_args, deprecated, device_error, output_error, print_deprecations, resolve_config
+from mosaic.agent.models.checkdir import ModelDirError
 from mosaic.envs.cache import resolve_cache_dir
 from mosaic.envs.cli import EXIT_USAGE, ConfigExit, UsageError, parse_value
 from mosaic.envs.splits import load_split
@@ -95,7 +96,7 @@ def _guarded(args: argparse.Namespace) -> int:
         code = _run(args)
         print_deprecations(args, "rollout")
         return code
-    except UsageError as exc:
+    except (UsageError, ModelDirError) as exc:
         print(f"mosaic rollout: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except ConfigExit as done:
@@ -230,8 +231,12 @@ def _run(args: argparse.Namespace) -> int:
     seed = shared.train.seed
     temperature = shared.rollout.temperature if args.temperature is None else args.temperature
     top_p = shared.rollout.top_p if args.top_p is None else args.top_p
+    from mosaic.envs.cache import cache_dir_error
     from mosaic.envs.splits import split_config_for
 
+    bad = cache_dir_error(shared.data.cache_dir)
+    if bad:
+        raise UsageError(bad)
     split = load_split(args.split, split_config_for(shared, args.split), resolve_cache_dir(shared.data.cache_dir))
     tasks = split.tasks if args.n_tasks is None else split.tasks[: args.n_tasks]
     model = model_tok = None

@@ -15,8 +15,8 @@ under the rollout id ``no-rollout-id`` (:data:`~mosaic.capture.records.NO_ROLLOU
 ``POST /rollouts/{id}/reward`` attaches the outcome.
 
 Faults: bodies over ``max_body_bytes`` get 413, malformed JSON (or JSON nested
-deeper than ``MAX_JSON_DEPTH``) 400, ``max_tokens`` outside [1, 2**31 - 1] 400 (not
-forwarded), a wrong schema 422 (OpenAI error objects
+deeper than ``MAX_JSON_DEPTH``) 400, ``max_tokens`` outside [1, 2**31 - 1] or a sampling number
+that is NaN, infinite or out of range (``temperature`` < 0, ``top_p`` > 1) 400 (not forwarded), a wrong schema 422 (OpenAI error objects
 with a message). Only a failure to *connect* is retried (``retries`` times, with
 backoff): once a request may have reached the upstream it is never sent again,
 so a read timeout cannot start a second generation. Each call has one overall
@@ -67,6 +67,7 @@ from mosaic.capture.wire import (
     ApiError,
     StreamAccumulator,
     check_max_tokens,
+    check_sampling,
     check_upstream_fields,
     error_body,
     json_depth_exceeds,
@@ -205,6 +206,7 @@ class RecordingProxy:
         body, n_safe = safe_json(await self.read_json(request))
         validate_request(endpoint, body)
         check_max_tokens(body)
+        check_sampling(body)
         rid = rollout_id if rollout_id is not None else request.headers.get("x-mosaic-rollout", "").strip()
         rid = rid or NO_ROLLOUT_ID
         self._check_rollout(rid, "calls")

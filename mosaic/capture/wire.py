@@ -101,6 +101,26 @@ def check_max_tokens(body: dict) -> None:
             raise ApiError(400, f"field {key!r}: {shown} must be an integer in [1, {MAX_TOKENS_LIMIT}]")
 
 
+_SAMPLING_RANGES = {"temperature": (0.0, None), "top_p": (0.0, 1.0), "min_p": (0.0, 1.0),
+                    "presence_penalty": (None, None), "frequency_penalty": (None, None),
+                    "repetition_penalty": (0.0, None)}
+
+
+def check_sampling(body: dict) -> None:
+    """Sampling numbers, when set, must be finite and in range (``temperature`` >= 0, ``top_p`` and
+    ``min_p`` in [0, 1], ...): a NaN or infinity (Python's JSON reads ``NaN``) is refused here (400),
+    not forwarded upstream and written into the records as a bare ``NaN`` no strict reader parses."""
+    for key, (lo, hi) in _SAMPLING_RANGES.items():
+        v = body.get(key)
+        if v is None:
+            continue
+        ok = type(v) in (int, float) and math.isfinite(v) and (lo is None or v >= lo) and (hi is None or v <= hi)
+        if not ok:
+            span = f"[{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
+            shown = repr(v) if len(repr(v)) <= 40 else repr(v)[:37] + "..."
+            raise ApiError(400, f"field {key!r}: {shown} must be a finite number in {span}")
+
+
 def choice_token_ids(ch: dict[str, Any]) -> list[int] | None:
     """A choice's (or stream delta's) generated ids: vLLM's ``token_ids``, or ``output_ids``."""
     for key in ("token_ids", "output_ids"):

@@ -85,6 +85,9 @@ class ModelConfig(_Section):
     def _validate(self) -> None:
         self._need(self.embedded_preset in EMBEDDED_PRESETS, "embedded_preset", f"must be one of {EMBEDDED_PRESETS}")
         self._need(self.source != "dir" or bool(self.path), "path", "is required when model.source='dir'")
+        self._need(self.source == "dir" or not self.path, "path",
+                   f"is read only with model.source=dir (model.source is {self.source!r}); "
+                   "add model.source=dir to train from that directory")
 
 
 @dataclass(frozen=True)

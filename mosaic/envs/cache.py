@@ -26,3 +26,13 @@ def resolve_cache_dir(configured: str | os.PathLike | None) -> Path:
     if configured is None or str(configured) in ("", DEFAULT_CACHE_DIR):
         return default_cache_dir()
     return Path(configured)
+
+
+def cache_dir_error(configured: str | os.PathLike | None) -> str | None:
+    """Why the resolved cache directory cannot be used (an existing file, ``/proc/x``, a read-only
+    parent), in one line naming where it came from (``data.cache_dir`` or ``$MOSAIC_CACHE``); None if usable."""
+    from mosaic.config.cliargs import output_error
+
+    path = resolve_cache_dir(configured)
+    from_env = (configured is None or str(configured) in ("", DEFAULT_CACHE_DIR)) and os.environ.get("MOSAIC_CACHE")
+    return output_error("$MOSAIC_CACHE" if from_env else "config key 'data.cache_dir':", path, is_dir=True)

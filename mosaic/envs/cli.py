@@ -182,10 +182,13 @@ def _guarded(fn):
 
 
 def _load(args: argparse.Namespace):
-    from mosaic.envs.cache import resolve_cache_dir
+    from mosaic.envs.cache import cache_dir_error, resolve_cache_dir
     from mosaic.envs.splits import load_split
 
     sc = split_config_from_args(args, f"data {args.data_command}")
+    bad = cache_dir_error(args.resolved_config.data.cache_dir)
+    if bad:
+        raise UsageError(bad)
     args.cache_root = resolve_cache_dir(args.resolved_config.data.cache_dir)
     try:
         return load_split(args.split, sc, args.cache_root)

@@ -65,8 +65,13 @@ def _run(args) -> int:
 
 def _report_dir(work: Path, out: Path) -> int:
     from mosaic.experiment.report import write_report
+    from mosaic.experiment.spec import GridError
 
-    paths = write_report(work, out)
+    try:
+        paths = write_report(work, out)
+    except GridError as exc:  # a work dir whose grid.yaml was damaged or edited into nonsense
+        print(f"mosaic experiment report: {work}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     for p in paths:
         print(p)
     return 0

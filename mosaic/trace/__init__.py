@@ -12,6 +12,7 @@ from mosaic.trace.graph import (
     validate,
     validate_all,
 )
+from mosaic.trace.stretch import ids_outside
 from mosaic.trace.rows import FlatBatch, TrainingRow, TurnLayout, flatten, to_rows, turn_boundaries, turn_layout, turn_spans
 from mosaic.trace.storage import (
     SCHEMA_VERSION,
@@ -29,7 +30,7 @@ from mosaic.trace.storage import (
 
 __all__ = [
     "KIND_CODES", "Session", "StateRef", "Stretch", "TraceError", "Trajectory", "kind_names", "register_kind",
-    "validate", "validate_all", "FlatBatch", "TrainingRow", "TurnLayout", "flatten", "to_rows", "turn_layout",
+    "validate", "validate_all", "ids_outside", "FlatBatch", "TrainingRow", "TurnLayout", "flatten", "to_rows", "turn_layout",
     "turn_spans", "turn_boundaries", "SCHEMA_VERSION", "BadRecordWarning",
     "JsonlWriter", "StorageError", "TornLineWarning", "iter_jsonl", "load_trajectories", "read_jsonl",
     "read_parquet", "write_jsonl", "write_parquet",

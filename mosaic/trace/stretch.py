@@ -8,7 +8,7 @@ from typing import Any
 
 from mosaic.trace.fields import TraceError, as_bool_list, as_float_list, as_int_list, check_ids, check_logprobs, show_value
 
-__all__ = ["Stretch"]
+__all__ = ["Stretch", "ids_outside"]
 
 
 @dataclass
@@ -50,3 +50,18 @@ class Stretch:
             check_logprobs(self.logprobs, "logprobs")
         except TraceError as exc:
             raise TraceError(f"{where} {exc}") from None
+
+
+def ids_outside(traj, vocab_size: int) -> str | None:
+    """Where ``traj`` holds a token id outside ``[0, vocab_size)`` (a record or file made for another
+    vocabulary, or hand-edited), as one line naming the session and the id; None when every id fits.
+    Training on such ids would fail inside the embedding lookup (an IndexError after the model loaded)."""
+    for s in traj.sessions:
+        parts = [("prompt_ids", s.prompt_ids), ("completion_ids", s.completion_ids)]
+        parts += [(f"detached[{k}].{name}", ids) for k, st in enumerate(s.detached)
+                  for name, ids in (("prompt_ids", st.prompt_ids), ("completion_ids", st.completion_ids))]
+        for name, ids in parts:
+            if ids and (min(ids) < 0 or max(ids) >= vocab_size):
+                bad = next(i for i in ids if i < 0 or i >= vocab_size)
+                return f"session {s.id} {name} holds token id {bad}, outside the model's vocabulary [0, {vocab_size})"
+    return None

@@ -61,7 +61,10 @@ def _eval_args_error(args) -> str | None:
         why = verify_checkpoint(p)
         return f"--checkpoint {p}: not a usable checkpoint: {why}" if why else None
     if (p / "config.json").exists():  # a model directory
-        return None
+        from mosaic.agent.models.checkdir import model_dir_error
+
+        bad = model_dir_error(p)
+        return f"--checkpoint {bad}" if bad else None
     skipped: list[str] = []
     found = find_latest(p, verify=True, skipped=skipped)
     for why in skipped:
@@ -80,6 +83,7 @@ def _run(fn_name: str):
             return code
         from mosaic.train import entrypoints
         from mosaic.train.checkpoint import CheckpointError
+        from mosaic.agent.models.checkdir import ModelDirError
         from mosaic.config.loader import ConfigError
         from mosaic.train.preflight import eval_error, sft_error, train_error
 
@@ -110,6 +114,9 @@ def _run(fn_name: str):
             return EXIT_CONFIG
         except ConfigError as exc:  # found once the run looks around (e.g. a logger that is not installed)
             print(f"mosaic {args.command}: config error: {exc}", file=sys.stderr)
+            return EXIT_CONFIG
+        except ModelDirError as exc:  # a checkpoint's or warm start's model directory that does not load
+            print(f"mosaic {args.command}: model error: {exc}", file=sys.stderr)
             return EXIT_CONFIG
 
     return cmd

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from mosaic.agent.models.embedded import save_model
-from mosaic.trace import TraceError, load_trajectories, write_jsonl
+from mosaic.trace import TraceError, ids_outside, load_trajectories, write_jsonl
 from mosaic.train import setup
 from mosaic.train.checkpoint import check_resume_config, find_latest, load_checkpoint, resolve_resume, save_checkpoint
 from mosaic.config.loader import Config, ConfigError, dump_config, resolve_steps
@@ -90,6 +90,8 @@ def _train_sft(cfg: Config) -> Path:
             trajs = load_trajectories(cfg.sft.data)
         except (TraceError, OSError) as exc:
             raise ConfigError(f"config key 'sft.data': {exc}") from None
+        if not trajs:
+            raise ConfigError(f"config key 'sft.data': {cfg.sft.data} holds no trajectories")
     torch.manual_seed(cfg.train.seed)
     device = setup.resolve_device(cfg)
     dtype = setup.resolve_dtype(cfg, device)
@@ -99,6 +101,7 @@ def _train_sft(cfg: Config) -> Path:
     out = Path(cfg.sft.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     if trajs is not None:
+        trajs = _fitting_vocab(trajs, model.get_input_embeddings().num_embeddings, f"config key 'sft.data': {cfg.sft.data}")
         _log(f"sft: {len(trajs)} trajectories from {cfg.sft.data}")
     else:
         _log(f"sft: rolling the scripted expert over {cfg.sft.n_tasks} training tasks "
@@ -117,6 +120,21 @@ def _train_sft(cfg: Config) -> Path:
     (out / _SFT_META).write_text(json.dumps(meta, indent=1))
     _log(f"sft: {res.steps} steps, final loss {res.final_loss:.3f}, {meta['seconds']:.0f} s → {out}")
     return out
+
+
+def _fitting_vocab(trajs: list, vocab_size: int, where: str) -> list:
+    """``trajs`` without those holding a token id the model has no embedding for: each one left out is
+    counted and the first named; none left is a :class:`ConfigError`."""
+    bad = [(k, why) for k, t in enumerate(trajs) if (why := ids_outside(t, vocab_size))]
+    if not bad:
+        return trajs
+    k, why = bad[0]
+    head = f"{where}: {len(bad)} of {len(trajs)} trajectories hold token ids outside the model's vocabulary"
+    if len(bad) == len(trajs):
+        raise ConfigError(f"{head} (made with another tokenizer?); the first, trajectory {k}: {why}")
+    _log(f"sft: {head}; left out (the first, trajectory {k}: {why})")
+    skip = {k for k, _ in bad}
+    return [t for k, t in enumerate(trajs) if k not in skip]
 
 
 def ensure_warm_start(cfg: Config) -> Path:
@@ -208,6 +226,11 @@ def run_train(cfg: Config) -> int:
     device = setup.resolve_device(cfg)
     model, tok = setup.load_policy(ensure_warm_start(cfg), device=device, dtype=setup.resolve_dtype(cfg, device))
     set_sampling_defaults(model, cfg)  # in every checkpoint's and the final model's generation_config.json
+    if replay is not None:  # ids the model has no embedding for: dropped and counted, before the evaluation
+        try:
+            replay.drop_outside_vocab(model.get_input_embeddings().num_embeddings)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     chat = setup.chat_format(tok)
     held = None if cfg.train.heldout_split == "none" else setup.load_split(cfg, cfg.train.heldout_split)
     base = _heldout_eval(cfg, plan.run_dir, "warmstart", model, tok, chat, held) if held is not None else None

@@ -1,9 +1,11 @@
 """Paths a ``mosaic train | sft | eval`` config names, checked before any work (issue 33): one line
 naming the config key, or None.
 
-The config's own validation checks values; these checks look at the file system: a run or output
-directory that cannot be created (``/proc/x``, an existing file, a read-only parent), a trajectory
-or records file that does not exist, a model directory without ``config.json``. Nothing is written.
+The config's own validation checks values; these checks look at the file system: a run, output or
+data-cache directory that cannot be created (``/proc/x``, an existing file, a read-only parent), a
+trajectory or records file that does not exist, a model directory that will not load (no or an
+unparsable ``config.json``, a truncated or corrupt safetensors file:
+:mod:`mosaic.agent.models.checkdir`). Nothing is written.
 """
 
 from __future__ import annotations
@@ -22,12 +24,10 @@ def _key(name: str) -> str:
 def _model_error(cfg) -> str | None:
     if cfg.model.source != "dir":
         return None
-    p = Path(cfg.model.path)
-    if not p.is_dir():
-        return f"{_key('model.path')} {p}: " + ("not a directory" if p.exists() else "no such directory")
-    if not (p / "config.json").is_file():
-        return f"{_key('model.path')} {p}: no config.json; not a saved model directory"
-    return None
+    from mosaic.agent.models.checkdir import model_dir_error
+
+    bad = model_dir_error(cfg.model.path)
+    return f"{_key('model.path')} {bad}" if bad else None
 
 
 def _input_file_error(name: str, value: str, *, dir_ok: bool = False) -> str | None:
@@ -52,16 +52,23 @@ def _sft_output_needed(cfg) -> bool:
     return cfg.model.source not in ("dir", "base")
 
 
+def _cache_error(cfg) -> str | None:
+    from mosaic.envs.cache import cache_dir_error
+
+    return cache_dir_error(cfg.data.cache_dir)
+
+
 def sft_error(cfg) -> str | None:
     """``mosaic sft``: the base model, ``sft.data`` (when given) and ``sft.output_dir``."""
-    return (_model_error(cfg)
+    return (_model_error(cfg) or _cache_error(cfg)
             or (_input_file_error("sft.data", cfg.sft.data) if cfg.sft.data else None)
             or output_error(_key("sft.output_dir"), cfg.sft.output_dir, is_dir=True))
 
 
 def train_error(cfg) -> str | None:
     """``mosaic train``: ``train.run_dir``, the warm start's model and output, ``rollout.records``."""
-    bad = output_error(_key("train.run_dir"), cfg.train.run_dir, is_dir=True) or _model_error(cfg)
+    bad = (output_error(_key("train.run_dir"), cfg.train.run_dir, is_dir=True) or _model_error(cfg)
+           or _cache_error(cfg))
     if bad:
         return bad
     if cfg.rollout.source == "records":
@@ -75,8 +82,9 @@ def train_error(cfg) -> str | None:
 def eval_error(cfg, checkpoint: str | None) -> str | None:
     """``mosaic eval``: the warm start's model when it is what gets evaluated (no ``--checkpoint``, no
     checkpoint in ``train.run_dir``)."""
-    if checkpoint:
-        return None
+    bad = _cache_error(cfg)
+    if bad or checkpoint:
+        return bad
     from mosaic.train.checkpoint import find_latest
 
     if Path(cfg.train.run_dir).is_dir() and find_latest(cfg.train.run_dir) is not None:

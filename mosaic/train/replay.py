@@ -14,7 +14,7 @@ from typing import Sequence
 from mosaic.capture.reconstruct import reconstruct_rollout
 from mosaic.capture.records import CallRecord, RecordError, read_records
 from mosaic.config.harness import HarnessConfig
-from mosaic.trace import Trajectory
+from mosaic.trace import Trajectory, ids_outside
 from mosaic.trace.graph import TraceError
 from mosaic.train.external import DROPS_FILE, reconstruction_rules, unscorable
 
@@ -80,6 +80,33 @@ class RecordsReplay:
         if any(c.ok and len(c.logprobs) != len(c.completion_ids) for c in cs):  # no importance ratio
             return None, "no_logprobs", "a sampled call has no log-probs"
         return t, "", ""
+
+    def drop_outside_vocab(self, vocab_size: int) -> int:
+        """Drop (as ``bad_token_ids``, counted and named like every drop) the rollouts holding a token id
+        the model has no embedding for (records of another model's tokenizer, or edited); how many.
+        Nothing left is a ValueError naming the first."""
+        n = 0
+        for g, trajs in list(self.groups.items()):
+            keep = []
+            for t in trajs:
+                why = ids_outside(t, vocab_size)
+                if why:
+                    self.report.drop(t.id, "bad_token_ids", why)
+                    n += 1
+                else:
+                    keep.append(t)
+            if keep:
+                self.groups[g] = keep
+            else:
+                del self.groups[g]
+        if n:
+            self.dropped = self.report.counts()
+            self.group_ids = sorted(self.groups)
+            self._order_cache = {}
+        if not self.groups:
+            raise ValueError(f"rollout.records: no usable rollout in {self.cfg.rollout.records} "
+                             f"(dropped: {self.report.summary()})")
+        return n
 
     def write_drops(self, run_dir: str | os.PathLike) -> None:
         """Every dropped rollout, one JSON line each, in ``RUN_DIR/drops.jsonl`` (as the live source does)."""

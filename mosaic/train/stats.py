@@ -180,7 +180,10 @@ def _num(v, where: str) -> float:
 def load_outcomes(path: str | Path) -> dict[str, list[float]]:
     """Per-question outcome lists from a JSONL (one record per sample) or JSON-object file."""
     p = Path(path)
-    text = p.read_text()
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{p}: not UTF-8 text (byte {exc.start}); expected a JSONL or JSON file of outcomes") from None
     out: dict[str, list[float]] = {}
     stripped = text.lstrip()
     if stripped.startswith("{") and "\n{" not in stripped.strip():

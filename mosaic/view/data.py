@@ -23,6 +23,7 @@ from __future__ import annotations
 import base64
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -51,8 +52,10 @@ def _jsonl(path: Path) -> Iterable[tuple[int, dict]]:
         except UnicodeDecodeError:
             raise ViewError(f"{path}:{n}: not UTF-8 text (expected a JSONL file of samples or trajectories)") from None
         except (json.JSONDecodeError, RecursionError):
-            if i == last and not raw.endswith(b"}"):
-                continue  # a line cut by a kill (the last one): skipped like the trainer's readers do
+            if i == last and not raw.endswith(b"}"):  # a line cut by a kill: skipped like the trainer's readers do
+                print(f"mosaic view: {path}:{n}: the last line is cut ({len(raw)} bytes, a writer killed mid-line?); "
+                      f"skipped", file=sys.stderr)
+                continue
             raise ViewError(f"{path}:{n}: not a JSON line (expected a JSONL file of samples or trajectories)") from None
         if not isinstance(rec, dict):
             raise ViewError(f"{path}:{n}: a JSON {type(rec).__name__}, not an object (expected samples or trajectories)")
@@ -158,6 +161,10 @@ def _is_trajectory_file(path: Path) -> bool:
 def _pieces_from(vocab: Path | None, tokenizer: str | None) -> list[str]:
     if tokenizer:
         from mosaic.agent.tokenizer import load_tokenizer
+
+        if not (Path(tokenizer) / "tokenizer.json").is_file() and not (Path(tokenizer) / "tokenizer_config.json").is_file():
+            raise ViewError(f"--tokenizer {tokenizer}: " + ("no tokenizer files in this directory (tokenizer.json)"
+                                                           if Path(tokenizer).is_dir() else "no such directory"))
         from mosaic.train.samples import vocab_pieces
 
         return vocab_pieces(load_tokenizer(tokenizer))

@@ -5,6 +5,7 @@ bucket that says so."""
 from __future__ import annotations
 
 import hmac
+from pathlib import Path
 
 import httpx
 import pytest
@@ -51,6 +52,24 @@ def test_max_tokens_that_cannot_be_served_is_a_400_not_forwarded(upstream, make_
     assert len(upstream.app.state.calls) == before  # never reached the upstream
     ok = httpx.post(px.url + path, json={**body, key: 3}, headers={"X-Mosaic-Rollout": "r"})
     assert ok.status_code == 200, ok.text
+
+
+@pytest.mark.parametrize("raw, key", [
+    ('NaN', "temperature"), ('Infinity', "temperature"), ('-0.5', "temperature"), ('"hot"', "temperature"),
+    ('1.5', "top_p"), ('NaN', "top_p"), ('-Infinity', "presence_penalty"), ('true', "temperature"),
+])
+def test_a_sampling_number_that_is_nan_or_out_of_range_is_a_400_not_forwarded(upstream, make_proxy, raw, key):
+    """Python's JSON reads ``NaN``: it used to be forwarded and written into the records as a bare NaN."""
+    px = make_proxy(upstream.url)
+    before = len(upstream.app.state.calls)
+    content = '{"model": "m", "messages": [{"role": "user", "content": "hi"}], "%s": %s}' % (key, raw)
+    r = httpx.post(px.url + "/v1/chat/completions", content=content,
+                   headers={"X-Mosaic-Rollout": "r", "Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert f"field {key!r}" in r.json()["error"]["message"] and "finite number" in r.json()["error"]["message"]
+    assert len(upstream.app.state.calls) == before
+    px.stop()
+    assert "NaN" not in "".join(p.read_text() for p in Path(px.out_dir).glob("*.jsonl"))
 
 
 def test_a_call_naming_no_rollout_is_recorded_in_the_named_bucket(upstream, make_proxy):

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from mosaic.capture.records import CallRecord, RecordWriter, RewardRecord
 from mosaic.cli import main
 
@@ -96,3 +98,30 @@ def test_the_live_source_drops_a_rollout_with_a_bad_record_by_name(tmp_path):
     assert sorted(src.bad_records) == sorted(BAD) and "bad_record" in DROP_REASONS
     assert "field 'prompt_ids'" in src.bad_records["r1"] and str(src.records_path) in src.bad_records["r1"]
     assert where  # (the file holds the four bad lines)
+
+
+def test_replay_drops_rollouts_with_token_ids_the_model_has_no_embedding_for(tmp_path):
+    """Records written for another vocabulary used to crash training in the embedding lookup (an
+    IndexError after the model loaded); they are now dropped as ``bad_token_ids``, named and counted."""
+    from mosaic.config.loader import load_config
+    from mosaic.train.replay import RecordsReplay
+
+    d = tmp_path / "rec"
+    _records(d)
+    w = RecordWriter(d / "records.jsonl")
+    for rid, ids in (("big", [1, 70000, 3]), ("neg", [1, -4, 3])):
+        w.write(CallRecord(call_id=f"c-{rid}", rollout_id=rid, seq=0, endpoint="chat", prompt_ids=ids,
+                           completion_ids=[4, 5], logprobs=[-0.1, -0.2], text="<answer>x</answer>", finish_reason="stop"))
+        w.write(RewardRecord(rollout_id=rid, reward=1.0, ground_truth="x", group_id=f"g-{rid}"))
+    w.close()
+    cfg = load_config("cpu", overrides=["rollout.source=records", f"rollout.records={d}"])
+    replay = RecordsReplay(cfg)
+    assert dict(replay.dropped) == {"bad_record": 5}  # a negative id is already a bad field of its record
+    assert replay.drop_outside_vocab(1024) == 1
+    assert dict(replay.dropped) == {"bad_record": 5, "bad_token_ids": 1}
+    assert "g-big" not in replay.group_ids and "g-neg" not in replay.group_ids
+    s = replay.report.summary(limit=10)
+    assert "'big' bad_token_ids (session 0 prompt_ids holds token id 70000, outside the model's vocabulary" in s
+    assert "'neg' bad_record" in s
+    with pytest.raises(ValueError, match="no usable rollout"):
+        replay.drop_outside_vocab(3)  # every id >= 3 is now outside: nothing left

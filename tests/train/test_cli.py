@@ -41,6 +41,10 @@ def test_compare(tmp_path, capsys):
     assert main(["compare", str(a), str(b), "--json", "--n-boot", "500"]) == 0
     assert json.loads(capsys.readouterr().out)["diff"] == 0.25
     assert main(["compare", str(a), str(tmp_path / "missing.jsonl")]) == 2
+    (tmp_path / "bin.jsonl").write_bytes(b"\x8e\x00\xff binary")
+    capsys.readouterr()
+    assert main(["compare", str(tmp_path / "bin.jsonl"), str(b)]) == 2
+    assert f"{tmp_path / 'bin.jsonl'}: not UTF-8 text (byte 0)" in capsys.readouterr().err
 
 
 def test_eval_and_compare_bad_flags_exit_2_with_one_line(tmp_path, capsys):

@@ -38,6 +38,14 @@ def _cases(tmp_path):
     records.mkdir()
     (records / "records.jsonl").write_text("not json\n{}\n")
     ok_out = tmp_path / "sft-out"
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    m_json, m_trunc = tmp_path / "m_json", tmp_path / "m_trunc"
+    for m in (m_json, m_trunc):
+        m.mkdir()
+    (m_json / "config.json").write_text("{not json")
+    (m_trunc / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (m_trunc / "model.safetensors").write_bytes(b"")
     return [
         (["train", "train.run_dir=/proc/forbidden"], "config key 'train.run_dir': /proc/forbidden: cannot create"),
         (["train", f"train.run_dir={afile}"], f"config key 'train.run_dir': {afile}: not a directory"),
@@ -57,10 +65,20 @@ def _cases(tmp_path):
          "no config.json"),
         (["eval", "model.source=dir", "model.path=/nonexistent", f"train.run_dir={tmp_path / 'r5'}"],
          "config key 'model.path': /nonexistent: no such directory"),
+        (["train", f"data.cache_dir={afile}", f"train.run_dir={tmp_path / 'r1'}"],
+         f"config key 'data.cache_dir': {afile}: not a directory"),
+        (["sft", "data.cache_dir=/proc/x", f"sft.output_dir={ok_out}"], "config key 'data.cache_dir': /proc/x: cannot create"),
+        (["eval", "data.cache_dir=/proc/x", f"train.run_dir={tmp_path / 'r5'}"], "config key 'data.cache_dir': /proc/x"),
+        (["train", "model.source=dir", f"model.path={m_json}", f"train.run_dir={tmp_path / 'r3'}"],
+         f"config key 'model.path': {m_json}: config.json does not parse"),
+        (["eval", "model.source=dir", f"model.path={m_trunc}", f"train.run_dir={tmp_path / 'r5'}"],
+         f"config key 'model.path': {m_trunc}: model.safetensors: truncated (0 bytes"),
+        (["eval", "--checkpoint", str(m_trunc), f"train.run_dir={tmp_path / 'r5'}"], f"--checkpoint {m_trunc}: model.safetensors"),
+        (["sft", f"sft.data={empty}", f"sft.output_dir={ok_out}"], f"config key 'sft.data': {empty} holds no trajectories"),
     ]
 
 
-@pytest.mark.parametrize("case", range(11))
+@pytest.mark.parametrize("case", range(18))
 def test_bad_paths_are_one_line_exit_2_before_any_work(tmp_path, capsys, no_work, case):
     argv, fragment = _cases(tmp_path)[case]
     assert main(argv) == 2, argv
@@ -91,3 +109,20 @@ def test_experiment_garbage_grid_is_one_line(tmp_path, capsys, content, fragment
     assert main(["experiment", str(g), "--dry-run"]) == 2
     err = _one_line(capsys)
     assert err.startswith("mosaic experiment: ") and fragment in err
+
+
+def test_data_and_serve_refuse_an_unusable_cache_or_model_in_one_line(tmp_path, capsys, monkeypatch):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    assert main(["data", "generate", f"data.cache_dir={afile}"]) == 2
+    assert _one_line(capsys) == f"mosaic data generate: config key 'data.cache_dir': {afile}: not a directory"
+    monkeypatch.setenv("MOSAIC_CACHE", "/proc/x")
+    assert main(["data", "generate"]) == 2
+    assert _one_line(capsys).startswith("mosaic data generate: $MOSAIC_CACHE /proc/x: cannot create the directory")
+    m = tmp_path / "m"
+    m.mkdir()
+    (m / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (m / "model.safetensors").write_bytes((10 ** 12).to_bytes(8, "little") + b"{}")
+    assert main(["serve", "--model", str(m), "--port", "0"]) == 2
+    assert _one_line(capsys) == f"mosaic serve: {m}: model.safetensors: corrupt safetensors header (length {10 ** 12} " \
+                                "in a file of 10 bytes)"

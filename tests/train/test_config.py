@@ -57,6 +57,7 @@ def test_overrides_are_typed():
         ("optim.lr=-1", "config key 'optim.lr': must be > 0"),
         ("harness.max_new_tokens=5000", "config key 'harness.max_new_tokens': must be < context_budget"),
         ("model.source=dir", "config key 'model.path': is required"),
+        ("model.path=/some/dir", "config key 'model.path': is read only with model.source=dir (model.source is 'base')"),
         ("algo.estimator=grpo", "config key 'algo.estimator': 'grpo' is single-session"),
         ("no_equals_sign", "must look like section.field=value"),
     ],

@@ -28,3 +28,31 @@ def test_sft_on_expert_rollouts_learns_every_session_kind(tmp_path):
     first, last = sum(res.losses[:3]) / 3, sum(res.losses[-3:]) / 3
     assert last < first - 0.5, (first, last)
     assert not model.training  # handed back in eval mode for rollouts
+
+
+def test_sft_data_with_ids_outside_the_vocabulary_is_left_out_or_refused(tmp_path, capsys):
+    """Trajectories made with another tokenizer used to crash SFT in the embedding lookup after the
+    model was built; now each is left out and counted, and a file of nothing else is one line, exit 2."""
+    import random
+
+    from mosaic.cli import main
+    from mosaic.trace import write_jsonl
+
+    from .trajs import compaction_chain
+
+    rng = random.Random(0)
+    ok = [compaction_chain(rng, 2, vocab=300, tid=f"t{k}") for k in range(3)]
+    bad = compaction_chain(rng, 2, vocab=300, tid="bad")
+    bad.sessions[1].completion_ids[0] = 10 ** 6
+    common = [f"data.cache_dir={tmp_path / 'cache'}", "model.source=embedded", "model.embedded_preset=tiny",
+              "sft.epochs=1", "sft.batch_size=4"]
+    write_jsonl(tmp_path / "mixed.jsonl", ok + [bad])
+    assert main(["sft", f"sft.data={tmp_path / 'mixed.jsonl'}", f"sft.output_dir={tmp_path / 'o1'}", *common]) == 0
+    out = capsys.readouterr().out + capsys.readouterr().err
+    assert "1 of 4 trajectories hold token ids outside the model's vocabulary; left out" in out
+    assert "session 1 completion_ids holds token id 1000000" in out and "sft: 3 trajectories" in out
+    write_jsonl(tmp_path / "bad.jsonl", [bad])
+    assert main(["sft", f"sft.data={tmp_path / 'bad.jsonl'}", f"sft.output_dir={tmp_path / 'o2'}", *common]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("mosaic sft: config error: config key 'sft.data': ") and "\n" not in err
+    assert "1 of 1 trajectories hold token ids outside the model's vocabulary (made with another tokenizer?)" in err

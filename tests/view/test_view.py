@@ -230,3 +230,24 @@ def test_any_one_field_set_to_anything_is_a_page_or_one_line(tmp_path, capsys):
         _data_of(page.read_text(encoding="utf-8"))
     print(f"\nsweep: {len(pages)} pages, {refused} refused in one line")
     assert pages and refused
+
+
+def test_a_cut_last_line_is_skipped_with_a_word(tmp_path, capsys):
+    """A samples.jsonl whose writer was killed mid-line: the page shows the whole lines and stderr names
+    the cut one (it used to vanish without a word)."""
+    d, _ = _run_dir(tmp_path)
+    p = d / "samples.jsonl"
+    whole = p.read_text()
+    p.write_text(whole + whole.splitlines()[0][:50])
+    assert len(load_view(d)["samples"]) == 6
+    err = capsys.readouterr().err
+    assert f"mosaic view: {p}:7: the last line is cut (50 bytes" in err and "skipped" in err
+
+
+def test_a_tokenizer_path_that_is_not_one_is_named(tmp_path, capsys):
+    d, _ = _run_dir(tmp_path)
+    (d / "vocab.json").unlink()
+    assert main(["view", str(d), "--tokenizer", str(tmp_path / "nope")]) == 2
+    assert capsys.readouterr().err.strip() == f"mosaic view: --tokenizer {tmp_path / 'nope'}: no such directory"
+    assert main(["view", str(d), "--tokenizer", str(tmp_path)]) == 2
+    assert "no tokenizer files in this directory" in capsys.readouterr().err

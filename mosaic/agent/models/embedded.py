@@ -33,6 +33,7 @@ from transformers import (
 
 from mosaic.agent.tokenizer import CHECK_FILE as _CHECK_FILE
 from mosaic.agent.tokenizer import save_tokenizer
+from mosaic.agent.models.checkdir import ModelDirError, model_dir_error
 
 Arch = Literal["llama", "qwen2"]
 
@@ -197,8 +198,14 @@ def load_model(directory: str | Path, *, device: str | torch.device = "cpu",
     path = Path(directory)
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"{path}: no config.json; not a saved model directory")
-    tokenizer = load_tokenizer_checked(path)
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True)
+    bad = model_dir_error(path)
+    if bad:
+        raise ModelDirError(bad)
+    try:
+        tokenizer = load_tokenizer_checked(path)
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True)
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:  # what the metadata check cannot see
+        raise ModelDirError(f"{path}: cannot be loaded ({type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]})") from exc
     if model.get_input_embeddings().num_embeddings < len(tokenizer):
         raise ValueError(
             f"{path}: model vocabulary {model.get_input_embeddings().num_embeddings} is smaller "
