@@ -371,6 +371,9 @@ def _report_gain(cfg: Config, run_dir: Path, base: dict, final: dict, seconds: f
     _log(f"held-out gain over the warm start: {100 * cmp.diff:+.1f} points "
          f"(95 % paired bootstrap CI [{100 * cmp.lo:+.1f}, {100 * cmp.hi:+.1f}], {verdict}; "
          f"{cmp.wins} wins / {cmp.losses} losses / {cmp.ties} ties on {cmp.n_questions} questions)")
+    _log(f"this is one training seed ({cfg.train.seed}) on one {cfg.train.heldout_split} world, its questions as "
+         f"the unit (exact sign test p = {cmp.p_value:.3f}): whether RL moved this model, not whether an "
+         f"estimator trains better; that takes seeds as the unit (docs/results.md, reports/)")
     (run_dir / "result.json").write_text(json.dumps({
         "split": cfg.train.heldout_split,
         "warm_start": {k: base[k] for k in ("accuracy", "lo", "hi")},
