@@ -14,7 +14,7 @@ import numpy as np
 
 from mosaic.experiment.spec import Grid
 
-__all__ = ["learning_curves_figure", "make_plots"]
+__all__ = ["learning_curves_figure", "make_plots", "mechanism_figure"]
 
 
 def make_plots(grid: Grid, data: dict, out: Path) -> list[Path]:
@@ -45,6 +45,10 @@ def make_plots(grid: Grid, data: dict, out: Path) -> list[Path]:
             acc[k].append((np.mean(per_seed), np.min(per_seed), np.max(per_seed)) if per_seed else (np.nan,) * 3)
     paths.append(_bars(plt, acc, ev, "held-out accuracy (bar: mean over seeds; whisker: min-max)",
                        out / "accuracy.png", warm=data["warm"]))  # fmt: skip
+
+    fig = mechanism_figure(plt, grid.name, groups)
+    if fig is not None:
+        paths.append(_save(fig, out / "mechanism.png"))
 
     for metric, title, fname in (("session/per_traj", "sessions per trajectory", "sessions.png"),
                                  ("session/pos_gain_share/all", "positive-gain share", "pos_gain_share.png")):
@@ -105,6 +109,46 @@ def learning_curves_figure(plt, name: str, groups: dict):
         ax.set_ylabel("training reward", fontsize=8)
     fig.suptitle(f"{name}: training reward (critic/score/mean) per arm; band: min-max over seeds; "
                  f"grey: the other arms' means", fontsize=9)
+    return fig
+
+
+def mechanism_figure(plt, name: str, groups: dict):
+    """Per training step, one panel per :data:`~mosaic.experiment.report.MECHANISM` metric the runs logged
+    at two steps or more: each arm's mean over seeds, with a min-max band; None when no metric has."""
+    from mosaic.experiment.report import MECHANISM
+
+    panels = []
+    for key, title in MECHANISM:
+        arms = {}
+        for k, g in groups.items():
+            series = [dict(s.get("series", {}).get(key, [])) for s in g["seeds"].values()]
+            series = [c for c in series if c]
+            if series:
+                steps = sorted(set().union(*series))
+                arms[k] = (steps, np.array([[c.get(t, np.nan) for t in steps] for c in series], dtype=float))
+        if any(len(st) >= 2 for st, _ in arms.values()):
+            panels.append((title, arms))
+    if not panels:
+        return None
+    cols = min(3, len(panels))
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.8 * cols, 2.7 * rows + 0.6), squeeze=False)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, (title, arms) in zip(axes.flat, panels):
+        for i, (k, (steps, m)) in enumerate(arms.items()):
+            c = colours[i % len(colours)]
+            ax.plot(steps, np.nanmean(m, 0), color=c, linewidth=1.6, label=f"{k} ({len(m)})")
+            if len(m) > 1:
+                ax.fill_between(steps, np.nanmin(m, 0), np.nanmax(m, 0), color=c, alpha=0.2)
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("step", fontsize=8)
+        ax.grid(alpha=0.3)
+        ax.tick_params(labelsize=8)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.set_visible(False)
+    axes.flat[0].legend(fontsize=7)
+    fig.suptitle(f"{name}: the mechanism per training step; line: mean over seeds (count in brackets), "
+                 f"band: min-max", fontsize=9)
     return fig
 
 

@@ -16,6 +16,10 @@ KV cache: seconds, states scored, states it could not reach (scored after the ro
 | ``perf/throughput`` | tokens (prompt + completion of every row) per second of step time |
 | ``session/per_traj`` | sessions per trajectory (mean) |
 | ``session/count/<kind>`` | sessions of a kind per trajectory (mean) |
+| ``session/per_traj/success``, ``/failure``; ``session/count/<kind>/success``, ``/failure`` | the same over
+successful and failed trajectories apart (absent when the batch has none of them) |
+| ``groups/all_fail_share``, ``groups/all_success_share``, ``groups/mixed_share`` | how the batch's GRPO groups
+split by outcome (only mixed groups carry a trajectory advantage) |
 | ``session/gain/<kind>`` | mean information gain of non-final sessions of a kind |
 | ``session/pos_gain_share/<kind>`` | share of non-final sessions of a kind with gain > 0 |
 | ``session/compactions``, ``session/forks`` | per trajectory (mean) |
@@ -76,6 +80,30 @@ CONSOLE_ORDER = (
 """Keys printed first on the console line (others follow alphabetically)."""
 
 
+def _outcome_split(trajs: Sequence[Trajectory], kinds: list[str]) -> dict[str, float]:
+    """Sessions per trajectory for successes and failures apart (per kind too), and how the GRPO groups
+    split: all failed, all succeeded, mixed. Mosaic's trajectory term asks successes for fewer sessions
+    and failures for more; it can only act in mixed groups (an all-fail or all-success group has zero
+    advantage under group normalisation), so the mixed share bounds how much it can move."""
+    m: dict[str, float] = {}
+    for name, keep in (("success", True), ("failure", False)):
+        sel = [t for t in trajs if bool(t.success) == keep]
+        if not sel:
+            continue
+        m[f"session/per_traj/{name}"] = float(np.mean([len(t.sessions) for t in sel]))
+        for k in kinds:
+            m[f"session/count/{k}/{name}"] = float(np.mean([t.count_kinds().get(k, 0) for t in sel]))
+    groups: dict[str, list[bool]] = {}
+    for t in trajs:
+        groups.setdefault(t.group_id, []).append(bool(t.success))
+    if groups:
+        n = len(groups)
+        m["groups/all_fail_share"] = sum(not any(g) for g in groups.values()) / n
+        m["groups/all_success_share"] = sum(all(g) for g in groups.values()) / n
+        m["groups/mixed_share"] = 1.0 - m["groups/all_fail_share"] - m["groups/all_success_share"]
+    return m
+
+
 def rollout_metrics(trajs: Sequence[Trajectory], gains=None, is_final=None) -> dict[str, float]:
     """Batch metrics of a list of trajectories; ``gains``/``is_final`` (S,) in flatten order when scored."""
     if not trajs:
@@ -94,6 +122,7 @@ def rollout_metrics(trajs: Sequence[Trajectory], gains=None, is_final=None) -> d
         m[f"session/count/{k}"] = float(np.mean([t.count_kinds().get(k, 0) for t in trajs]))
     m["session/compactions"] = m["session/count/compaction"]
     m["session/forks"] = m["session/count/subagent"]
+    m.update(_outcome_split(trajs, kinds))
     # drift repairs (captured rollouts whose harness re-sent a turn differently): stretches trained apart
     m["rollout/drift_repairs"] = float(sum(len(s.detached) for t in trajs for s in t.sessions))
     m["rollout/drift_detached_tokens"] = float(sum(sum(x.loss_mask) for t in trajs for s in t.sessions

@@ -40,7 +40,7 @@ def test_quick_grid_runs_end_to_end_and_reports(quick):
     assert "| broadcast | base | 2 | 8 |" in md and "| mosaic | base | 2 | 8 |" in md
     assert "broadcast/base − mosaic/base" in md and "seed permutation p (Holm)" in md
     assert "sign test on questions, conditional p (Holm)" in md
-    assert "Smallest difference detectable at 80 % power" in md
+    assert "the smallest difference detectable at 80 % power" in md
     assert "### Policy health" in md and "| warm start | base | 1 |" in md
     health = {(r["arm"], r["setting"]): r for r in json.loads((rep / "results.json").read_text())["health"]}
     assert set(health) == {("warm start", "base"), ("broadcast", "base"), ("mosaic", "base")}
@@ -54,7 +54,7 @@ def test_quick_grid_runs_end_to_end_and_reports(quick):
     assert "warm_start" in arm and arm["step_s"] > 0 and "main" in arm["sessions"]
     (pair,) = head["pairs"]
     assert 0 <= pair["p_sign"] <= 1 and 0 < pair["p_seeds"] <= 1 and pair["p_sign_holm"] >= pair["p_sign"]
-    for name in ("learning_curves", "accuracy", "sessions", "pos_gain_share"):
+    for name in ("learning_curves", "accuracy", "sessions", "pos_gain_share", "mechanism"):
         png = rep / "plots" / f"{name}.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
     # every arm and the warm start saw the same questions

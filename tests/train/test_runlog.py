@@ -119,3 +119,20 @@ def test_wandb_sink_online_with_a_key_offline_without_or_when_unreachable(tmp_pa
     monkeypatch.setitem(sys.modules, "wandb", None)  # not installed
     with pytest.raises(RuntimeError, match="not installed"):
         RunLogger(tmp_path / "d", logger=["wandb"])
+
+
+def test_rollout_metrics_split_successes_failures_and_groups():
+    """The mechanism's metrics (issue 28 item 4): sessions for successes and failures apart, and how
+    groups split by outcome (only mixed groups carry a trajectory advantage)."""
+    rng = random.Random(0)
+    # group g1: a success with 5 sessions and a failure with 3; group g2: two failures
+    trajs = [compaction_chain(rng, 2, tid="a", reward=1.0), compaction_chain(rng, 1, tid="b", reward=0.0),
+             compaction_chain(rng, 1, tid="c", reward=0.0), compaction_chain(rng, 3, tid="d", reward=0.0)]
+    for t, g in zip(trajs, ["g1", "g1", "g2", "g2"]):
+        t.group_id = g
+    m = rollout_metrics(trajs)
+    assert m["session/per_traj/success"] == 5.0 and m["session/per_traj/failure"] == (3 + 3 + 7) / 3
+    assert m["session/count/compaction/success"] == 2.0 and m["session/count/compaction/failure"] == (1 + 1 + 3) / 3
+    assert m["groups/mixed_share"] == 0.5 and m["groups/all_fail_share"] == 0.5 and m["groups/all_success_share"] == 0
+    only_fail = rollout_metrics(trajs[2:])
+    assert "session/per_traj/success" not in only_fail and only_fail["groups/all_fail_share"] == 1.0
