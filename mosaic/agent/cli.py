@@ -38,7 +38,7 @@ from rich.console import Console
 from rich.table import Table
 
 from mosaic.agent.chat import ChatFormat, load_smollm2_tokenizer
-from mosaic.config.harness import HarnessConfig
+from mosaic.config.harness import MODES, HarnessConfig
 from mosaic.agent.expert import ExpertNoise, ExpertPolicy
 from mosaic.agent.harness import DeepSearchEnv, Harness
 from mosaic.agent.models import load_any
@@ -72,7 +72,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--n-tasks", type=int, default=None,
                    help="first N tasks of the split, N >= 1 (default: all)")
     p.add_argument("--group-size", type=int, default=1, help="rollouts per task (G)")
-    p.add_argument("--mode", default=None, choices=("single", "compaction", "fork", "compaction+fork"),
+    p.add_argument("--mode", default=None, choices=MODES,
                    help="shortcut for harness.mode")
     p.add_argument("--context-budget", type=int, default=None)
     p.add_argument("--max-new-tokens", type=int, default=None)

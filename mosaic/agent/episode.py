@@ -65,7 +65,10 @@ class EnvHooks:
         if not callable(docs):
             return cfg.system_text(depth)
         tmpl = cfg.system_prompt if depth == 0 else cfg.subagent_system_prompt
-        text = docs() + ("\n" + delegate_doc if "delegate" in cfg.tools(depth) else "")
+        from mosaic.config.harness import TOOL_DOCS
+
+        text = docs() + "".join("\n" + (delegate_doc if t == "delegate" else TOOL_DOCS[t])
+                                for t in cfg.tools(depth) if t != "search")
         return tmpl.replace("{tools}", text)
 
 
@@ -100,6 +103,7 @@ class RunState:
     counters: Counter = field(default_factory=Counter)
     invalid: Counter = field(default_factory=Counter)
     tool_calls: Counter = field(default_factory=Counter)
+    notes: list[str] = field(default_factory=list)  # (mode=reset) the workspace, kept across sessions
 
 
 class StateScorer(Protocol):

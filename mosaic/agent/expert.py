@@ -12,7 +12,9 @@ Behaviour per session kind:
 - main: search the next hop's gold query (fork modes: ``delegate`` one hop per
   subagent); answer the last target once every hop is done;
 - subagent: find the hop its question asks about, search it, answer its target;
-- compaction: list the hops found so far (``title relation: target``) and the next search.
+- compaction: list the hops found so far (``title relation: target``) and the next search;
+- reset: note each hop found (``note_write``, or ``handoff`` as the session's last action) before
+  searching the next; with one action left and nothing to note, hand off the next search as a plan.
 
 Noise (:class:`ExpertNoise`, each an independent draw per opportunity, deterministic
 in (seed, trajectory, session, turn)); occurrences and opportunities per kind are
@@ -49,7 +51,8 @@ class ExpertNoise:
     early_guess: float = 0.03
     """Per main search decision after the first hop: answer the current entity (wrong) instead."""
     lossy_summary: float = 0.2
-    """Per summary with a hop done: drop the latest entity found (the next session redoes that hop)."""
+    """Per summary with a hop done: drop the latest entity found (the next session redoes that hop); in
+    reset mode, per note of a hop found: a note without the entity."""
     extra_session: float = 0.1
     """Per main turn (compaction modes) where padding can force a compaction: pad the turn with
     filler notes so the context fills up and an unnecessary compaction follows."""
@@ -83,6 +86,22 @@ def _searched(messages: list[tuple[str, str]]) -> set[str]:
                 call = json.loads(body)
                 out.add(str(call["arguments"]["query"]))
             except (ValueError, KeyError, TypeError):
+                pass
+    return out
+
+
+def _written_notes(messages: list[tuple[str, str]]) -> list[str]:
+    """The notes this context's assistant turns wrote (``note_write`` and ``handoff`` arguments)."""
+    out = []
+    for role, content in messages:
+        if role != "assistant":
+            continue
+        for body in _CALL.findall(content):
+            try:
+                call = json.loads(body)
+                args = call["arguments"]
+                out.append(str(args.get("text", args.get("note", ""))))
+            except (ValueError, KeyError, TypeError, AttributeError):
                 pass
     return out
 
@@ -149,6 +168,8 @@ class ExpertPolicy:
                 text = self._summary(req, task, msgs)
             elif kind == "subagent":
                 text = self._subagent(req, task, msgs)
+            elif kind == "reset":
+                text = self._reset(req, task, msgs)
             else:
                 text = self._main(req, task, msgs)
         ids = self._encode(text) + [self.im_end_id]
@@ -218,6 +239,27 @@ class ExpertPolicy:
             words = [w for w in _WRONG_WORDS if w != hop.relation]
             return format_call("search", f"{hop.title} {self._rng(meta, 'wrong').choice(words)}")
         return format_call("search", hop.query)
+
+    def _reset(self, req: GenRequest, task, msgs) -> str:
+        """A reset session: answer once every hop is known; note a hop found in this session before
+        anything else (with ``handoff`` when it is the session's last action); otherwise search the next
+        hop, or hand off a plan when one action is left (its result would be lost with the context)."""
+        meta, chain = req.meta, task.gold_chain
+        done = self._done(task, msgs, task.question)
+        if all(done):
+            return f"<answer>{chain[-1].target}</answer>"
+        noted = (msgs[1][1] if len(msgs) > 1 else "") + " ".join(_written_notes(msgs))
+        left = int(meta.get("calls_left", 2))
+        unnoted = [h for h, d in zip(chain, done) if d and h.target not in noted]
+        if unnoted:
+            h = unnoted[0]
+            lossy = self._draw(meta, "lossy_summary", self.noise.lossy_summary)  # a note that loses the entity
+            note = f"{h.title} {h.relation}: " + ("not found yet" if lossy else h.target)
+            return format_call("handoff" if left <= 1 else "note_write", note)
+        hop = chain[done.index(False)]
+        if left <= 1:
+            return format_call("handoff", f"next: {hop.query}")
+        return self._search_action(meta, chain, done, done.index(False))
 
     def _summary(self, req: GenRequest, task, msgs) -> str:
         chain = task.gold_chain

@@ -54,7 +54,9 @@ from mosaic.config.harness import (  # noqa: F401  (re-exported: the harness API
     TOOL_DOCS, HarnessConfig, Mode,
 )
 from mosaic.agent.policy import GenRequest, GenResult, Policy
-from mosaic.agent.tools import Action, parse_action, safe_text
+from mosaic.agent.envcalls import EnvCalls
+from mosaic.agent.reset import RESET_TOOLS, ResetSessions
+from mosaic.agent.tools import Action, parse_action
 from mosaic.envs.rewards import score_answer
 from mosaic.trace.graph import Session, StateRef, Trajectory, validate
 from mosaic.agent.episode import (  # noqa: F401  (DeepSearchEnv, StateScorer re-exported: the harness API)
@@ -62,7 +64,7 @@ from mosaic.agent.episode import (  # noqa: F401  (DeepSearchEnv, StateScorer re
 )
 
 
-class Harness:
+class Harness(EnvCalls, ResetSessions):
     """Runs trajectories of ``policy`` on ``env``'s tasks; see the module docstring."""
 
     def __init__(self, policy: Policy, chat: ChatFormat, env, config: HarnessConfig | None = None, *,
@@ -88,19 +90,7 @@ class Harness:
         ids = [t.id for t in tasks]
         if len(set(ids)) != len(ids):
             raise ValueError("tasks contain duplicate ids; group ids would collide")
-        runs: list[RunState] = []
-        for task in tasks:
-            gid = task.id if step is None else f"{step}/{task.id}"
-            for g in range(group_size):
-                traj = Trajectory(id=f"{gid}/{g}", task_id=task.id, group_id=gid, sessions=[],
-                                  ground_truth=task.answer)
-                run = RunState(traj, task, g)
-                run.question = self._safe(run, task.question)
-                if isinstance(task.answer, str):
-                    traj.ground_truth = self._safe(run, task.answer)
-                self.hooks.open(traj.id, task)
-                self._open_main(run, run.question, parent=None)
-                runs.append(run)
+        runs = [self._start(task, g, step) for task in tasks for g in range(group_size)]
         self._seed = seed
         bar = None
         if progress:
@@ -138,6 +128,21 @@ class Harness:
                 bar.close()
         return [r.traj for r in runs]
 
+    def _start(self, task, g: int, step: int | str | None) -> RunState:
+        """Rollout ``g`` of ``task``: its trajectory and first session."""
+        gid = task.id if step is None else f"{step}/{task.id}"
+        traj = Trajectory(id=f"{gid}/{g}", task_id=task.id, group_id=gid, sessions=[], ground_truth=task.answer)
+        run = RunState(traj, task, g)
+        run.question = self._safe(run, task.question)
+        if isinstance(task.answer, str):
+            traj.ground_truth = self._safe(run, task.answer)
+        self.hooks.open(traj.id, task)
+        if self.config.resets:
+            self._open_reset(run, parent=None)
+        else:
+            self._open_main(run, run.question, parent=None)
+        return run
+
     # ------------------------------------------------------------------ sessions
     def _new_session(self, run: RunState, kind: str, prompt: list[int], parent: int | None, edge: str | None,
                      depth: int, question: str) -> LiveSession:
@@ -164,10 +169,10 @@ class Harness:
         # A session cut off while a turn was pending ends after a generation header: its end state
         # is the boundary before that header.
         end = live.length if live.at_boundary else live.turn_start
-        if s.kind == "main":
+        if s.kind in ("main", "reset"):  # (a reset session's is replaced by the next one's start)
             s.state_after = StateRef(session=s.id, upto=None if end == live.length else end)
         if self.state_scorer is not None:
-            cuts = self._hosted_cuts(run.traj, s, ends) if s.kind == "main" else []
+            cuts = self._hosted_cuts(run.traj, s, ends) if s.kind in ("main", "reset") else []
             self.state_scorer.session_closed(run.traj, s, live.key, cuts, next_key=handoff)
         run.stack.remove(live)
         give = getattr(self.policy, "handoff", None)
@@ -223,7 +228,13 @@ class Harness:
         budget = cfg.budget(live.session.kind)
         if live.session.kind == "compaction":
             return self._request(run, live, cfg.summary_max_new_tokens, budget)
-        reason = self._limit_reason(run, live, budget)
+        if live.session.kind == "reset":
+            reason = self._reset_limit(run, live, budget)
+            if reason == "reset":
+                self._rotate(run, live, live.session.meta["reset_reason"])
+                return self._prepare(run)
+        else:
+            reason = self._limit_reason(run, live, budget)
         if reason is None:
             self._open_turn(run, live)
             return self._request(run, live, cfg.max_new_tokens, budget)
@@ -269,6 +280,8 @@ class Harness:
             "question": live.question, "mode": cfg.mode,
             "tools": list(cfg.tools(live.depth)) if s.kind != "compaction" else [],
         }
+        if s.kind == "reset":
+            meta["calls_left"] = cfg.reset_k - s.num_turns
         return GenRequest(live.key, s.prompt_ids + s.completion_ids, max_new, meta, context_budget=budget)
 
     def _start_compaction(self, run: RunState, main: LiveSession) -> LiveSession:
@@ -317,7 +330,8 @@ class Harness:
 
     def _parse(self, live: LiveSession, text: str) -> Action:
         cfg = self.config
-        allowed = (("search", "delegate") if cfg.forks else ("search",)) + self.hooks.tools
+        allowed = (("search", "delegate") if cfg.forks else ("search", *RESET_TOOLS) if cfg.resets
+                   else ("search",)) + self.hooks.tools
         action = parse_action(text, allowed, max_arg_chars=cfg.max_arg_chars, json_tools=self.hooks.tools)
         if action.kind == "call" and action.name == "delegate" and live.depth >= cfg.max_depth:
             action = Action("invalid", error="delegate_depth", sanitized=action.sanitized, message=(
@@ -347,46 +361,10 @@ class Harness:
                 self._append(run, live, self.chat.tool_delta(self._search(run, action.argument)))
             elif action.name in self.hooks.tools:
                 self._append(run, live, self.chat.tool_delta(self._env_call(run, action)))
+            elif action.name in RESET_TOOLS:
+                self._reset_act(run, live, action.name, action.argument)
             else:
                 self._delegate(run, live, action.argument)
-
-    def _safe(self, run: RunState, text: str) -> str:
-        """``text`` from outside made safe (:func:`safe_text`); a replacement is counted."""
-        text, changed = safe_text(text)
-        if changed:
-            run.counters["sanitized_text"] += 1
-        return text
-
-    def _search(self, run: RunState, query: str) -> str:
-        try:
-            out = self.env.search(query, self.config.search_k)
-            if not isinstance(out, str):
-                raise TypeError(f"the environment returned {type(out).__name__}, not text")
-        except Exception as exc:  # a tool failure is visible to the model and in metrics
-            run.counters["tool_errors"] += 1
-            out = f"Error (tool_error): search failed: {type(exc).__name__}: {exc}"
-        return self._safe(run, out)
-
-    def _env_call(self, run: RunState, action: Action) -> str:
-        """A multi-tool environment's call; an exception (bad arguments included) is a counted tool error."""
-        try:
-            out = self.hooks.call(run.traj.id, action.name, action.meta["arguments"])
-            if not isinstance(out, str):
-                raise TypeError(f"the environment returned {type(out).__name__}, not text")
-        except Exception as exc:
-            run.counters["tool_errors"] += 1
-            out = f"Error (tool_error): {action.name}: {exc}"
-        return self._safe(run, out)
-
-    def _env_finish(self, run: RunState, text: str | None) -> dict:
-        """Score and free the environment's rollout (once); its outcome lands in ``traj.meta["env"]``."""
-        if "env" not in run.traj.meta:
-            try:
-                run.traj.meta["env"] = self.hooks.finish(run.traj.id, text)
-            except Exception as exc:  # a scoring failure is counted, never a lost trajectory
-                run.counters["tool_errors"] += 1
-                run.traj.meta["env"] = {"reward": 0.0, "error": self._safe(run, f"{type(exc).__name__}: {exc}")}
-        return run.traj.meta["env"]
 
     def _delegate(self, run: RunState, live: LiveSession, question: str) -> None:
         if len(run.traj.sessions) + 1 > self.config.max_sessions:
@@ -415,8 +393,12 @@ class Harness:
 
     def _finish(self, run: RunState) -> None:
         traj = run.traj
-        mains = [s for s in traj.sessions if s.kind == "main"]
+        mains = [s for s in traj.sessions if s.kind in ("main", "reset")]
         mains[-1].is_final = True
+        if self.config.resets:
+            mains[-1].meta.setdefault("notes_after", list(run.notes))
+            traj.meta["notes"] = list(run.notes)
+            traj.meta.update({k: run.counters[k] for k in ("resets", "notes_written", "workspace_full")})
         kinds = Counter(s.kind for s in traj.sessions)
         traj.meta.update({
             "mode": self.config.mode,

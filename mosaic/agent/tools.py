@@ -28,7 +28,7 @@ from typing import Any, Literal
 from mosaic.config.harness import TOOL_DOCS  # noqa: F401  (re-exported: the tools' specs)
 from mosaic.envs.rewards import extract_answer
 
-TOOL_ARGS: dict[str, str] = {"search": "query", "delegate": "question"}
+TOOL_ARGS: dict[str, str] = {"search": "query", "delegate": "question", "note_write": "text", "handoff": "note"}
 """Each tool takes exactly one string argument, named here."""
 
 

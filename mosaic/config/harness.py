@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Literal
+from typing import Literal, Sequence
 
 
 TOOL_DOCS: dict[str, str] = {
@@ -12,11 +12,15 @@ TOOL_DOCS: dict[str, str] = {
     "delegate": '- delegate(question): a helper answers a sub-question with its own searches and '
                 'returns its answer. Example: <tool_call>{"name": "delegate", "arguments": '
                 '{"question": "Who is the founder of NAME?"}}</tool_call>',
+    "note_write": '- note_write(text): keep a note; notes survive a reset of your context. Example: '
+                  '<tool_call>{"name": "note_write", "arguments": {"text": "NAME founder: NAME"}}</tool_call>',
+    "handoff": '- handoff(note): a last note, then a fresh session. Example: '
+               '<tool_call>{"name": "handoff", "arguments": {"note": "next: NAME country"}}</tool_call>',
 }
 """How each tool is described to the model (a fixed text of the harness, like the prompts below)."""
 
-Mode = Literal["single", "compaction", "fork", "compaction+fork"]
-MODES = ("single", "compaction", "fork", "compaction+fork")
+Mode = Literal["single", "compaction", "fork", "compaction+fork", "reset"]
+MODES = ("single", "compaction", "fork", "compaction+fork", "reset")
 
 DEFAULT_SYSTEM_PROMPT = (
     "You answer questions about a fictional world by searching its encyclopedia.\n"
@@ -35,6 +39,7 @@ DEFAULT_COMPACTION_PROMPT = (
     "have found so far and the next search to make. Do not call tools."
 )
 DEFAULT_RESUME_TEMPLATE = "{question}\n\nYour notes so far (your earlier context was cleared):\n{summary}"
+DEFAULT_RESET_TEMPLATE = "{question}\n\nNotes ({k} tool calls per session):\n{notes}"
 
 
 @dataclass(frozen=True)
@@ -42,7 +47,8 @@ class HarnessConfig:
     """Every setting of the agent loop (validated at construction)."""
 
     mode: Mode = "compaction"
-    """``single`` (no compaction, no forks: plain GRPO), ``compaction``, ``fork`` or ``compaction+fork``."""
+    """``single`` (no compaction, no forks: plain GRPO), ``compaction``, ``fork``, ``compaction+fork`` or
+    ``reset`` (HMA: every session starts from a fresh context holding the question and the notes workspace)."""
     context_budget: int = 1024
     """Tokens a main session's context may reach, counting the next turn's ``max_new_tokens``."""
     max_new_tokens: int = 128
@@ -77,6 +83,18 @@ class HarnessConfig:
     """The user turn that asks for the summary."""
     resume_template: str = DEFAULT_RESUME_TEMPLATE
     """A post-compaction main session's user message; ``{question}`` and ``{summary}``."""
+    reset_k: int = 4
+    """``mode=reset``: tool calls (actions) per session, HMA's cap; the session then ends and the next starts
+    from a fresh context (``reset_cap``)."""
+    reset_context_budget: int = 1024
+    """``mode=reset``: a reset session's context budget (0 = ``context_budget``). Its prompt carries three
+    tools and the notes, and a session needs room for a few searches and notes before its context
+    resets; at the cpu preset's 512 tokens the scripted expert cannot note what a search found."""
+    workspace_chars: int = 600
+    """``mode=reset``: the notes workspace's size budget in characters; a note that would exceed it is
+    refused with an error the model reads (``workspace_full``, counted)."""
+    reset_template: str = DEFAULT_RESET_TEMPLATE
+    """A reset session's user message; ``{question}``, ``{notes}`` (the rendered workspace) and ``{k}``."""
 
     def __post_init__(self) -> None:
         def need(cond: bool, name: str, why: str) -> None:
@@ -88,6 +106,7 @@ class HarnessConfig:
                      "max_sessions", "max_total_turns", "subagent_max_turns", "search_k", "max_arg_chars"):
             need(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, name, "must be an int >= 1")
         need(self.subagent_context_budget >= 0, "subagent_context_budget", "must be >= 0 (0 = context_budget)")
+        need(self.reset_context_budget >= 0, "reset_context_budget", "must be >= 0 (0 = context_budget)")
         need(self.max_depth >= 0, "max_depth", "must be >= 0")
         need(self.max_new_tokens < self.context_budget, "max_new_tokens", "must be < context_budget")
         need(self.reward_metric in ("em", "f1"), "reward_metric", "must be 'em' or 'f1'")
@@ -98,6 +117,11 @@ class HarnessConfig:
              "resume_template", "must contain {question} and {summary}")
         if self.compacts:
             need(self.max_sessions >= 3, "max_sessions", "compaction needs room for main → compaction → main")
+        need(isinstance(self.reset_k, int) and self.reset_k >= 2, "reset_k",
+             "must be an int >= 2 (a session needs room to find something and note it)")
+        need(isinstance(self.workspace_chars, int) and self.workspace_chars >= 1, "workspace_chars", "must be an int >= 1")
+        need("{question}" in self.reset_template and "{notes}" in self.reset_template,
+             "reset_template", "must contain {question} and {notes}")
 
     @property
     def compacts(self) -> bool:
@@ -109,9 +133,17 @@ class HarnessConfig:
 
     def budget(self, kind: str) -> int:
         """The context budget of a session of ``kind`` (a subagent's may differ from a main's)."""
-        return (self.subagent_context_budget or self.context_budget) if kind == "subagent" else self.context_budget
+        if kind == "subagent":
+            return self.subagent_context_budget or self.context_budget
+        return (self.reset_context_budget or self.context_budget) if kind == "reset" else self.context_budget
+
+    @property
+    def resets(self) -> bool:
+        return self.mode == "reset"
 
     def tools(self, depth: int = 0) -> tuple[str, ...]:
+        if self.resets:
+            return ("search", "note_write", "handoff")
         return ("search", "delegate") if self.forks and depth < self.max_depth else ("search",)
 
     def system_text(self, depth: int = 0) -> str:
@@ -121,6 +153,12 @@ class HarnessConfig:
 
     def resume_text(self, question: str, summary: str) -> str:
         return self.resume_template.replace("{question}", question).replace("{summary}", summary)
+
+    def reset_text(self, question: str, notes: Sequence[str]) -> str:
+        """A reset session's user message: the question and the workspace's notes, one per line."""
+        rendered = "\n".join(f"- {n}" for n in notes) if notes else "(empty)"
+        return (self.reset_template.replace("{question}", question).replace("{k}", str(self.reset_k))
+                .replace("{notes}", rendered))
 
 
     def replace(self, **overrides) -> "HarnessConfig":

@@ -115,7 +115,7 @@ def learning_curves_figure(plt, name: str, groups: dict):
 def mechanism_figure(plt, name: str, groups: dict):
     """Per training step, one panel per :data:`~mosaic.experiment.report.MECHANISM` metric the runs logged
     at two steps or more: each arm's mean over seeds, with a min-max band; None when no metric has."""
-    from mosaic.experiment.report import MECHANISM
+    from mosaic.experiment.mechanism import MECHANISM
 
     panels = []
     for key, title in MECHANISM:

@@ -26,6 +26,7 @@ import numpy as np
 from mosaic.experiment.runner import DONE, REUSED, adopt, warm_dir
 from mosaic.config.loader import dump_config
 from mosaic.experiment.spec import Grid, load_grid
+from mosaic.experiment.mechanism import md_mechanism, mechanism_series, mechanism_table
 from mosaic.train.runlog import read_metrics
 from mosaic.train.seedstats import PAPER_EFFECT, aa_calibration, compare_seeds, hierarchical_bootstrap, vs_reference
 from mosaic.train.stats import detectable_difference, holm, seed_question_ci, sign_test
@@ -73,32 +74,6 @@ def _world_names(grid: Grid, setting: str, e) -> set[str]:
 
     cfg = load_config(grid.preset, overrides=[*grid.eval_overrides(setting), *e.overrides()])
     return setup.load_split(cfg, e.split).world.names()
-
-
-MECHANISM = (
-    ("session/per_traj/success", "sessions per successful trajectory"),
-    ("session/per_traj/failure", "sessions per failed trajectory"),
-    ("session/pos_gain_share/all", "positive-gain share"),
-    ("session/end/answer", "answer rate"),
-    ("groups/mixed_share", "share of mixed groups"),
-    ("val-core", "validation accuracy (every train.eval_every steps)"),
-)
-"""Per-step metrics the mechanism plot follows (``val-core``: whichever held-out accuracy the run logged
-during training)."""
-
-
-def mechanism_series(metrics: list[dict]) -> dict[str, list[tuple[int, float]]]:
-    """``{metric: [(step, value), ...]}`` of :data:`MECHANISM` from a run's metrics lines."""
-    out: dict[str, list[tuple[int, float]]] = {}
-    for m in metrics:
-        if "step" not in m:
-            continue
-        for key, _ in MECHANISM:
-            v = m.get(key) if key != "val-core" else next(
-                (x for k, x in m.items() if k.startswith("val-core/") and "/acc/mean@" in k), None)
-            if isinstance(v, (int, float)) and np.isfinite(v):
-                out.setdefault(key, []).append((int(m["step"]), float(v)))
-    return out
 
 
 def collect(grid: Grid, work: Path) -> dict:
@@ -362,39 +337,6 @@ def _md_aa(aa: dict[str, dict]) -> list[str]:
     return out
 
 
-def mechanism_table(data: dict, window: int = 10) -> list[dict]:
-    """Per arm and :data:`MECHANISM` metric: the mean over seeds of each seed's mean over its first and its
-    last ``window`` logged steps, and the seeds' change (last − first) with its min and max; [] when no
-    run logged a metric at two steps or more."""
-    rows = []
-    for k, g in data["groups"].items():
-        for key, title in MECHANISM:
-            firsts, lasts = [], []
-            for s in g["seeds"].values():
-                pts = sorted(s.get("series", {}).get(key, []))
-                if len(pts) >= 2:
-                    w = max(1, min(window, len(pts) // 2))
-                    firsts.append(float(np.mean([v for _, v in pts[:w]])))
-                    lasts.append(float(np.mean([v for _, v in pts[-w:]])))
-            if firsts:
-                d = np.array(lasts) - np.array(firsts)
-                rows.append({"group": k, "metric": key, "title": title, "seeds": len(firsts),
-                             "first": float(np.mean(firsts)), "last": float(np.mean(lasts)),
-                             "change": float(d.mean()), "change_min": float(d.min()), "change_max": float(d.max())})
-    return rows
-
-
-def _md_mechanism(rows: list[dict]) -> list[str]:
-    out = ["### The mechanism over training", "",
-           "Each seed's mean over its first and its last 10 logged steps (fewer when a run logged fewer than 20), "
-           "averaged over seeds; the change per seed, min to max. Plot: `plots/mechanism.png`.", "",
-           "| arm | metric | seeds | first | last | change (min, max over seeds) |", "| --- | --- | --- | --- | --- | --- |"]
-    for r in rows:
-        out.append(f"| {r['group']} | {r['title']} | {r['seeds']} | {r['first']:.3f} | {r['last']:.3f} | "
-                   f"{r['change']:+.3f} ({r['change_min']:+.3f}, {r['change_max']:+.3f}) |")
-    return out + [""]
-
-
 def write_report(work: Path, out: Path) -> list[Path]:
     """Write ``report.md``, ``results.json`` and ``plots/*.png`` for the grid in ``work``."""
 
@@ -429,7 +371,7 @@ def write_report(work: Path, out: Path) -> list[Path]:
     if mech:
         results["mechanism"] = mech
         (out / "results.json").write_text(json.dumps(results, indent=1, default=float))
-        md += _md_mechanism(mech)
+        md += md_mechanism(mech)
     if results["paper"]:
         md += ["### The paper (docs/algorithm.md §8; one run, no intervals)", ""] + [f"- {k}: {v}" for k, v in results["paper"].items()] + [""]
     md += ["### Plots", ""] + [f"![{p.stem}](plots/{p.name})" for p in plots] + [""]

@@ -355,7 +355,7 @@ def validate(traj: Trajectory) -> Trajectory:
 
     - session ids are 0..S-1 in order; kinds are registered; edges valid;
     - the parent graph is acyclic (every session reaches a root);
-    - exactly one final session, and it is a ``main`` session;
+    - exactly one final session, and it is a ``main`` session (``reset`` in reset mode);
     - ``loss_mask`` and ``logprobs`` have the length of ``completion_ids``;
     - state references point inside the trajectory;
     - token ids (prompt, completion, explicit states) are in ``[0, MAX_TOKEN_ID]``; log-probs are
@@ -388,9 +388,9 @@ def validate(traj: Trajectory) -> Trajectory:
     finals = [s.id for s in traj.sessions if s.is_final]
     if len(finals) != 1:
         raise TraceError(f"trajectory {tid!r} field 'is_final': expected exactly one final session, found {len(finals)}")
-    if traj.sessions[finals[0]].kind != "main":
+    if traj.sessions[finals[0]].kind not in ("main", "reset"):
         raise TraceError(
-            f"trajectory {tid!r} field 'is_final': the final session must be 'main', "
+            f"trajectory {tid!r} field 'is_final': the final session must be 'main' (or 'reset' in reset mode), "
             f"session {finals[0]} is {traj.sessions[finals[0]].kind!r}"
         )
     for s in traj.sessions:

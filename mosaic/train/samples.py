@@ -16,6 +16,7 @@ gives it, without a model or a tokenizer::
                    "prefix": [p, n],          # optional: the prompt starts with the first n tokens of its
                                               # parent p's prompt + completion (stored once; n >= 32)
                    "fork_at": 57,             # optional, a fork: the parent's token count where it left
+                  "notes": {"before": [..], "after": [..]},  # optional, a reset session's workspace
                    "prompt": [ids], "completion": [ids],
                    "mask": [runs],            # loss_mask as run lengths, starting with a False run
                    "gain": 0.12,              # L(after) - L(before), nats per answer token; null where not scored
@@ -144,6 +145,9 @@ def sample_records(trajs: Sequence[Trajectory], keep: Sequence[int], *, step: in
             sb = s.state_before
             if s.edge == "forks" and sb is not None and sb.session == s.parent and sb.upto is not None:
                 rec["fork_at"] = sb.upto  # where in the parent's tokens it left (the viewer shows the turn)
+            if "notes_before" in s.meta or "notes_after" in s.meta:  # a reset session's workspace (mode=reset)
+                rec["notes"] = {"before": list(s.meta.get("notes_before", [])),
+                                "after": list(s.meta.get("notes_after", []))}
             rec["prompt"] = prompt
             rec["completion"] = list(s.completion_ids)
             rec["mask"] = mask_runs(s.loss_mask)

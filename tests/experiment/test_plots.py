@@ -62,7 +62,7 @@ def test_the_mechanism_is_followed_per_step_with_a_seed_band(tmp_path):
     import matplotlib.pyplot as plt
 
     from mosaic.experiment.plots import mechanism_figure
-    from mosaic.experiment.report import mechanism_series, mechanism_table
+    from mosaic.experiment.mechanism import mechanism_series, mechanism_table
 
     def run(drop: float) -> list[dict]:
         rows = []

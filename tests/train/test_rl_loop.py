@@ -92,7 +92,8 @@ def test_update_changes_every_parameter_and_lowers_the_loss(base_dir, tmp_path):
 
 
 @pytest.mark.parametrize("estimator, mode", [(name, "single" if est.single_session else "compaction")
-                                             for name, est in ESTIMATORS.items()] + [("mosaic", "fork")])
+                                             for name, est in ESTIMATORS.items()]
+                         + [("mosaic", "fork"), ("mosaic", "reset"), ("broadcast", "reset")])
 def test_each_estimator_runs_a_step(base_dir, tmp_path, estimator, mode):
     cfg = _cfg(base_dir, tmp_path, f"algo.estimator={estimator}", f"harness.mode={mode}")
     st = _state(cfg)

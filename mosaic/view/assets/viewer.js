@@ -83,6 +83,14 @@
     return [s.parent, u];  // the parent's turn that starts at (or holds) the fork point
   }
   const forkText = (f) => `forks from session ${esc(f[0])}` + (f[1] === null ? " (turn not recorded)" : ` at its turn ${f[1]}`);
+  function notesText(s) {  // a reset session's workspace: what it started from and what it added
+    const n = s.notes;
+    if (!n || !Array.isArray(n.before) || !Array.isArray(n.after)) return "";
+    const added = n.after.slice(n.before.length);
+    return `<br>workspace notes: ${fmtInt(n.before.length)} at the start, ${fmtInt(n.after.length)} at the end` +
+      (added.length ? `; added: ${added.map((x) => `<q>${esc(x)}</q>`).join(" ")}` : "; none added") +
+      (n.before.length ? `<details><summary>notes it started from</summary>${n.before.map((x) => `<div>${esc(x)}</div>`).join("")}</details>` : "");
+  }
   function available(t, est) { return !(t.unavailable && t.unavailable[est]); }
 
   // ------------------------------------------------------------------ filters
@@ -319,6 +327,7 @@
       `information gain <b>${s.final ? "final session (none)" : fmt(s.gain)}</b>${s.final || !isNum(s.gain) ? "" : ` ${GAIN_UNIT}`} · advantage (${esc(est)}) <b>${fmt(sessionAdv(s, est))}</b> · ` +
       `${ids.length} tokens: ${prompt.length} prompt, ${comp.length - nTrained} inserted, ${nTrained} sampled (trained)` +
       (s.turn_gains ? `<br>turn gains (${GAIN_UNIT}): ${s.turn_gains.map(fmt).join(", ")}` : "") +
+      notesText(s) +
       `<div class="legend">${state.colour === "mask"
         ? `<span class="t z1">prompt</span> <span class="t z2">inserted (mask 0)</span> <span class="t z3">sampled (mask 1, trained)</span>`
         : `advantage under ${esc(est)}: <span class="t"${bg(advColour(-scaleOf(est), est))}>−${fmt(scaleOf(est))}</span> <span class="t">0</span> <span class="t"${bg(advColour(scaleOf(est), est))}>+${fmt(scaleOf(est))}</span>`}` +

@@ -1,0 +1,99 @@
+"""Context-reset sessions (``harness.mode=reset``; HMA, docs/algorithm.md §2): what the harness does
+differently when every session starts from a fresh context.
+
+A reset session's prompt is the system prompt, the question and the **workspace** rendered as text
+(:meth:`~mosaic.config.harness.HarnessConfig.reset_text`). The workspace is a list of notes kept in
+the trajectory's :class:`~mosaic.agent.episode.RunState`; the policy adds to it with
+``note_write(text)`` and ``handoff(note)`` (which also ends the session), and it persists across the
+trajectory's sessions. Its size is capped (``harness.workspace_chars``): a note that does not fit is
+refused with an error the model reads, counted as ``workspace_full``. A session ends after
+``harness.reset_k`` actions (``reset_cap``), at a hand-off (``handoff``), or when its context would
+overflow (``context_reset``); the next session is a new ``reset`` session (edge ``continues``) whose
+prompt holds the updated notes. The notes a session started from and ended with are recorded in its
+``meta`` (``notes_before``, ``notes_after``) and the final notes in ``traj.meta["notes"]``.
+
+Gain states (docs/algorithm.md §4.4): before = the session's own prompt (which includes the
+workspace), after = the next session's prompt (the updated workspace) — the same reference, so the
+scorer probes it once. The final session is the one that answers (or is cut off).
+"""
+
+from __future__ import annotations
+
+from mosaic.agent.episode import LiveSession, RunState
+from mosaic.config.harness import TOOL_DOCS
+from mosaic.trace.graph import StateRef
+
+__all__ = ["ResetSessions", "RESET_TOOLS"]
+
+RESET_TOOLS = ("note_write", "handoff")
+"""The workspace tools of reset mode (besides ``search``)."""
+
+
+class ResetSessions:
+    """The reset-mode part of :class:`~mosaic.agent.harness.Harness` (a mixin: it uses the harness's
+    ``config``, ``chat``, ``hooks`` and session helpers)."""
+
+    def _open_reset(self, run: RunState, parent: int | None) -> LiveSession:
+        system = self.hooks.system_text(self.config, 0, TOOL_DOCS["delegate"])
+        prompt, boundary = self.chat.initial_prompt(system, self.config.reset_text(run.question, run.notes))
+        live = self._new_session(run, "reset", prompt, parent, None if parent is None else "continues", 0,
+                                 run.question)
+        live.session.state_before = StateRef(session=live.session.id, upto=boundary)
+        live.session.meta["notes_before"] = list(run.notes)
+        live.turn_start = boundary
+        return live
+
+    def _reset_limit(self, run: RunState, live: LiveSession, budget: int) -> str | None:
+        """Why a reset session cannot take another turn: ``"reset"`` when the next session resolves it
+        (its action cap, or a context that would overflow after some work), else a cap that ends the
+        trajectory; None when it can go on."""
+        cfg, s = self.config, live.session
+        if run.total_turns >= cfg.max_total_turns:
+            return "total_turn_cap"
+        header = len(self.chat.generation_header_ids) if live.at_boundary else 0
+        fits = live.length + header + cfg.max_new_tokens <= budget
+        if s.num_turns < cfg.reset_k and fits:
+            return None
+        if not fits and s.num_turns == 0:
+            return "context_overflow"  # a fresh session that already overflows: the notes are too long
+        if len(run.traj.sessions) + 1 > cfg.max_sessions:
+            return "session_cap"
+        live.session.meta["reset_reason"] = "reset_cap" if fits else "context_reset"
+        return "reset"
+
+    def _rotate(self, run: RunState, live: LiveSession, reason: str) -> LiveSession:
+        """End ``live`` and open the next reset session from the current notes."""
+        live.session.meta["notes_after"] = list(run.notes)
+        self._close(run, live, reason)
+        new = self._open_reset(run, parent=live.session.id)
+        live.session.state_after = new.session.state_before
+        run.counters["resets"] += 1
+        return new
+
+    def _note(self, run: RunState, text: str) -> str:
+        """Add ``text`` to the workspace; the tool response (an error when it does not fit)."""
+        cfg = self.config
+        text = " ".join(text.split())
+        used = len("\n".join(run.notes))
+        after = len("\n".join([*run.notes, text]))
+        if after > cfg.workspace_chars:
+            run.counters["workspace_full"] += 1
+            return (f"Error (workspace_full): the notes hold {used} of {cfg.workspace_chars} characters; a note "
+                    f"of {len(text)} does not fit. Keep notes short; the notes so far are kept.")
+        run.notes.append(text)
+        run.counters["notes_written"] += 1
+        return f"Noted ({after} of {cfg.workspace_chars} characters in the workspace)."
+
+    def _reset_act(self, run: RunState, live: LiveSession, name: str, argument: str) -> None:
+        """``note_write`` or ``handoff`` in a reset session."""
+        reply = self._note(run, argument)
+        if name == "handoff":
+            live.session.meta["reset_reason"] = "handoff"
+            if len(run.traj.sessions) + 1 > self.config.max_sessions:
+                self._append(run, live, self.chat.tool_delta(reply))
+                self._end_trajectory(run, "session_cap")
+                return
+            self._append(run, live, self.chat.tool_delta(reply))
+            self._rotate(run, live, "handoff")
+            return
+        self._append(run, live, self.chat.tool_delta(reply))

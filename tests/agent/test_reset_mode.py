@@ -1,0 +1,111 @@
+"""Context-reset sessions (``harness.mode=reset``, issue 30): fresh contexts, the notes workspace, the
+action cap, hand-offs, the graph's states, storage round trips, and the scripted expert."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mosaic.agent.chat import ChatFormat
+from mosaic.agent.harness import Harness, HarnessConfig
+from mosaic.agent.tokenizer import train_tokenizer
+from mosaic.trace import read_jsonl, read_parquet, validate, write_jsonl, write_parquet
+from _doubles import FakeEnv, FakeTask, RecordingPolicy, TextPolicy
+
+TASK = FakeTask("t0", "Who is the founder of Ruo Ces?", "Ama Rell")
+
+
+def call(name: str, **args) -> str:
+    return "<tool_call>" + json.dumps({"name": name, "arguments": args}) + "</tool_call>"
+
+
+@pytest.fixture(scope="module")
+def chat():
+    corpus = [call("search", query="Ruo Ces founder"), call("note_write", text="Ruo Ces founder: Ama Rell"),
+              call("handoff", note="next: Ama Rell"), "Doc about Ruo Ces works word word", "Notes (4 tool calls)",
+              "<answer>Ama Rell</answer>"] * 30
+    return ChatFormat(train_tokenizer(corpus, vocab_size=500))
+
+
+def run(chat, fn, group=1, **cfg):
+    policy = RecordingPolicy(TextPolicy(chat.tokenizer, fn))
+    h = Harness(policy, chat, FakeEnv(), HarnessConfig(mode="reset", **cfg))
+    return h.run([TASK], group_size=group), policy
+
+
+def script(turns):
+    """The policy's text per (session, turn) from a list of lists; past the end: search."""
+    def fn(r):
+        s, k = r.meta["session"], r.meta["turn"]
+        return turns[s][k] if s < len(turns) and k < len(turns[s]) else call("search", query="Ruo Ces")
+    return fn
+
+
+def test_notes_carry_over_a_fresh_context_and_the_states_chain(chat):
+    (t,), pol = run(chat, script([[call("search", query="Ruo Ces founder"), call("note_write", text="Ruo Ces founder: Ama Rell"),
+                                   call("handoff", note="next: answer")],
+                                  ["<answer>Ama Rell</answer>"]]), context_budget=2000, max_new_tokens=64)
+    assert t.end_reason == "answer" and t.success and [s.kind for s in t.sessions] == ["reset", "reset"]
+    s0, s1 = t.sessions
+    assert (s1.parent, s1.edge, s0.end_reason, s0.num_turns) == (0, "continues", "handoff", 3)
+    assert s0.meta["notes_before"] == [] and s0.meta["notes_after"] == ["Ruo Ces founder: Ama Rell", "next: answer"]
+    assert s1.meta["notes_before"] == s0.meta["notes_after"] and t.meta["notes"] == s0.meta["notes_after"]
+    assert t.meta["resets"] == 1 and t.meta["notes_written"] == 2 and s1.is_final and not s0.is_final
+    # a fresh context: the second session's prompt is system + question + notes, none of the first one's turns
+    p1 = chat.decode(s1.prompt_ids)
+    assert "- Ruo Ces founder: Ama Rell\n- next: answer" in p1 and "Doc 1: about" not in p1
+    assert s1.prompt_ids[: len(s0.prompt_ids) - 8] != s0.prompt_ids[: len(s0.prompt_ids) - 8]  # the notes differ
+    # states (docs/algorithm.md §4.4): before = its own prompt, after = the next session's prompt (one reference)
+    assert s0.state_before.session == 0 and s0.state_after == s1.state_before and s1.state_before.session == 1
+    assert t.resolve_state(s0.state_after) == s1.prompt_ids[: s1.state_before.upto]
+    assert pol.released == ["t0/0/0", "t0/0/1"]  # no cache hand-off: nothing of the old context is kept
+
+
+def test_the_action_cap_ends_each_session_and_the_session_cap_the_trajectory(chat):
+    (t,), _ = run(chat, lambda r: call("search", query="Ruo Ces"), context_budget=4000, max_new_tokens=64,
+                  reset_k=3, max_sessions=4, max_total_turns=100)
+    assert t.end_reason == "session_cap" and len(t.sessions) == 4 and t.reward == 0
+    assert [s.end_reason for s in t.sessions[:3]] == ["reset_cap"] * 3 and all(s.num_turns == 3 for s in t.sessions[:3])
+    for a, b in zip(t.sessions, t.sessions[1:]):
+        assert a.state_after == b.state_before
+
+
+def test_a_note_past_the_workspace_budget_is_refused_and_counted(chat):
+    long = "Ruo Ces founder Ama Rell " * 2  # 49 characters once its spaces are normalised
+    (t,), pol = run(chat, script([[call("note_write", text="short note"), call("note_write", text=long),
+                                   "<answer>no</answer>"]]), context_budget=2000, max_new_tokens=128, workspace_chars=40)
+    assert t.meta["notes"] == ["short note"] and t.meta["workspace_full"] == 1
+    replies = chat.decode(t.sessions[0].completion_ids)
+    assert "Error (workspace_full): the notes hold 10 of 40 characters; a note of 49 does not fit" in replies
+
+
+def test_a_context_that_fills_up_resets_and_a_fresh_one_that_overflows_ends(chat):
+    (t,), _ = run(chat, lambda r: "<answer>x</answer>", context_budget=4000, max_new_tokens=64)
+    room = len(t.sessions[0].prompt_ids) + len(chat.generation_header_ids) + 64 + 10  # one turn fits, not two
+    (t,), _ = run(chat, lambda r: call("search", query="Ruo Ces"), context_budget=room, reset_context_budget=0,
+                  max_new_tokens=64, reset_k=50, max_sessions=3, max_total_turns=100)
+    assert t.sessions[0].end_reason == "context_reset" and t.sessions[0].num_turns >= 1
+    (t,), _ = run(chat, lambda r: call("search", query="Ruo Ces"), context_budget=120, reset_context_budget=0,
+                  max_new_tokens=64)
+    assert t.end_reason == "context_overflow" and len(t.sessions) == 1 and t.sessions[0].num_turns == 0
+
+
+def test_the_workspace_round_trips_through_jsonl_and_parquet(chat, tmp_path):
+    trajs, _ = run(chat, script([[call("note_write", text="Ruo Ces founder: Ama Rell \u00e9"), call("handoff", note="go")],
+                                 ["<answer>Ama Rell</answer>"]]), group=2, context_budget=2000, max_new_tokens=64)
+    write_jsonl(tmp_path / "r.jsonl", trajs)
+    write_parquet(tmp_path / "r.parquet", trajs)
+    for back in (read_jsonl(tmp_path / "r.jsonl"), read_parquet(tmp_path / "r.parquet")):
+        assert [validate(t).to_dict() for t in back] == [t.to_dict() for t in trajs]
+        assert back[0].sessions[1].meta["notes_before"] == ["Ruo Ces founder: Ama Rell \u00e9", "go"]
+
+
+def test_config_checks():
+    with pytest.raises(ValueError, match="reset_k"):
+        HarnessConfig(mode="reset", reset_k=1)
+    with pytest.raises(ValueError, match="reset_template"):
+        HarnessConfig(mode="reset", reset_template="no placeholders")
+    c = HarnessConfig(mode="reset", context_budget=512, reset_context_budget=1024)
+    assert c.tools() == ("search", "note_write", "handoff") and c.budget("reset") == 1024 and c.budget("main") == 512
+    assert "(empty)" in c.reset_text("Q?", []) and "- a\n- b" in c.reset_text("Q?", ["a", "b"])
