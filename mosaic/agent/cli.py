@@ -259,7 +259,12 @@ def _run(args: argparse.Namespace) -> int:
         policy = OpenAIPolicy(OpenAIPolicyConfig(base_url=args.base_url, model=args.model,
                                                  temperature=temperature, top_p=top_p,
                                                  stop_token_ids=(chat.im_end_id,)))
-    harness = Harness(policy, chat, DeepSearchEnv(split), cfg)
+    partner = None
+    if cfg.partner == "expert":  # reset mode's scripted partner; a frozen one is the policy itself here (no training)
+        partner = ExpertPolicy(tok, tasks, ExpertNoise.off(), seed=seed)
+    elif cfg.partner == "frozen":
+        partner = policy
+    harness = Harness(policy, chat, DeepSearchEnv(split), cfg, partner=partner)
     try:
         with JsonlWriter(args.out) as writer:
             trajs = harness.run(tasks, group_size=args.group_size, seed=seed, on_trajectory=writer.write,

@@ -68,7 +68,7 @@ class Harness(EnvCalls, ResetSessions):
     """Runs trajectories of ``policy`` on ``env``'s tasks; see the module docstring."""
 
     def __init__(self, policy: Policy, chat: ChatFormat, env, config: HarnessConfig | None = None, *,
-                 state_scorer: StateScorer | None = None):
+                 state_scorer: StateScorer | None = None, partner: Policy | None = None):
         """``state_scorer``: told, as each main session closes and before its cache is released, the
         states (docs/algorithm.md §4.4) that lie in that session, so it can probe them off the policy's live cache."""
         self.policy = policy
@@ -77,6 +77,9 @@ class Harness(EnvCalls, ResetSessions):
         self.hooks = EnvHooks(env)  # a multi-tool environment's optional hooks (none for deep search)
         self.config = config or HarnessConfig()
         self.state_scorer = state_scorer
+        self.partner = partner  # (mode=reset) plays the partner's role's sessions; see mosaic.agent.reset
+        if self.config.partner != "self" and partner is None:
+            raise ValueError(f"harness.partner={self.config.partner!r}: give the harness its partner policy")
 
     # ------------------------------------------------------------------ public
     def run(self, tasks: Sequence, group_size: int = 1, seed: int = 0, *,
@@ -105,9 +108,7 @@ class Harness(EnvCalls, ResetSessions):
                         reqs.append(req)
                         owners.append(run)
                 if reqs:
-                    results = self.policy.generate(reqs)
-                    if len(results) != len(reqs):
-                        raise RuntimeError(f"policy returned {len(results)} results for {len(reqs)} requests")
+                    results = self._generate(reqs)
                     for run, req, res in zip(owners, reqs, results):
                         self._apply(run, req, res)
                 still = []
@@ -127,6 +128,21 @@ class Harness(EnvCalls, ResetSessions):
             if bar is not None:
                 bar.close()
         return [r.traj for r in runs]
+
+    def _generate(self, reqs: list[GenRequest]) -> list[GenResult]:
+        """One round of turns: the trained policy's requests and the partner's, each in one call."""
+        mine = [i for i, r in enumerate(reqs) if not r.meta.get("partner")]
+        theirs = [i for i, r in enumerate(reqs) if r.meta.get("partner")]
+        out: list[GenResult | None] = [None] * len(reqs)
+        for pol, idx in ((self.policy, mine), (self.partner, theirs)):
+            if not idx:
+                continue
+            results = pol.generate([reqs[i] for i in idx])
+            if len(results) != len(idx):
+                raise RuntimeError(f"policy returned {len(results)} results for {len(idx)} requests")
+            for i, res in zip(idx, results):
+                out[i] = res
+        return out  # type: ignore[return-value]
 
     def _start(self, task, g: int, step: int | str | None) -> RunState:
         """Rollout ``g`` of ``task``: its trajectory and first session."""
@@ -175,11 +191,12 @@ class Harness(EnvCalls, ResetSessions):
             cuts = self._hosted_cuts(run.traj, s, ends) if s.kind in ("main", "reset") else []
             self.state_scorer.session_closed(run.traj, s, live.key, cuts, next_key=handoff)
         run.stack.remove(live)
-        give = getattr(self.policy, "handoff", None)
+        pol = self.partner if s.meta.get("partner") else self.policy
+        give = getattr(pol, "handoff", None)
         if handoff is not None and give is not None:
             give(live.key, handoff)
         else:
-            self.policy.release(live.key)
+            pol.release(live.key)
 
     @staticmethod
     def _hosted_cuts(traj: Trajectory, host: Session, ends: bool) -> list[int]:
@@ -281,7 +298,7 @@ class Harness(EnvCalls, ResetSessions):
             "tools": list(cfg.tools(live.depth)) if s.kind != "compaction" else [],
         }
         if s.kind == "reset":
-            meta["calls_left"] = cfg.reset_k - s.num_turns
+            meta.update(calls_left=cfg.reset_k - s.num_turns, role=s.meta.get("role"), partner=s.meta.get("partner"))
         return GenRequest(live.key, s.prompt_ids + s.completion_ids, max_new, meta, context_budget=budget)
 
     def _start_compaction(self, run: RunState, main: LiveSession) -> LiveSession:
@@ -323,7 +340,11 @@ class Harness(EnvCalls, ResetSessions):
             run.counters["length_stops"] += 1
         turn = self.chat.close_turn(sampled)
         lp = list(res.logprobs) + [0.0] * (len(turn.ids) - len(sampled))
-        self._append(run, live, turn.ids, turn.loss_mask, lp)
+        if s.meta.get("partner"):  # the partner's tokens: in the record, never trained
+            self._append(run, live, turn.ids, [False] * len(turn.ids), [0.0] * len(turn.ids))
+            run.counters["partner_tokens"] += len(sampled)
+        else:
+            self._append(run, live, turn.ids, turn.loss_mask, lp)
         live.at_boundary = True
         body = sampled[:-1] if sampled and sampled[-1] == self.chat.im_end_id else sampled
         return self.chat.decode(body)
@@ -398,7 +419,7 @@ class Harness(EnvCalls, ResetSessions):
         if self.config.resets:
             mains[-1].meta.setdefault("notes_after", list(run.notes))
             traj.meta["notes"] = list(run.notes)
-            traj.meta.update({k: run.counters[k] for k in ("resets", "notes_written", "workspace_full")})
+            traj.meta.update({k: run.counters[k] for k in ("resets", "notes_written", "workspace_full", "partner_tokens")})
         kinds = Counter(s.kind for s in traj.sessions)
         traj.meta.update({
             "mode": self.config.mode,

@@ -15,6 +15,12 @@ prompt holds the updated notes. The notes a session started from and ended with 
 Gain states (docs/algorithm.md §4.4): before = the session's own prompt (which includes the
 workspace), after = the next session's prompt (the updated workspace) — the same reference, so the
 scorer probes it once. The final session is the one that answers (or is cut off).
+
+Two roles (``harness.reset_roles``) alternate from session to session, each told its role in the system
+prompt (``meta["role"]``). The second role may be played by a **partner** (``harness.partner``): a frozen
+copy of the warm start or the scripted expert, given to the harness as its ``partner`` policy; a partner
+session's requests go to it, its sampled tokens get loss mask 0 (``meta["partner"]``: no training row
+comes from it, "central-only" training), and it stays in the graph, so its gain is measured.
 """
 
 from __future__ import annotations
@@ -34,12 +40,20 @@ class ResetSessions:
     ``config``, ``chat``, ``hooks`` and session helpers)."""
 
     def _open_reset(self, run: RunState, parent: int | None) -> LiveSession:
-        system = self.hooks.system_text(self.config, 0, TOOL_DOCS["delegate"])
+        cfg = self.config
+        role = cfg.role_of(sum(1 for s in run.traj.sessions if s.kind == "reset"))
+        system = self.hooks.system_text(cfg, 0, TOOL_DOCS["delegate"])
+        if role is not None:
+            system += f"\nYour role: {cfg.reset_roles[role]}"
         prompt, boundary = self.chat.initial_prompt(system, self.config.reset_text(run.question, run.notes))
         live = self._new_session(run, "reset", prompt, parent, None if parent is None else "continues", 0,
                                  run.question)
         live.session.state_before = StateRef(session=live.session.id, upto=boundary)
         live.session.meta["notes_before"] = list(run.notes)
+        if role is not None:
+            live.session.meta["role"] = role
+            if cfg.partner_plays(role):
+                live.session.meta["partner"] = cfg.partner  # its tokens are not trained (loss mask 0)
         live.turn_start = boundary
         return live
 

@@ -95,6 +95,13 @@ class HarnessConfig:
     refused with an error the model reads (``workspace_full``, counted)."""
     reset_template: str = DEFAULT_RESET_TEMPLATE
     """A reset session's user message; ``{question}``, ``{notes}`` (the rendered workspace) and ``{k}``."""
+    reset_roles: tuple[str, ...] = ()
+    """``mode=reset``: two role descriptions that alternate from session to session (HMA's two agents;
+    session 0 plays the first), each added to the system prompt as ``Your role: ...``; empty = one role."""
+    partner: Literal["self", "frozen", "expert"] = "self"
+    """``mode=reset`` with ``reset_roles``: who plays the second role — the policy being trained (both
+    roles trained), a frozen copy of the warm start, or the scripted expert. A partner's sessions are in the
+    graph (and scored) but give no training tokens."""
 
     def __post_init__(self) -> None:
         def need(cond: bool, name: str, why: str) -> None:
@@ -122,6 +129,12 @@ class HarnessConfig:
         need(isinstance(self.workspace_chars, int) and self.workspace_chars >= 1, "workspace_chars", "must be an int >= 1")
         need("{question}" in self.reset_template and "{notes}" in self.reset_template,
              "reset_template", "must contain {question} and {notes}")
+        need(len(self.reset_roles) in (0, 2) and all(isinstance(r, str) and r.strip() for r in self.reset_roles),
+             "reset_roles", "must be empty or two non-empty role descriptions")
+        need(not self.reset_roles or self.resets, "reset_roles", "needs mode='reset'")
+        need(self.partner in ("self", "frozen", "expert"), "partner", "must be 'self', 'frozen' or 'expert'")
+        need(self.partner == "self" or bool(self.reset_roles), "partner",
+             "a frozen or expert partner plays the second of reset_roles; set two reset_roles")
 
     @property
     def compacts(self) -> bool:
@@ -153,6 +166,14 @@ class HarnessConfig:
 
     def resume_text(self, question: str, summary: str) -> str:
         return self.resume_template.replace("{question}", question).replace("{summary}", summary)
+
+    def role_of(self, index: int) -> int | None:
+        """The role (0 or 1) of the ``index``-th reset session of a trajectory; None without roles."""
+        return index % 2 if self.reset_roles else None
+
+    def partner_plays(self, role: int | None) -> bool:
+        """Whether a session of ``role`` is played by the partner (not the trained policy)."""
+        return role == 1 and self.partner != "self"
 
     def reset_text(self, question: str, notes: Sequence[str]) -> str:
         """A reset session's user message: the question and the workspace's notes, one per line."""

@@ -191,8 +191,12 @@ def run_eval(cfg: Config, checkpoint: str | None, out: str | None) -> int:
     model, tok = setup.load_policy(path, device=device, dtype=dtype)
     chat = setup.chat_format(tok)
     split = setup.load_split(cfg, cfg.data.eval_split)
+    partner = None
+    if cfg.harness.partner == "frozen":  # reset mode's frozen partner plays from the warm start
+        partner, _ = setup.load_policy(ensure_warm_start(cfg), device=device, dtype=dtype)
     res = evaluate(cfg, model, tok, chat, split, n_tasks=cfg.data.n_eval_tasks or None,
-                   samples=cfg.train.eval_samples, temperature=cfg.train.eval_temperature, out=out)  # fmt: skip
+                   samples=cfg.train.eval_samples, temperature=cfg.train.eval_temperature, out=out,
+                   partner_model=partner)  # fmt: skip
     _log(f"model {path}")
     _log(res.line(f"eval[{cfg.data.eval_split}]"))
     for k in sorted(res.metrics):
@@ -232,10 +236,12 @@ def run_train(cfg: Config) -> int:
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
     chat = setup.chat_format(tok)
+    # reset mode's frozen partner plays from the warm start: copied before a resume loads a checkpoint
+    partner = setup.frozen_copy(model) if cfg.harness.partner == "frozen" else None
     held = None if cfg.train.heldout_split == "none" else setup.load_split(cfg, cfg.train.heldout_split)
-    base = _heldout_eval(cfg, plan.run_dir, "warmstart", model, tok, chat, held) if held is not None else None
-    final = _rl_loop(cfg, plan, model, tok, chat, device, replay, base=base,
-                     final_eval=(lambda: _heldout_eval(cfg, plan.run_dir, "final", model, tok, chat, held))
+    base = _heldout_eval(cfg, plan.run_dir, "warmstart", model, tok, chat, held, partner) if held is not None else None
+    final = _rl_loop(cfg, plan, model, tok, chat, device, replay, base=base, partner_model=partner,
+                     final_eval=(lambda: _heldout_eval(cfg, plan.run_dir, "final", model, tok, chat, held, partner))
                      if held is not None else None)
     if held is not None:
         extra = _report_gain(cfg, plan.run_dir, base, final, time.perf_counter() - t_start)
@@ -243,7 +249,7 @@ def run_train(cfg: Config) -> int:
     return 0
 
 
-def _heldout_eval(cfg: Config, run_dir: Path, name: str, model, tok, chat, split) -> dict:
+def _heldout_eval(cfg: Config, run_dir: Path, name: str, model, tok, chat, split, partner_model=None) -> dict:
     """Evaluate on the held-out split (``eval_<name>.jsonl`` outcomes); the warm start's result is
     cached in the run dir so a resumed run reuses it."""
     meta = run_dir / f"eval_{name}.json"
@@ -257,7 +263,7 @@ def _heldout_eval(cfg: Config, run_dir: Path, name: str, model, tok, chat, split
     _log(f"evaluating the {label} on {where}: {n_tasks} questions x {cfg.train.eval_samples} samples")
     r = evaluate(cfg, model, tok, chat, split, n_tasks=n_tasks,
                  samples=cfg.train.eval_samples, temperature=cfg.train.eval_temperature,
-                 out=run_dir / f"eval_{name}.jsonl",
+                 out=run_dir / f"eval_{name}.jsonl", partner_model=partner_model,
                  progress=f"eval {label}" if "console" in cfg.train.sinks() else False)  # fmt: skip
     res = {"split": where, "accuracy": r.accuracy, "lo": r.lo, "hi": r.hi, "outcomes": r.outcomes,
            "metrics": r.metrics}  # fmt: skip
@@ -297,13 +303,14 @@ def heldout_metrics(cfg: Config, res: dict) -> dict[str, float]:
 
 
 def _rl_loop(cfg: Config, plan: RunPlan, model, tok, chat, device, replay=None, *, base: dict | None = None,
+             partner_model=None,
              final_eval=None) -> dict | None:
     """RL steps from the resume point to the end: metrics, samples, checkpoints. The held-out results
     go to the sinks: ``base`` (the warm start's) at step 0 on a fresh run, ``final_eval()``'s (run
     after the last step, returned) at the last step."""
     train = setup.load_split(cfg, "train")
     source, n_groups = open_source(cfg, model, tok, chat, train, plan.run_dir, log=_log,
-                                   resumed=plan.resume_from is not None, replay=replay)
+                                   resumed=plan.resume_from is not None, replay=replay, partner_model=partner_model)
     try:
         steps = resolve_steps(cfg, n_groups if n_groups is not None else len(train.tasks))
         optimizer = build_optimizer(model, cfg.optim)

@@ -23,7 +23,7 @@ from mosaic.trace import Trajectory
 from mosaic.config.loader import Config
 from mosaic.train.metrics import rollout_metrics, val_keys
 from mosaic.train.scorer import LiveScorer, score_gains as score_gains_
-from mosaic.train.setup import sampling_policy
+from mosaic.train.setup import frozen_copy, partner_policy, sampling_policy
 from mosaic.train.stats import accuracy_ci
 
 
@@ -46,10 +46,12 @@ class EvalResult:
 
 def evaluate(cfg: Config, model, tokenizer, chat, split, *, n_tasks: int | None = None, samples: int = 1,
              temperature: float = 0.0, seed: int = 0, score_gains: bool = True, progress: bool | str = True,
-             out: str | Path | None = None) -> EvalResult:
+             out: str | Path | None = None, partner_model=None) -> EvalResult:
     """Accuracy of ``model`` on ``split`` through the harness; optional outcomes file ``out``.
 
-    ``progress``: a progress bar over the trajectories (a string: its label; ``True``: ``eval``)."""
+    ``progress``: a progress bar over the trajectories (a string: its label; ``True``: ``eval``).
+    ``partner_model``: the frozen warm start a ``harness.partner=frozen`` plays from (None: a frozen copy of
+    ``model``)."""
     t0 = time.perf_counter()
     tasks = split.tasks[: n_tasks or len(split.tasks)]
     # rollout.eval_batch_size (0: rollout.batch_size). One batch of all 256 trajectories was slower on CPU than
@@ -59,7 +61,10 @@ def evaluate(cfg: Config, model, tokenizer, chat, split, *, n_tasks: int | None 
     # Gains scored as in training: each main session's states off the policy's live cache as it closes.
     live = (LiveScorer(policy, chat.answer_probe, max_batch_tokens=cfg.algo.score_batch_tokens)
             if score_gains and cfg.algo.scorer == "cached" and cfg.algo.score_live else None)
-    harness = Harness(policy, chat, DeepSearchEnv(split), cfg.harness, state_scorer=live)
+    if partner_model is None and cfg.harness.partner == "frozen":
+        partner_model = frozen_copy(model)
+    partner = partner_policy(cfg, tokenizer, split, partner_model, seed=seed, temperature=temperature, batch_size=batch)
+    harness = Harness(policy, chat, DeepSearchEnv(split), cfg.harness, state_scorer=live, partner=partner)
     trajs = harness.run(tasks, group_size=samples, seed=seed, progress="eval" if progress is True else progress,
                         step="eval")
     gains = is_final = None

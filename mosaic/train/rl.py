@@ -14,7 +14,6 @@ docs/algorithm.md §4.4 asks.
 
 from __future__ import annotations
 
-import copy
 import random
 import time
 from dataclasses import dataclass, field
@@ -34,6 +33,7 @@ from mosaic.train.batching import collate, completion_logprobs, micro_batches, p
 from mosaic.config.loader import Config
 from mosaic.train.metrics import rollout_metrics
 from mosaic.train.samples import sample_records
+from mosaic.train.setup import frozen_copy as setup_frozen_copy
 from mosaic.train.sources import HarnessRollouts, RolloutSource
 
 
@@ -90,11 +90,7 @@ def tasks_for_step(split, step: int, batch_tasks: int, seed: int) -> list:
 
 
 def make_reference(model: PreTrainedModel) -> PreTrainedModel:
-    ref = copy.deepcopy(model)
-    ref.eval()
-    for p in ref.parameters():
-        p.requires_grad_(False)
-    return ref
+    return setup_frozen_copy(model)
 
 
 def rollout(st: RLState, tasks: Sequence, step: int) -> list[Trajectory]:

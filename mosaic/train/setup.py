@@ -97,3 +97,33 @@ def sampling_policy(cfg: Config, model, tokenizer, *, temperature: float | None 
         seed=seed,
     )
     return LocalPolicy(model, tokenizer, pc)
+
+
+def frozen_copy(model):
+    """A frozen copy of ``model`` (eval mode, no gradients): the KL reference, a frozen partner."""
+    import copy
+
+    ref = copy.deepcopy(model)
+    ref.eval()
+    for p in ref.parameters():
+        p.requires_grad_(False)
+    return ref
+
+
+def partner_policy(cfg: Config, tokenizer, split, frozen_model=None, *, seed: int = 0,
+                   temperature: float | None = None, batch_size: int | None = None):
+    """The policy that plays the partner's role in reset mode (``harness.partner``), or None when the
+    trained policy plays both: the scripted expert (no noise) over ``split``'s tasks, or the local
+    sampler over ``frozen_model`` (a frozen copy of the warm start)."""
+    partner = cfg.harness.partner
+    if partner == "self":
+        return None
+    if partner == "expert":
+        from mosaic.agent.expert import ExpertNoise, ExpertPolicy
+
+        return ExpertPolicy(tokenizer, split.tasks, ExpertNoise.off(), seed=seed)
+    if frozen_model is None:
+        raise ValueError("harness.partner='frozen' needs the frozen warm start (frozen_model)")
+    return sampling_policy(cfg, frozen_model, tokenizer, temperature=temperature, seed=seed + 7919,
+                           batch_size=batch_size)
+

@@ -48,7 +48,9 @@ def expert_trajectories(cfg: Config, split, tokenizer, chat, *, n_tasks: int, se
 
     tasks = split.tasks[:n_tasks]
     policy = ExpertPolicy(tokenizer, tasks, expert_noise(cfg.sft.expert_noise), seed=seed)
-    harness = Harness(policy, chat, DeepSearchEnv(split), cfg.harness)
+    # (reset mode with a partner: the expert plays both roles; only its own role's sessions are trained)
+    harness = Harness(policy, chat, DeepSearchEnv(split), cfg.harness,
+                      partner=policy if cfg.harness.partner != "self" else None)
     return harness.run(tasks, group_size=1, seed=seed, progress=progress, step="sft")
 
 

@@ -23,7 +23,7 @@ from mosaic.config.loader import Config
 from mosaic.core.estimators import get_estimator
 from mosaic.trace import Trajectory
 from mosaic.train.scorer import LiveScorer
-from mosaic.train.setup import sampling_policy
+from mosaic.train.setup import frozen_copy, partner_policy, sampling_policy
 
 __all__ = ["RolloutSource", "HarnessRollouts", "open_source"]
 
@@ -55,8 +55,13 @@ class RolloutSource(Protocol):
 class HarnessRollouts:
     """The built-in harness on the local policy (``rollout.source=builtin``): B tasks × G samples per step."""
 
-    def __init__(self, cfg: Config, model, tokenizer, chat, split):
+    def __init__(self, cfg: Config, model, tokenizer, chat, split, *, partner_model=None):
+        """``partner_model``: the frozen warm start a ``harness.partner=frozen`` plays from (None: a frozen
+        copy of ``model`` as given, made here — before a resumed run loads its checkpoint's weights)."""
         self.cfg, self.model, self.tokenizer, self.chat, self.split = cfg, model, tokenizer, chat, split
+        if partner_model is None and cfg.harness.partner == "frozen":
+            partner_model = frozen_copy(model)
+        self.partner_model = partner_model
         est = get_estimator(cfg.algo.estimator)
         self.score_live = est.needs_gains and cfg.algo.scorer == "cached" and cfg.algo.score_live
         self.live_scorer: LiveScorer | None = None  # set by each collect()
@@ -66,7 +71,10 @@ class HarnessRollouts:
         policy = sampling_policy(cfg, self.model, self.tokenizer, seed=cfg.train.seed * 1_000_003 + step)
         scorer = LiveScorer(policy, self.chat.answer_probe, max_batch_tokens=cfg.algo.score_batch_tokens) \
             if self.score_live else None  # fmt: skip
-        harness = Harness(policy, self.chat, DeepSearchEnv(self.split), cfg.harness, state_scorer=scorer)
+        partner = partner_policy(cfg, self.tokenizer, self.split, self.partner_model,
+                                 seed=cfg.train.seed * 1_000_003 + step)
+        harness = Harness(policy, self.chat, DeepSearchEnv(self.split), cfg.harness, state_scorer=scorer,
+                          partner=partner)
         trajs = harness.run(tasks, group_size=cfg.train.group_size, seed=cfg.train.seed + step, step=step)
         if scorer is not None:
             scorer.flush()  # (the harness flushes after every round: normally nothing is left)
@@ -81,7 +89,7 @@ class HarnessRollouts:
 
 
 def open_source(cfg: Config, model, tokenizer, chat, split, run_dir: Path, log: Callable[[str], Any] = print, *,
-                resumed: bool = False, replay=None) -> tuple[RolloutSource, int | None]:
+                resumed: bool = False, replay=None, partner_model=None) -> tuple[RolloutSource, int | None]:
     """The run's rollout source, and the number of task groups it brings (a replay's; None when the
     tasks come from the training split). A replay (``replay``: one already read, so that bad records
     fail before any work) writes what it dropped to ``RUN_DIR/drops.jsonl`` once (not again when
@@ -102,4 +110,4 @@ def open_source(cfg: Config, model, tokenizer, chat, split, run_dir: Path, log: 
         log(f"rollouts from the harness {cfg.rollout.harness!r}: policy served behind the recording proxy at "
             f"{ext.url} (records in {ext.records_path})")
         return ext, None
-    return HarnessRollouts(cfg, model, tokenizer, chat, split), None
+    return HarnessRollouts(cfg, model, tokenizer, chat, split, partner_model=partner_model), None

@@ -109,3 +109,34 @@ def test_config_checks():
     c = HarnessConfig(mode="reset", context_budget=512, reset_context_budget=1024)
     assert c.tools() == ("search", "note_write", "handoff") and c.budget("reset") == 1024 and c.budget("main") == 512
     assert "(empty)" in c.reset_text("Q?", []) and "- a\n- b" in c.reset_text("Q?", ["a", "b"])
+
+
+ROLES = ("searcher: find the facts and note them", "checker: check the notes and answer")
+
+
+def test_two_roles_alternate_and_a_partner_plays_the_second_untrained(chat):
+    mine = RecordingPolicy(TextPolicy(chat.tokenizer, lambda r: call("handoff", note=f"from role {r.meta['role']}")
+                                      if r.meta["session"] < 3 else "<answer>Ama Rell</answer>"))
+    theirs = RecordingPolicy(TextPolicy(chat.tokenizer, lambda r: call("handoff", note="partner was here")))
+    cfg = HarnessConfig(mode="reset", context_budget=4000, max_new_tokens=64, reset_roles=ROLES, partner="expert")
+    (t,) = Harness(mine, chat, FakeEnv(), cfg, partner=theirs).run([TASK])
+    assert [s.meta["role"] for s in t.sessions] == [0, 1, 0, 1, 0] and t.success and t.sessions[4].is_final
+    assert [bool(s.meta.get("partner")) for s in t.sessions] == [False, True, False, True, False]
+    assert {r.meta["session"] for r, _ in theirs.calls} == {1, 3} and {r.meta["session"] for r, _ in mine.calls} == {0, 2, 4}
+    assert "Your role: checker" in chat.decode(t.sessions[1].prompt_ids)
+    assert "Your role: searcher" in chat.decode(t.sessions[2].prompt_ids)
+    for s in t.sessions:  # the partner's tokens are recorded, never trained
+        assert any(s.loss_mask) != bool(s.meta.get("partner"))
+    assert t.meta["partner_tokens"] > 0 and "partner was here" in t.meta["notes"]
+    assert theirs.released == ["t0/0/1", "t0/0/3"]
+
+
+def test_partner_settings_are_checked():
+    with pytest.raises(ValueError, match="reset_roles"):
+        HarnessConfig(mode="compaction", reset_roles=ROLES)
+    with pytest.raises(ValueError, match="reset_roles"):
+        HarnessConfig(mode="reset", reset_roles=("only one",))
+    with pytest.raises(ValueError, match="partner"):
+        HarnessConfig(mode="reset", partner="expert")
+    with pytest.raises(ValueError, match="give the harness its partner policy"):
+        Harness(None, None, FakeEnv(), HarnessConfig(mode="reset", reset_roles=ROLES, partner="frozen"))

@@ -329,3 +329,23 @@ def test_rollout_training_agreement_is_logged_and_a_mismatched_sampler_warns(bas
         assert bad["training/rollout_probs_diff_mean"] > 10 * m["training/rollout_probs_diff_mean"], (name, bad)
         assert bad[CORR] < 0.99 and bad["training/rollout_agreement_warn"] == 1.0, (name, bad)
         assert "Pearson" in bad["stderr"] and "rollout.agreement_warn_corr=0.99" in bad["stderr"]
+
+
+@pytest.mark.parametrize("partner", ["frozen", "expert", "self"])
+def test_reset_mode_trains_with_each_partner_and_only_its_own_role(base_dir, tmp_path, partner):
+    """Issue 30: two alternating roles; with a frozen or scripted partner its sessions stay in the graph
+    (scored) but give no training tokens ("central-only" training)."""
+    cfg = _cfg(base_dir, tmp_path, "algo.estimator=mosaic", "harness.mode=reset", "harness.reset_k=2",
+               'harness.reset_roles=["searcher: find and note", "checker: verify and answer"]',
+               f"harness.partner={partner}")
+    st = _state(cfg)
+    m = rl.rl_step(st, 0)
+    assert m["actor/grad_norm"] >= 0 and "session/count/reset" in m
+    sessions = [s for t in st.last_trajs for s in t.sessions]
+    assert sessions and all(s.kind == "reset" for s in sessions)
+    played = [s for s in sessions if s.meta.get("partner")]
+    if partner == "self":
+        assert not played
+    else:
+        assert played and all(s.meta["role"] == 1 and not any(s.loss_mask) for s in played)
+        assert all(any(s.loss_mask) for s in sessions if not s.meta.get("partner") and s.num_turns)

@@ -56,6 +56,9 @@ class HarnessRollouts:
         self.split = split
         self.env = DeepSearchEnv(split)
         self.harness_cfg = harness
+        if harness.partner != "self":  # one policy serves these rollouts
+            raise ValueError(f"harness.partner={harness.partner!r} is not supported here yet (reset mode's frozen or "
+                             "scripted partner runs in the built-in trainer: mosaic train); use harness.partner=self")
         self.batch_size = batch_size
         self.tasks = {t.id: t for t in split.tasks}
         self._chat = None

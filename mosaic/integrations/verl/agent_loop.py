@@ -198,6 +198,9 @@ class MosaicAgentLoop(AgentLoopBase):
         super().__init__(*args, **kwargs)
         block = self.config.get("mosaic") or {}
         self.harness_config = HarnessConfig(**dict(block.get("harness") or {}))
+        if self.harness_config.partner != "self":  # one policy serves these rollouts
+            raise ValueError(f"harness.partner={self.harness_config.partner!r} is not supported here yet (reset mode's frozen or "
+                             "scripted partner runs in the built-in trainer: mosaic train); use harness.partner=self")
         self.score_gains = bool(block.get("gains", True))
         with self._lock:
             if id(self.tokenizer) not in self._chats:
