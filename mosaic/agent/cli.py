@@ -45,7 +45,7 @@ from mosaic.agent.models import load_any
 from mosaic.agent.models.corpus import build_project_tokenizer
 from mosaic.agent.tokenizer import load_tokenizer, save_tokenizer
 from mosaic.config.cliargs import add_config_args, deprecated, device_error, output_error, print_deprecations, resolve_config
-from mosaic.agent.models.checkdir import ModelDirError
+from mosaic.agent.models.checkdir import ModelDirError, tokenizer_dir_error
 from mosaic.envs.cache import resolve_cache_dir
 from mosaic.envs.cli import EXIT_USAGE, ConfigExit, UsageError, parse_value
 from mosaic.envs.splits import load_split
@@ -199,6 +199,9 @@ def _tokenizer(args, split, model_tok):
     if args.tokenizer == "smollm2":
         return load_smollm2_tokenizer()
     if args.tokenizer:
+        bad = tokenizer_dir_error("--tokenizer", args.tokenizer)
+        if bad:
+            raise UsageError(bad)
         return load_tokenizer(args.tokenizer)
     if model_tok is not None:
         return model_tok

@@ -34,6 +34,7 @@ import warnings
 from dataclasses import MISSING, fields
 from pathlib import Path
 
+from mosaic.agent.models.checkdir import tokenizer_dir_error
 from mosaic.agent.tokenizer import load_tokenizer
 from mosaic.capture.reconstruct import ReconstructionRules, reconstruct
 from mosaic.capture.records import RecordError, read_records
@@ -100,8 +101,8 @@ def _check_serve_args(args) -> None:
             raise UsageError(f"{flag} must be a finite number > 0, got {value}")
     if args.retries < 0:
         raise UsageError(f"--retries must be >= 0, got {args.retries}")
-    if args.tokenizer is not None and not Path(args.tokenizer).is_dir():
-        raise UsageError(f"--tokenizer {args.tokenizer}: no such directory")
+    if args.tokenizer is not None and (bad := tokenizer_dir_error("--tokenizer", args.tokenizer)):
+        raise UsageError(bad)
     bad = address_error(args.host, args.port)
     if bad:
         raise UsageError(bad)
@@ -121,8 +122,8 @@ def _check_export_args(args) -> None:
         raise UsageError(bad)
     if out.exists() and not args.force:
         raise UsageError(f"--out {args.out}: the file exists; pass --force to replace it")
-    if args.tokenizer is not None and not Path(args.tokenizer).is_dir():
-        raise UsageError(f"--tokenizer {args.tokenizer}: no such directory")
+    if args.tokenizer is not None and (bad := tokenizer_dir_error("--tokenizer", args.tokenizer)):
+        raise UsageError(bad)
 
 
 def register(subparsers) -> None:
@@ -316,8 +317,8 @@ def _cmd_scripted(args) -> int:
     bad = address_error(args.host, args.port)
     if bad:
         raise UsageError(bad)
-    if args.tokenizer is not None and not Path(args.tokenizer).is_dir():
-        raise UsageError(f"--tokenizer {args.tokenizer}: no such directory")
+    if args.tokenizer is not None and (bad := tokenizer_dir_error("--tokenizer", args.tokenizer)):
+        raise UsageError(bad)
     if not (math.isfinite(args.delay) and args.delay >= 0):
         raise UsageError(f"--delay must be a finite number >= 0, got {args.delay}")
     if args.slots < 0:

@@ -66,6 +66,7 @@ from mosaic.capture.wire import (
     OVERFLOW,
     ApiError,
     StreamAccumulator,
+    check_finite,
     check_max_tokens,
     check_sampling,
     check_upstream_fields,
@@ -207,6 +208,7 @@ class RecordingProxy:
         validate_request(endpoint, body)
         check_max_tokens(body)
         check_sampling(body)
+        check_finite(body)
         rid = rollout_id if rollout_id is not None else request.headers.get("x-mosaic-rollout", "").strip()
         rid = rid or NO_ROLLOUT_ID
         self._check_rollout(rid, "calls")

@@ -121,6 +121,19 @@ def check_sampling(body: dict) -> None:
             raise ApiError(400, f"field {key!r}: {shown} must be a finite number in {span}")
 
 
+def check_finite(body, where: str = "") -> None:
+    """No NaN or infinity anywhere in a request (Python's JSON reads ``NaN``, ``Infinity``, and ``1e400`` as
+    infinity): a 400 naming the field, so no bare ``NaN`` reaches the records or the upstream."""
+    if isinstance(body, float) and not math.isfinite(body):
+        raise ApiError(400, f"field {where or '(body)'!r}: {body!r} is not a finite number (not valid JSON)")
+    if isinstance(body, dict):
+        for k, v in body.items():
+            check_finite(v, f"{where}.{k}" if where else str(k))
+    elif isinstance(body, list):
+        for i, v in enumerate(body):
+            check_finite(v, f"{where}[{i}]")
+
+
 def choice_token_ids(ch: dict[str, Any]) -> list[int] | None:
     """A choice's (or stream delta's) generated ids: vLLM's ``token_ids``, or ``output_ids``."""
     for key in ("token_ids", "output_ids"):

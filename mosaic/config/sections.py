@@ -16,6 +16,9 @@ from typing import Any, Literal
 from mosaic.config.values import ConfigError, coerce  # noqa: F401  (ConfigError re-exported)
 from mosaic.core.estimators import ESTIMATORS, KNOBS, resolve_name
 
+SEED_MAX = 2**63 - 1
+"""The largest seed: what ``torch.manual_seed`` and numpy's generators take."""
+
 __all__ = ["ConfigError", "ModelConfig", "DataConfig", "RolloutConfig", "AlgoConfig", "OptimConfig", "TrainConfig",
            "SFTConfig", "EMBEDDED_PRESETS", "LOSS_AGG", "coerce"]
 
@@ -85,6 +88,7 @@ class ModelConfig(_Section):
     def _validate(self) -> None:
         self._need(self.embedded_preset in EMBEDDED_PRESETS, "embedded_preset", f"must be one of {EMBEDDED_PRESETS}")
         self._need(self.source != "dir" or bool(self.path), "path", "is required when model.source='dir'")
+        self._need(0 <= self.init_seed <= SEED_MAX, "init_seed", f"must be in [0, {SEED_MAX}]")
         self._need(self.source == "dir" or not self.path, "path",
                    f"is read only with model.source=dir (model.source is {self.source!r}); "
                    "add model.source=dir to train from that directory")
@@ -130,6 +134,11 @@ class DataConfig(_Section):
     def _validate(self) -> None:
         self._positive("n_train_tasks", "n_eval_tasks", "world_entities", "train_world_entities", "visits",
                        allow_zero=True)
+        for name in ("world_entities", "train_world_entities"):  # the generator needs two entities per type
+            self._need(getattr(self, name) == 0 or 14 <= getattr(self, name) <= 1_000_000, name,
+                       "must be in [14, 1000000] (two entities per type at least), or 0: the preset's")
+        self._need(self.visits <= 1000, "visits", "must be <= 1000 (or 0: the preset's)")
+        self._need(0 <= self.seed <= SEED_MAX, "seed", f"must be in [0, {SEED_MAX}]")
         self._need(self.events_between >= -1, "events_between", "must be >= 0 (or -1: the preset's)")
         self._need(self.unannounced_share == -1.0 or 0.0 <= self.unannounced_share <= 1.0, "unannounced_share",
                    "must be in [0, 1] (or -1: the preset's)")
@@ -359,6 +368,7 @@ class TrainConfig(_Section):
     def _validate(self) -> None:
         self._positive("steps", "eval_every", "save_every", "plot_every", allow_zero=True)
         self._positive("batch_tasks", "group_size", "eval_samples", "keep_last", "log_every")
+        self._need(0 <= self.seed <= SEED_MAX, "seed", f"must be in [0, {SEED_MAX}] (what torch.manual_seed takes)")
         self._positive("rollout_samples", "eval_temperature", allow_zero=True)
         self._need(bool(self.resume), "resume", "must be 'auto', 'never' or a checkpoint path")
         self._need(bool(self.run_dir), "run_dir", "must not be empty")

@@ -123,12 +123,16 @@ def _run(fn_name: str):
 
 
 def _compare_args_error(args) -> str | None:
-    if args.n_boot < 1:
-        return f"--n-boot must be >= 1, got {args.n_boot}"
+    if not 1 <= args.n_boot <= 10_000_000:
+        return f"--n-boot must be in [1, 10000000], got {args.n_boot}"
+    if getattr(args, "seed", 0) is not None and not 0 <= getattr(args, "seed", 0) <= 2**32 - 1:
+        return f"--seed must be in [0, {2**32 - 1}], got {args.seed}"
     if not 0 < args.ci < 1:
         return f"--ci must be in (0, 1), got {args.ci}"
     for name, paths in (("a", args.a), ("b", args.b)):
         for path in paths.split(","):
+            if not path.strip():
+                return f"outcome file {name}: an empty name in {paths!r} (a stray comma?)"
             p = Path(path)
             if not p.is_file():
                 return f"outcome file {name} ({path}): " + ("is a directory" if p.is_dir() else "no such file")

@@ -65,10 +65,22 @@ def sft_error(cfg) -> str | None:
             or output_error(_key("sft.output_dir"), cfg.sft.output_dir, is_dir=True))
 
 
+def _kinds_error(cfg) -> str | None:
+    """``algo.count_kinds`` naming a kind the built-in harness never makes (a typo would count 0 sessions
+    for every trajectory and silently switch the session-count term off)."""
+    if not cfg.algo.count_kinds or cfg.rollout.source != "builtin":  # (a captured harness may register its own)
+        return None
+    from mosaic.trace.graph import KIND_CODES
+
+    unknown = [k for k in cfg.algo.count_kinds if k not in KIND_CODES]
+    return (f"{_key('algo.count_kinds')} unknown session kind(s) {unknown}; known: {sorted(KIND_CODES)}"
+            if unknown else None)
+
+
 def train_error(cfg) -> str | None:
     """``mosaic train``: ``train.run_dir``, the warm start's model and output, ``rollout.records``."""
     bad = (output_error(_key("train.run_dir"), cfg.train.run_dir, is_dir=True) or _model_error(cfg)
-           or _cache_error(cfg))
+           or _cache_error(cfg) or _kinds_error(cfg))
     if bad:
         return bad
     if cfg.rollout.source == "records":

@@ -102,17 +102,28 @@ def format_console_line(step: int, metrics: Mapping[str, Any]) -> str:
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """Every step's metrics of ``run_dir``, pre-verl names renamed (:func:`~mosaic.train.metrics.upgrade_names`)."""
+    """Every step's metrics of ``run_dir``, pre-verl names renamed (:func:`~mosaic.train.metrics.upgrade_names`).
+
+    A line that is not a JSON object (cut by a kill, not UTF-8, edited) is skipped; how many and the first
+    are said once on stderr, naming the file."""
     p = Path(run_dir) / "metrics.jsonl"
     if not p.is_file():
         return []
-    out = []
-    for line in p.read_text().splitlines():
-        if line.strip():
-            try:
-                out.append(upgrade_names(json.loads(line)))
-            except json.JSONDecodeError:  # a line cut by a kill: skip it
-                continue
+    out, bad = [], []
+    for n, raw in enumerate(p.read_bytes().splitlines(), 1):
+        if not raw.strip():
+            continue
+        try:
+            rec = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+            rec = None
+        if isinstance(rec, dict):
+            out.append(upgrade_names(rec))
+        else:
+            bad.append(n)
+    if bad:
+        print(f"[mosaic] {p}: {len(bad)} line(s) that are not JSON objects skipped (the first: line {bad[0]})",
+              file=sys.stderr, flush=True)
     return out
 
 
@@ -120,12 +131,13 @@ def _truncate_jsonl(p: Path, keep_upto: int) -> None:
     if not p.is_file():
         return
     kept = []
-    for line in p.read_text().splitlines():
+    for line in p.read_text(errors="replace").splitlines():
         try:
-            if json.loads(line).get("step", 0) <= keep_upto:
-                kept.append(line)
+            rec = json.loads(line)
         except json.JSONDecodeError:
             continue
+        if isinstance(rec, dict) and isinstance(rec.get("step", 0), (int, float)) and rec.get("step", 0) <= keep_upto:
+            kept.append(line)
     tmp = p.with_name(p.name + ".tmp")
     tmp.write_text("".join(x + "\n" for x in kept))
     os.replace(tmp, p)

@@ -184,6 +184,8 @@ def load_outcomes(path: str | Path) -> dict[str, list[float]]:
         text = p.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
         raise ValueError(f"{p}: not UTF-8 text (byte {exc.start}); expected a JSONL or JSON file of outcomes") from None
+    except OSError as exc:
+        raise ValueError(f"{p}: cannot be read ({exc.strerror or exc})") from None
     out: dict[str, list[float]] = {}
     stripped = text.lstrip()
     if stripped.startswith("{") and "\n{" not in stripped.strip():

@@ -171,7 +171,14 @@ def _pieces_from(vocab: Path | None, tokenizer: str | None) -> list[str]:
     if vocab is None or not vocab.is_file():
         raise ViewError(f"no vocab.json beside the samples ({vocab}); pass --tokenizer MODEL_DIR "
                         f"(the run's checkpoints/*/model) to print the token ids")
-    return json.loads(vocab.read_text())["pieces"]
+    try:
+        pieces = json.loads(vocab.read_text(encoding="utf-8"))["pieces"]
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise ViewError(f"{vocab}: not a vocab.json written by `mosaic train` ({type(exc).__name__}: "
+                        f"{str(exc)[:120]})") from None
+    if not isinstance(pieces, list) or not all(isinstance(x, str) for x in pieces):
+        raise ViewError(f"{vocab}: 'pieces' must be a list of strings")
+    return pieces
 
 
 def _rollout_samples(path: Path) -> list[dict]:

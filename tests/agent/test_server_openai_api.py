@@ -143,6 +143,8 @@ def test_chat_streaming(client):
     ("/v1/completions", {"prompt": [1, 2], "model": "other"}, "does not exist"),
     ("/v1/chat/completions", {"messages": []}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "role"),
+    ("/v1/completions", {"prompt": [1, 2], "seed": 99999999999999999999999}, "seed"),  # was a 500 (overflow)
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "seed": 2 ** 64}, "seed"),
 ])
 def test_bad_requests_are_4xx_with_message(client, path, body, needle):
     r = client.post(path, json=body)

@@ -57,6 +57,7 @@ def test_max_tokens_that_cannot_be_served_is_a_400_not_forwarded(upstream, make_
 @pytest.mark.parametrize("raw, key", [
     ('NaN', "temperature"), ('Infinity', "temperature"), ('-0.5', "temperature"), ('"hot"', "temperature"),
     ('1.5', "top_p"), ('NaN', "top_p"), ('-Infinity', "presence_penalty"), ('true', "temperature"),
+    ('NaN', "seed"), ('1e400', "seed"), ('NaN', "foo"), ('{"5": NaN}', "logit_bias"), ('{"x": -Infinity}', "metadata"),
 ])
 def test_a_sampling_number_that_is_nan_or_out_of_range_is_a_400_not_forwarded(upstream, make_proxy, raw, key):
     """Python's JSON reads ``NaN``: it used to be forwarded and written into the records as a bare NaN."""
@@ -66,7 +67,8 @@ def test_a_sampling_number_that_is_nan_or_out_of_range_is_a_400_not_forwarded(up
     r = httpx.post(px.url + "/v1/chat/completions", content=content,
                    headers={"X-Mosaic-Rollout": "r", "Content-Type": "application/json"})
     assert r.status_code == 400, r.text
-    assert f"field {key!r}" in r.json()["error"]["message"] and "finite number" in r.json()["error"]["message"]
+    msg = r.json()["error"]["message"]
+    assert f"field '{key}" in msg and "finite number" in msg, msg
     assert len(upstream.app.state.calls) == before
     px.stop()
     assert "NaN" not in "".join(p.read_text() for p in Path(px.out_dir).glob("*.jsonl"))

@@ -60,7 +60,7 @@ def test_eval_and_compare_bad_flags_exit_2_with_one_line(tmp_path, capsys):
         (["pretrain", "--out", "/proc/nope"], "--out /proc/nope: cannot create the directory"),
         (["compare", str(tmp_path / "missing.jsonl"), str(tmp_path / "file.txt")], "outcome file a ("),
         (["compare", str(tmp_path / "file.txt"), str(tmp_path / "empty")], "outcome file b (") ,
-        (["compare", str(tmp_path / "file.txt"), str(tmp_path / "file.txt"), "--n-boot", "0"], "--n-boot must be >= 1"),
+        (["compare", str(tmp_path / "file.txt"), str(tmp_path / "file.txt"), "--n-boot", "0"], "--n-boot must be in [1, 10000000]"),
         (["compare", str(tmp_path / "file.txt"), str(tmp_path / "file.txt"), "--ci", "2"], "--ci must be in (0, 1)"),
     ]
     for argv, fragment in cases:

@@ -46,6 +46,11 @@ def _cases(tmp_path):
     (m_json / "config.json").write_text("{not json")
     (m_trunc / "config.json").write_text(json.dumps({"model_type": "llama"}))
     (m_trunc / "model.safetensors").write_bytes(b"")
+    m_hdr = tmp_path / "m_hdr"  # a header that parses as JSON but names a dtype no loader knows
+    m_hdr.mkdir()
+    (m_hdr / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    head = json.dumps({"w": {"dtype": "F33", "shape": [1], "data_offsets": [0, 4]}}).encode()
+    (m_hdr / "model.safetensors").write_bytes(len(head).to_bytes(8, "little") + head + b"\0" * 4)
     return [
         (["train", "train.run_dir=/proc/forbidden"], "config key 'train.run_dir': /proc/forbidden: cannot create"),
         (["train", f"train.run_dir={afile}"], f"config key 'train.run_dir': {afile}: not a directory"),
@@ -75,10 +80,14 @@ def _cases(tmp_path):
          f"config key 'model.path': {m_trunc}: model.safetensors: truncated (0 bytes"),
         (["eval", "--checkpoint", str(m_trunc), f"train.run_dir={tmp_path / 'r5'}"], f"--checkpoint {m_trunc}: model.safetensors"),
         (["sft", f"sft.data={empty}", f"sft.output_dir={ok_out}"], f"config key 'sft.data': {empty} holds no trajectories"),
+        (["train", "algo.count_kinds=[wizard]", f"train.run_dir={tmp_path / 'r1'}"],
+         "config key 'algo.count_kinds': unknown session kind(s) ['wizard']"),
+        (["train", "model.source=dir", f"model.path={m_hdr}", f"train.run_dir={tmp_path / 'r3'}"],
+         "model.safetensors: corrupt safetensors header (Error while deserializing header"),
     ]
 
 
-@pytest.mark.parametrize("case", range(18))
+@pytest.mark.parametrize("case", range(20))
 def test_bad_paths_are_one_line_exit_2_before_any_work(tmp_path, capsys, no_work, case):
     argv, fragment = _cases(tmp_path)[case]
     assert main(argv) == 2, argv
@@ -126,3 +135,33 @@ def test_data_and_serve_refuse_an_unusable_cache_or_model_in_one_line(tmp_path, 
     assert main(["serve", "--model", str(m), "--port", "0"]) == 2
     assert _one_line(capsys) == f"mosaic serve: {m}: model.safetensors: corrupt safetensors header (length {10 ** 12} " \
                                 "in a file of 10 bytes)"
+
+
+def test_a_tokenizer_dir_without_tokenizer_json_is_one_line(tmp_path, capsys):
+    (tmp_path / "config.json").write_text("{}")
+    records = tmp_path / "rec"
+    records.mkdir()
+    (records / "records.jsonl").write_text("")
+    for argv in (["proxy", "export", "--records", str(records), "--out", str(tmp_path / "x.jsonl"), "--tokenizer", str(tmp_path)],
+                 ["rollout", "--split", "validation", "--n-tasks", "1", "--out", str(tmp_path / "r.jsonl"),
+                  "--tokenizer", str(tmp_path), f"data.cache_dir={tmp_path / 'cache'}"]):
+        assert main(argv) == 2, argv
+        assert f"--tokenizer {tmp_path}: no tokenizer.json in this directory" in _one_line(capsys)
+
+
+def test_compare_bounds_its_resamples_and_names_a_stray_comma(tmp_path, capsys):
+    a = tmp_path / "a.jsonl"
+    a.write_text(json.dumps({"question_id": "q", "correct": 1}) + "\n")
+    assert main(["compare", str(a), str(a), "--n-boot", "100000000000"]) == 2
+    assert "--n-boot must be in [1, 10000000]" in _one_line(capsys)
+    assert main(["compare", f"{a},", f"{a},{a}"]) == 2
+    assert "an empty name in" in _one_line(capsys)
+
+
+def test_view_of_a_run_whose_metrics_hold_a_non_object_line_names_it(tmp_path, capsys):
+    from mosaic.train.runlog import read_metrics
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "x": 1}\n[1, 2]\ngarbage{\n')
+    assert read_metrics(tmp_path) == [{"step": 1, "x": 1}]
+    err = capsys.readouterr().err
+    assert "metrics.jsonl: 2 line(s) that are not JSON objects skipped (the first: line 2)" in err

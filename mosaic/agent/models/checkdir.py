@@ -13,7 +13,7 @@ import json
 import struct
 from pathlib import Path
 
-__all__ = ["ModelDirError", "model_dir_error"]
+__all__ = ["ModelDirError", "model_dir_error", "tokenizer_dir_error"]
 
 
 class ModelDirError(ValueError):
@@ -45,6 +45,13 @@ def _safetensors_error(f: Path) -> str | None:
         end = max(end, offs[1])
     if 8 + n + end > size:
         return f"{f.name}: truncated ({size} bytes; its header needs {8 + n + end})"
+    try:  # what the loader itself checks: dtypes, shapes against offsets, every byte covered
+        from safetensors import safe_open
+
+        with safe_open(str(f), "numpy") as fh:
+            fh.keys()
+    except Exception as exc:  # noqa: BLE001 - SafetensorError and whatever a damaged file raises
+        return f"{f.name}: corrupt safetensors header ({str(exc).splitlines()[0][:200]})"
     return None
 
 
@@ -80,4 +87,15 @@ def model_dir_error(path: str | Path) -> str | None:
         bad = _safetensors_error(f)
         if bad:
             return f"{p}: {bad}"
+    return None
+
+
+def tokenizer_dir_error(flag: str, path: str | Path) -> str | None:
+    """Why ``path`` (given as ``flag``) is not a tokenizer directory a fast tokenizer loads from, in one
+    line; None if it holds one (``tokenizer.json``)."""
+    p = Path(path)
+    if not p.is_dir():
+        return f"{flag} {path}: " + ("not a directory" if p.exists() else "no such directory")
+    if not (p / "tokenizer.json").is_file():
+        return f"{flag} {path}: no tokenizer.json in this directory (a saved model or tokenizer directory has one)"
     return None

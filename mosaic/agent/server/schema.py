@@ -17,11 +17,11 @@ class BaseCompletionRequest(BaseModel):
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=0)
-    temperature: float = Field(default=1.0, ge=0.0, le=100.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    temperature: float = Field(default=1.0, ge=0.0, le=100.0, allow_inf_nan=False)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     n: int = Field(default=1, ge=1, le=64)
     stream: bool = False
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)  # what a torch generator takes
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     return_token_ids: bool = False
