@@ -336,7 +336,7 @@ class Linker:
 
     def resolve_via(self, via: dict[int, int]) -> None:
         """5c, continued: a subagent seen only in a compaction's history forks from the compacted session."""
-        sessions, calls = self.sessions, self.calls
+        sessions = self.sessions
         for xi, ci in via.items():
             x, c = sessions[xi], sessions[ci]
             if x.parent is not None:  # 5e found the call that opened it

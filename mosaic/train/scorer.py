@@ -50,7 +50,7 @@ import torch
 
 from mosaic.agent.chat import Probe, ProbeFn
 from mosaic.trace.graph import Session, StateRef, Trajectory
-from mosaic.trace.rows import turn_boundaries, turn_spans
+from mosaic.trace.rows import turn_boundaries
 from mosaic.train.probes import (Host, ScoreStats, eval_mode, extend_cache, run_cached, run_from_caches,
                                  run_reference)
 

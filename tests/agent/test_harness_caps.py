@@ -1,6 +1,5 @@
 """Caps, end reasons, invalid actions and config validation of the harness."""
 
-import json
 
 import pytest
 

@@ -197,7 +197,7 @@ BAD_REPLIES = {
     "id >= vocab": (lambda g, n: ([*g[:-1], 10 ** 6], [-0.1] * len(g)), "token_ids", "outside [0, "),
     "negative id": (lambda g, n: ([-3, *g[1:]], [-0.1] * len(g)), "token_ids", "token id -3"),
     "string id": (lambda g, n: (["5", *g[1:]], [-0.1] * len(g)), "token_ids", "token id '5'"),
-    "too many tokens": (lambda g, n: ([g[0]] * (n + 5), [-0.1] * (n + 5)), "length", f"tokens for a turn capped"),
+    "too many tokens": (lambda g, n: ([g[0]] * (n + 5), [-0.1] * (n + 5)), "length", "tokens for a turn capped"),
     "NaN log-prob": (lambda g, n: (g, [float("nan")] * len(g)), "logprobs", "log-prob nan"),
     "-inf log-prob": (lambda g, n: (g, [float("-inf")] * len(g)), "logprobs", "log-prob -inf"),
     "+3.0 log-prob": (lambda g, n: (g, [3.0] * len(g)), "logprobs", "log-prob 3.0"),

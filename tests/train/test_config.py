@@ -6,7 +6,6 @@ import pytest
 from mosaic.config.loader import (
     PRESETS,
     AlgoConfig,
-    Config,
     ConfigError,
     RolloutConfig,
     ModelConfig,

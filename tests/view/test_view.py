@@ -143,7 +143,7 @@ def test_a_bad_output_path_fails_before_any_work(tmp_path, capsys):
     assert "it is a directory" in capsys.readouterr().err
 
 
-def _one_sample_file(tmp_path, edit) -> "Path":
+def _one_sample_file(tmp_path, edit):
     d, _ = _run_dir(tmp_path)
     recs = [json.loads(line) for line in (d / "samples.jsonl").read_text().splitlines()]
     edit(recs)

@@ -28,7 +28,7 @@ from mosaic.agent.models.corpus import build_project_tokenizer
 from mosaic.agent.policy import GenResult
 from mosaic.envs.export import task_to_row
 from mosaic.envs.splits import load_split, split_config
-from mosaic.integrations.verl.agent_loop import MosaicAgentLoop, score_session_gains
+from mosaic.integrations.verl.agent_loop import MosaicAgentLoop
 
 HARNESS = {"mode": "compaction", "context_budget": 260, "max_new_tokens": 40, "summary_max_new_tokens": 40,
            "max_sessions": 4}  # fmt: skip
