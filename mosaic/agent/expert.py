@@ -76,22 +76,8 @@ def _messages(text: str) -> list[tuple[str, str]]:
     return out
 
 
-def _searched(messages: list[tuple[str, str]]) -> set[str]:
-    out = set()
-    for role, content in messages:
-        if role != "assistant":
-            continue
-        for body in _CALL.findall(content):
-            try:
-                call = json.loads(body)
-                out.add(str(call["arguments"]["query"]))
-            except (ValueError, KeyError, TypeError):
-                pass
-    return out
-
-
-def _written_notes(messages: list[tuple[str, str]]) -> list[str]:
-    """The notes this context's assistant turns wrote (``note_write`` and ``handoff`` arguments)."""
+def _calls(messages: list[tuple[str, str]]) -> list[tuple[str, dict]]:
+    """``(name, arguments)`` of every well-formed tool call the context's assistant turns made."""
     out = []
     for role, content in messages:
         if role != "assistant":
@@ -99,11 +85,20 @@ def _written_notes(messages: list[tuple[str, str]]) -> list[str]:
         for body in _CALL.findall(content):
             try:
                 call = json.loads(body)
-                args = call["arguments"]
-                out.append(str(args.get("text", args.get("note", ""))))
-            except (ValueError, KeyError, TypeError, AttributeError):
-                pass
+            except ValueError:
+                continue
+            if isinstance(call, dict) and isinstance(call.get("arguments"), dict):
+                out.append((str(call.get("name")), call["arguments"]))
     return out
+
+
+def _searched(messages: list[tuple[str, str]]) -> set[str]:
+    return {str(a["query"]) for name, a in _calls(messages) if "query" in a}
+
+
+def _written_notes(messages: list[tuple[str, str]]) -> list[str]:
+    """The notes this context's assistant turns wrote (``note_write`` and ``handoff`` arguments)."""
+    return [str(a.get("text", a.get("note", ""))) for name, a in _calls(messages) if name in ("note_write", "handoff")]
 
 
 def delegate_question(hop) -> str:
