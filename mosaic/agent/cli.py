@@ -268,6 +268,10 @@ def _run(args: argparse.Namespace) -> int:
     elif cfg.partner == "frozen":
         partner = policy
     harness = Harness(policy, chat, DeepSearchEnv(split), cfg, partner=partner)
+    out = Path(args.out)
+    if out.is_file() and out.stat().st_size:  # a second run appended to the first: duplicate trajectory ids
+        print(f"mosaic rollout: --out {out} exists; overwriting it", file=sys.stderr)
+        out.write_bytes(b"")
     try:
         with JsonlWriter(args.out) as writer:
             trajs = harness.run(tasks, group_size=args.group_size, seed=seed, on_trajectory=writer.write,

@@ -199,7 +199,12 @@ def parse_rules(pairs: list[str]) -> ReconstructionRules:
     (the grammar of every verb's overrides; JSON values read the same), else kept as strings."""
     import yaml
 
+    import typing
+
+    from mosaic.config.values import ConfigError, coerce
+
     names = {f.name for f in fields(ReconstructionRules)}
+    hints = typing.get_type_hints(ReconstructionRules)
     kw = {}
     for pair in pairs:
         key, sep, raw = pair.partition("=")
@@ -212,7 +217,10 @@ def parse_rules(pairs: list[str]) -> ReconstructionRules:
             val = yaml.safe_load(raw) if raw.strip() else raw
         except yaml.YAMLError:
             val = raw
-        kw[key] = tuple(val) if isinstance(val, list) else val
+        try:  # typed as every config key is: "maybe" for a bool, NaN for a threshold are refused here
+            kw[key] = coerce(val, hints[key], f"rules.{key}")
+        except ConfigError as exc:
+            raise UsageError(str(exc).replace("config key ", "rule ", 1)) from None
     try:
         return ReconstructionRules(**kw)
     except (TypeError, ValueError) as exc:

@@ -89,6 +89,8 @@ def test_proxy_serve_bad_arguments_exit_2_with_one_line(tmp_path, capsys, busy_p
     (["--tokenizer", "{tmp}/missing"], "--tokenizer {tmp}/missing: no such directory"),
     (["--rule", "bogus=1"], "--rule 'bogus': unknown rule"),
     (["--rule", "noequals"], "--rule 'noequals': expected KEY=VALUE"),
+    (["rules.include_unrewarded=maybe"], "rule 'rules.include_unrewarded': must be true or false (got 'maybe')"),
+    (["rules.success_threshold=nan"], "rule 'rules.success_threshold': must be a finite number"),
     (["--records", "{tmp}/broken.jsonl"], "--records {tmp}/broken.jsonl: {tmp}/broken.jsonl:1: corrupted line"),
     (["--records", "{tmp}/foreign.jsonl"], "{tmp}/foreign.jsonl:1: not a Mosaic capture record"),
 ])
