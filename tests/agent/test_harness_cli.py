@@ -39,7 +39,7 @@ def test_rollout_expert_streams_jsonl(tmp_path, capsys):
     (["--group-size", "0"], "--group-size must be >= 1, got 0"),
     (["--n-tasks", "-63"], "--n-tasks must be >= 1 (leave it out for all tasks), got -63"),
     (["--n-tasks", "0"], "--n-tasks must be >= 1 (leave it out for all tasks), got 0"),
-    (["--seed", "-1"], "--seed must be >= 0"),
+    (["--seed", "-1"], "config key 'data.seed': must be in [0, 9223372036854775807] (got -1)"),  # (--seed is data.seed)
     (["--temperature", "inf"], "--temperature must be a finite number >= 0, got inf"),
     (["--temperature", "-1"], "--temperature must be a finite number >= 0"),
     (["--top-p", "nan"], "--top-p must be in (0, 1], got nan"),
