@@ -145,6 +145,8 @@ def test_chat_streaming(client):
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "role"),
     ("/v1/completions", {"prompt": [1, 2], "seed": 99999999999999999999999}, "seed"),  # was a 500 (overflow)
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "seed": 2 ** 64}, "seed"),
+    ("/v1/completions", {"prompt": [1, 2], "presence_penalty": 0.5}, "presence_penalty"),  # was silently ignored
+    ("/v1/completions", {"prompt": [1, 2], "logit_bias": {"5": 2.0}}, "logit_bias"),
 ])
 def test_bad_requests_are_4xx_with_message(client, path, body, needle):
     r = client.post(path, json=body)

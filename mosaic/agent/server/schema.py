@@ -26,6 +26,24 @@ class BaseCompletionRequest(BaseModel):
     stop_token_ids: list[int] | None = None
     return_token_ids: bool = False
     skip_special_tokens: bool = True
+    # Accepted at their neutral values (clients send them by default); anything else is refused, not ignored.
+    presence_penalty: float = Field(default=0.0, allow_inf_nan=False)
+    frequency_penalty: float = Field(default=0.0, allow_inf_nan=False)
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalty(cls, v: float) -> float:
+        if v != 0.0:
+            raise ValueError("is not supported by mosaic serve (only 0)")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_bias(cls, v: dict | None) -> dict | None:
+        if v:
+            raise ValueError("is not supported by mosaic serve (only empty or null)")
+        return v
 
     @field_validator("stop")
     @classmethod
