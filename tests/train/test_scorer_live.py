@@ -122,3 +122,21 @@ def test_missed_states_fall_back_to_the_cached_scorer(world):
     live = _live_vs_reference(trajs, scorer, model, chat)
     assert scorer.missed > 0 and live.stats.num_probes > 0
     assert scorer.metrics()["score/live_missed"] == scorer.missed
+
+
+def test_live_gains_equal_reference_with_context_resets(world):
+    """Reset mode (issue 30): each session's start is probed off its own cache as it closes; a session's
+    after-state is the next one's start (one reference), scored when that one closes."""
+    from mosaic.agent.expert import ExpertNoise, ExpertPolicy
+    from mosaic.agent.harness import DeepSearchEnv, Harness, HarnessConfig
+
+    split, chat = world
+    model = tiny_model(vocab_size=len(chat.tokenizer), seed=3)
+    policy = TeacherForcedLocal(model, chat.tokenizer, ExpertPolicy(chat.tokenizer, split.tasks[:3], ExpertNoise(), seed=0))
+    scorer = LiveScorer(policy, chat.answer_probe)
+    harness = Harness(policy, chat, DeepSearchEnv(split),
+                      HarnessConfig(mode="reset", reset_k=2, max_new_tokens=64, max_sessions=12), state_scorer=scorer)
+    trajs = harness.run(split.tasks[:3], group_size=2, seed=0)
+    assert any(len(t.sessions) > 1 for t in trajs) and all(s.kind == "reset" for t in trajs for s in t.sessions)
+    live = _live_vs_reference(trajs, scorer, model, chat)
+    assert scorer.missed == 0 and live.stats.num_probes == 0
