@@ -23,8 +23,10 @@ GENERATOR_SEED_BASE = 1_000_000
 def prompt_texts(cfg: HarnessConfig) -> list[str]:
     """Every fixed text the harness shows the model: system prompts, the compaction prompt, the
     resume template, the tools' descriptions and a sample of every error response."""
+    # The tools the shipped tokenizer was trained with: adding reset mode's docs here would change the
+    # project tokenizer, so the shipped base model would no longer match its recipe.
     return [cfg.system_text(0), cfg.system_text(1), cfg.compaction_prompt,
-            cfg.resume_text("", ""), *TOOL_DOCS.values(), *error_texts()]
+            cfg.resume_text("", ""), TOOL_DOCS["search"], TOOL_DOCS["delegate"], *error_texts()]
 
 
 def corpus_texts(documents: Iterable[str] = (), questions: Iterable[str] = (),
