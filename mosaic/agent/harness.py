@@ -19,7 +19,9 @@ States (docs/algorithm.md §4.4), all at message boundaries:
   scorer probes it once); after = the next main's ``state_before``;
 - subagent ("merge" mode): before = the parent's context before the assistant
   turn that called ``delegate``; after = the parent's context right after the
-  result was appended.
+  result was appended;
+- reset (``harness.mode=reset``, :mod:`mosaic.agent.reset`): before = its prompt without the
+  generation header; after = the next reset session's (the updated notes).
 The turn-level probe points (docs/algorithm.md §4.7) are derived from the recorded tokens by
 :func:`mosaic.trace.turn_boundaries` (the prompt without the header, then the end
 of each turn's tool response). A session cut off mid-turn (policy error) ends at
