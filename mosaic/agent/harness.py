@@ -187,7 +187,7 @@ class Harness(EnvCalls, ResetSessions):
         # A session cut off while a turn was pending ends after a generation header: its end state
         # is the boundary before that header.
         end = live.length if live.at_boundary else live.turn_start
-        if s.kind == "main":  # (a reset session's is the next one's start, set when that one opens)
+        if s.kind == "main" or (s.kind == "reset" and ends):  # (a reset session's that goes on: the next one's start)
             s.state_after = StateRef(session=s.id, upto=None if end == live.length else end)
         if self.state_scorer is not None:
             cuts = self._hosted_cuts(run.traj, s, ends) if s.kind in ("main", "reset") else []
