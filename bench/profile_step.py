@@ -41,11 +41,7 @@ def main() -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    st = _our_state([f"train.steps={args.steps + 1}", *args.overrides])
-    if st.cfg.algo.kl_coef > 0:  # the KL anchor's reference model, as `mosaic train` builds it
-        from mosaic.train.rl import make_reference
-
-        st.ref_model = make_reference(st.model)
+    st = _our_state([f"train.steps={args.steps + 1}", *args.overrides])  # (with the KL anchor's reference when on)
     rl_step(st, 0)  # warm-up
     metrics = []
     prof_py = cProfile.Profile()

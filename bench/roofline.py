@@ -129,13 +129,12 @@ def main() -> None:
     import torch
 
     from trainer import _our_state
-    from mosaic.train.rl import make_reference, rl_step
+    from mosaic.train.rl import rl_step
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    # (RLState makes the KL anchor's reference itself when the anchor is on)
     st = _our_state([f"train.steps={args.steps + 1}", "algo.kl_coef=0.05", "harness.mode=compaction", *args.overrides])
-    if st.cfg.algo.kl_coef > 0:
-        st.ref_model = make_reference(st.model)
     rows = st.cfg.train.batch_tasks * st.cfg.train.group_size
     table = [(name, m, k, n, matmul_gflops(m, k, n, args.repeats))
              for name, m, k, n in model_shapes(st.model, rows, st.cfg.optim.micro_batch_size * 512)]

@@ -100,14 +100,11 @@ class ResetSessions:
 
     def _reset_act(self, run: RunState, live: LiveSession, name: str, argument: str) -> None:
         """``note_write`` or ``handoff`` in a reset session."""
-        reply = self._note(run, argument)
-        if name == "handoff":
-            live.session.meta["reset_reason"] = "handoff"
-            if len(run.traj.sessions) + 1 > self.config.max_sessions:
-                self._append(run, live, self.chat.tool_delta(reply))
-                self._end_trajectory(run, "session_cap")
-                return
-            self._append(run, live, self.chat.tool_delta(reply))
-            self._rotate(run, live, "handoff")
+        self._append(run, live, self.chat.tool_delta(self._note(run, argument)))
+        if name != "handoff":
             return
-        self._append(run, live, self.chat.tool_delta(reply))
+        live.session.meta["reset_reason"] = "handoff"
+        if len(run.traj.sessions) + 1 > self.config.max_sessions:
+            self._end_trajectory(run, "session_cap")
+        else:
+            self._rotate(run, live, "handoff")

@@ -315,8 +315,11 @@ def _rl_loop(cfg: Config, plan: RunPlan, model, tok, chat, device, replay=None, 
         steps = resolve_steps(cfg, n_groups if n_groups is not None else len(train.tasks))
         optimizer = build_optimizer(model, cfg.optim)
         scheduler = build_scheduler(optimizer, cfg.optim, steps * cfg.optim.ppo_epochs * cfg.optim.mini_batches)
-        # The KL anchor is the warm start: copied before a resume loads the checkpoint's weights into `model`.
-        ref = make_reference(model) if cfg.algo.kl_coef > 0 else None
+        # The KL anchor is the warm start: copied before a resume loads the checkpoint's weights into `model`
+        # (a frozen partner is already such a copy: the same frozen weights serve both).
+        ref = None
+        if cfg.algo.kl_coef > 0:
+            ref = partner_model if partner_model is not None else make_reference(model)
         start = 0
         if plan.resume_from is not None:
             ck = load_checkpoint(plan.resume_from, model=model, optimizer=optimizer, scheduler=scheduler)

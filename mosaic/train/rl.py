@@ -33,7 +33,7 @@ from mosaic.train.batching import collate, completion_logprobs, micro_batches, p
 from mosaic.config.loader import Config
 from mosaic.train.metrics import rollout_metrics
 from mosaic.train.samples import sample_records
-from mosaic.train.setup import frozen_copy as setup_frozen_copy
+from mosaic.train.setup import frozen_copy
 from mosaic.train.sources import HarnessRollouts, RolloutSource
 
 
@@ -89,8 +89,8 @@ def tasks_for_step(split, step: int, batch_tasks: int, seed: int) -> list:
     return uniq
 
 
-def make_reference(model: PreTrainedModel) -> PreTrainedModel:
-    return setup_frozen_copy(model)
+make_reference = frozen_copy
+"""The KL anchor's reference: a frozen copy of the model (:func:`mosaic.train.setup.frozen_copy`)."""
 
 
 def rollout(st: RLState, tasks: Sequence, step: int) -> list[Trajectory]:
