@@ -17,9 +17,11 @@ States (docs/algorithm.md §4.4), all at message boundaries:
   context at its end;
 - compaction: before = the previous main's end (the same reference, so the
   scorer probes it once); after = the next main's ``state_before``;
-- subagent ("merge" mode): before = the parent's context before the assistant
-  turn that called ``delegate``; after = the parent's context right after the
-  result was appended;
+- subagent (``subagent_states=merge``, the default): before = the parent's context before the
+  assistant turn that called ``delegate``; after = the parent's context right after the
+  result was appended; (``own``): its own prompt without the header, and its own end.
+  Either way ``meta["merged_at"]`` records where its result lies in the parent (the
+  downstream credit of docs/algorithm.md §4.10 replaces it by an empty result);
 - reset (``harness.mode=reset``, :mod:`mosaic.agent.reset`): before = its prompt without the
   generation header; after = the next reset session's (the updated notes).
 The turn-level probe points (docs/algorithm.md §4.7) are derived from the recorded tokens by
@@ -57,6 +59,7 @@ from mosaic.config.harness import (  # noqa: F401  (re-exported: the harness API
 )
 from mosaic.agent.policy import GenRequest, GenResult, Policy
 from mosaic.agent.envcalls import EnvCalls
+from mosaic.agent.forks import ForkSessions
 from mosaic.agent.reset import RESET_TOOLS, ResetSessions
 from mosaic.agent.tools import Action, parse_action
 from mosaic.envs.rewards import score_answer
@@ -66,7 +69,7 @@ from mosaic.agent.episode import (  # noqa: F401  (DeepSearchEnv, StateScorer re
 )
 
 
-class Harness(EnvCalls, ResetSessions):
+class Harness(EnvCalls, ForkSessions, ResetSessions):
     """Runs trajectories of ``policy`` on ``env``'s tasks; see the module docstring."""
 
     def __init__(self, policy: Policy, chat: ChatFormat, env, config: HarnessConfig | None = None, *,
@@ -190,7 +193,8 @@ class Harness(EnvCalls, ResetSessions):
         if s.kind == "main" or (s.kind == "reset" and ends):  # (a reset session's that goes on: the next one's start)
             s.state_after = StateRef(session=s.id, upto=None if end == live.length else end)
         if self.state_scorer is not None:
-            cuts = self._hosted_cuts(run.traj, s, ends) if s.kind in ("main", "reset") else []
+            own = s.kind == "subagent" and self.config.subagent_states == "own"
+            cuts = self._hosted_cuts(run.traj, s, ends and not own) if s.kind in ("main", "reset") or own else []
             self.state_scorer.session_closed(run.traj, s, live.key, cuts, next_key=handoff)
         run.stack.remove(live)
         pol = self.partner if s.meta.get("partner") else self.policy
@@ -229,7 +233,8 @@ class Harness(EnvCalls, ResetSessions):
         top = run.stack[-1] if run.stack else None
         for live in reversed(list(run.stack)):
             if live.session.kind == "subagent":  # aborted: its result never reached the parent
-                live.session.state_after = StateRef(session=live.session.parent, upto=live.fork_boundary)
+                live.session.state_after = self._own_end(live) if self.config.subagent_states == "own" else \
+                    StateRef(session=live.session.parent, upto=live.fork_boundary)
             self._close(run, live, reason if live is top else "aborted", ends=True)
         if self.hooks.finishes:
             self._env_finish(run, None)  # (no-op after an answer: already scored)
@@ -388,31 +393,6 @@ class Harness(EnvCalls, ResetSessions):
                 self._reset_act(run, live, action.name, action.argument)
             else:
                 self._delegate(run, live, action.argument)
-
-    def _delegate(self, run: RunState, live: LiveSession, question: str) -> None:
-        if len(run.traj.sessions) + 1 > self.config.max_sessions:
-            self._end_trajectory(run, "session_cap")
-            return
-        s = live.session
-        system = self.hooks.system_text(self.config, live.depth + 1, TOOL_DOCS["delegate"])
-        prompt, boundary = self.chat.initial_prompt(system, question)
-        child = self._new_session(run, "subagent", prompt, s.id, "forks", live.depth + 1, question)
-        child.session.state_before = StateRef(session=s.id, upto=live.turn_start)
-        child.fork_boundary = live.turn_start
-        child.turn_start = boundary
-        run.counters["forks"] += 1
-
-    def _return_to_parent(self, run: RunState, child: LiveSession, answer: str | None, reason: str) -> None:
-        self._close(run, child, reason)
-        parent = run.stack[-1]
-        if answer is None:
-            run.counters["subagent_failures"] += 1
-            text = f"Error (subagent_failed): the helper stopped without an answer ({reason})."
-        else:
-            run.counters["subagent_answers"] += 1
-            text = answer if answer.strip() else "(the helper gave an empty answer)"
-        self._append(run, parent, self.chat.tool_delta(text))
-        child.session.state_after = StateRef(session=parent.session.id, upto=parent.length)
 
     def _finish(self, run: RunState) -> None:
         traj = run.traj

@@ -67,6 +67,10 @@ class HarnessConfig:
     """A subagent's context budget; 0 = ``context_budget``."""
     max_depth: int = 1
     """Subagent nesting depth: a session at this depth cannot delegate (error response)."""
+    subagent_states: Literal["merge", "own"] = "merge"
+    """A subagent's gain states (docs/algorithm.md §4.4): ``merge`` = the parent's context before the delegate
+    call and right after the result is appended; ``own`` = the subagent's own prompt and its own end (what
+    the helper's context says about the task's answer)."""
     search_k: int = 3
     """Hits per search."""
     max_arg_chars: int = 512
@@ -115,6 +119,7 @@ class HarnessConfig:
         need(self.subagent_context_budget >= 0, "subagent_context_budget", "must be >= 0 (0 = context_budget)")
         need(self.reset_context_budget >= 0, "reset_context_budget", "must be >= 0 (0 = context_budget)")
         need(self.max_depth >= 0, "max_depth", "must be >= 0")
+        need(self.subagent_states in ("merge", "own"), "subagent_states", "must be 'merge' or 'own'")
         need(self.max_new_tokens < self.context_budget, "max_new_tokens", "must be < context_budget")
         need(self.reward_metric in ("em", "f1"), "reward_metric", "must be 'em' or 'f1'")
         need(0.0 < self.success_threshold <= 1.0, "success_threshold", "must be in (0, 1]")

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from mosaic.config.values import ConfigError, coerce  # noqa: F401  (ConfigError re-exported)
-from mosaic.core.estimators import ESTIMATORS, KNOBS, resolve_name
+from mosaic.core.estimators import ESTIMATORS, KNOBS, get_estimator, resolve_name
 
 SEED_MAX = 2**63 - 1
 """The largest seed: what ``torch.manual_seed`` and numpy's generators take."""
@@ -237,6 +237,11 @@ class AlgoConfig(_Section):
     scored after the rollout as usual. False: everything is scored after the rollout."""
     score_batch_tokens: int = 16384
     """Padded-token budget of one scorer forward pass."""
+    gain_reference: Literal["answer", "group"] = "answer"
+    """The answer the gain probes score (docs/algorithm.md §4.11): the task's reference answer, or ``group``:
+    the final answer of the successful trajectories of the same group (the most frequent), for tasks with a
+    checker but no short reference; a group without a success keeps the trajectory term alone. ``group``
+    scores after the rollout (no live probes) and is for session-level estimators."""
     clip_low: float = 0.2
     """PPO ratio lower clip ε_low."""
     clip_high: float = 0.28
@@ -247,6 +252,10 @@ class AlgoConfig(_Section):
     """β of the k3 KL to a frozen reference; 0 = no reference model."""
     loss_agg: Literal["trajectory-token-mean", "token-mean", "session-token-mean"] = "trajectory-token-mean"
     """Length normalisation of the loss (docs/algorithm.md §5)."""
+    capo: bool = False
+    """CAPO (docs/algorithm.md §5.1): each turn's action-label tokens and argument tokens update their own
+    partitions of the decoder's linear units (chosen per micro-batch by which token type activates each unit
+    more); a second backward pass per micro-batch. Built-in trainer only (``mosaic train``)."""
     skip_uniform_groups: bool = False
     """Drop groups whose rewards are all equal before scoring and the update (DAPO-style filtering, no
     resampling). Group-relative estimators give such groups zero advantage anyway (they only dilute the
@@ -265,6 +274,10 @@ class AlgoConfig(_Section):
         for k in KNOBS.values():
             why = k.check(getattr(self, k.name))
             self._need(why is None, k.name, why or "")
+        self._need(self.gain_reference in ("answer", "group"), "gain_reference", "must be 'answer' or 'group'")
+        if self.gain_reference == "group" and name is not None:
+            self._need(get_estimator(name).level == "session", "gain_reference",
+                       f"group references are for session-level estimators; {name} scores turns")
         self._positive("kl_coef", allow_zero=True)
         self._positive("score_batch_tokens", "clip_low", "clip_high")
         self._need(self.clip_low < 1, "clip_low", "must be < 1")

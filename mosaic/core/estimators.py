@@ -13,6 +13,7 @@ of metrics.
 | ``mosaic-traj`` | session-aware ``Â_i`` broadcast, no gains (§4.3) |
 | ``mosaic-session`` | ``A_i + lam z`` (GRPO broadcast plus gains, §4.4 without §4.3) |
 | ``mosaic`` | ``Â_i + lam z`` (§4.3 + §4.4) |
+| ``mosaic-dag`` | ``Â_i + lam z(D)``: the downstream credit ``D`` of each session on the final answer (§4.10) |
 | ``turn-level`` | per turn: ``A_i + lam z_turn`` (IGPO-style, §4.7) |
 | ``fold`` | per turn: ``A_i``, minus ``p`` on main turns past half the context budget (FoldGRPO-style, §4.8) |
 
@@ -80,6 +81,14 @@ class AdvantageBatch:
     """(U,) bool, True for the answer turn (the last turn of a final session)."""
     turn_over_half: torch.Tensor | None = None
     """(U,) bool, True for a main-session turn taken while its context exceeds half the budget (§4.8)."""
+    downstream: torch.Tensor | None = None
+    """(S,) downstream credit ``D``: a session's effect on the final state's answer likelihood (§4.10); 0 for finals."""
+    gain_valid: torch.Tensor | None = None
+    """(S,) bool, False where no answer was probed (§4.11): z = 0, out of the statistics, as a final. None: all True."""
+
+    def unscored(self) -> torch.Tensor:
+        """(S,) bool: finals, and sessions without an answer to probe (their gains are not used)."""
+        return self.is_final.to(torch.bool) | (False if self.gain_valid is None else ~self.gain_valid.to(torch.bool))
 
     def __post_init__(self) -> None:
         t = self.rewards.shape[0]
@@ -87,7 +96,8 @@ class AdvantageBatch:
         for name in ("group_ids", "session_counts", "success"):
             if getattr(self, name).shape != (t,):
                 raise ValueError(f"AdvantageBatch.{name} must have shape ({t},) like rewards")
-        for name in ("kinds", "is_final") + (("gains",) if self.gains is not None else ()):
+        optional = tuple(n for n in ("gains", "downstream", "gain_valid") if getattr(self, n) is not None)
+        for name in ("kinds", "is_final") + optional:
             if getattr(self, name).shape != (s,):
                 raise ValueError(f"AdvantageBatch.{name} must have shape ({s},) like session_traj")
         if s and (int(self.session_traj.min()) < 0 or int(self.session_traj.max()) >= t):
@@ -230,12 +240,17 @@ def advantage_metrics(
         m["critic/advantages/std"] = float(a.std()) if a.numel() > 1 else 0.0
         m["critic/advantages/min"] = float(a.min())
         m["critic/advantages/max"] = float(a.max())
-    if batch.gains is not None:
-        live = ~batch.is_final.to(torch.bool)
+    live = ~batch.unscored()
+    for field_name, key in (("gains", "pos_gain_share"), ("downstream", "pos_downstream_share")):
+        values = getattr(batch, field_name)
+        if values is None:
+            continue
         for code in torch.unique(batch.kinds[live]).tolist():  # loop over kinds (a handful), not sessions
             sel = live & (batch.kinds == code)
             name = (kind_names or {}).get(int(code), f"kind_{int(code)}")
-            m[f"session/pos_gain_share/{name}"] = float((batch.gains[sel] > 0).to(torch.float64).mean())
+            m[f"session/{key}/{name}"] = float((values[sel] > 0).to(torch.float64).mean())
+    if batch.gain_valid is not None and batch.gain_valid.numel():
+        m["session/no_reference_share"] = float((~batch.gain_valid.to(torch.bool)).to(torch.float64).mean())
     return m
 
 
@@ -322,13 +337,22 @@ def _mosaic_traj(b: AdvantageBatch, p: EstimatorParams) -> torch.Tensor:
 
 
 def _mosaic_session(b: AdvantageBatch, p: EstimatorParams) -> torch.Tensor:
-    z = adv.normalized_session_gains(b.gains, b.kinds, b.is_final, eps=p.eps)
+    z = adv.normalized_session_gains(b.gains, b.kinds, b.unscored(), eps=p.eps)
     return adv.broadcast(_outcome(b, p), b.session_traj).to(z.dtype) + p.lam * z
 
 
 def _mosaic(b: AdvantageBatch, p: EstimatorParams) -> torch.Tensor:
     return adv.mosaic(
-        b.rewards, b.group_ids, b.session_counts, b.success, b.session_traj, b.gains, b.kinds, b.is_final,
+        b.rewards, b.group_ids, b.session_counts, b.success, b.session_traj, b.gains, b.kinds, b.unscored(),
+        rho=p.rho, delta=p.delta, lam=p.lam, norm_by_std=p.norm_by_std, eps=p.eps,
+    )  # fmt: skip
+
+
+def _mosaic_dag(b: AdvantageBatch, p: EstimatorParams) -> torch.Tensor:
+    # The same formula as mosaic with the downstream credit D in place of the immediate gain: every
+    # §4.5 property carries over (the session term is a per-kind z-score either way).
+    return adv.mosaic(
+        b.rewards, b.group_ids, b.session_counts, b.success, b.session_traj, b.downstream, b.kinds, b.unscored(),
         rho=p.rho, delta=p.delta, lam=p.lam, norm_by_std=p.norm_by_std, eps=p.eps,
     )  # fmt: skip
 
@@ -381,6 +405,9 @@ for _e in (
               needs=frozenset({"gains"}), knobs=("lam", *_SESSION_KNOBS)),
     Estimator("mosaic", _mosaic, "session-aware advantage + lam z_session (4.3 + 4.4)",
               needs=frozenset({"gains"}), knobs=("rho", "delta", "lam", *_SESSION_KNOBS)),
+    Estimator("mosaic-dag", _mosaic_dag, "session-aware advantage + lam z(downstream credit) (4.3 + 4.10)",
+              # (gains: D is propagated along the graph in shares of the immediate gains, so both are scored)
+              needs=frozenset({"gains", "downstream"}), knobs=("rho", "delta", "lam", *_SESSION_KNOBS)),
     Estimator("turn-level", _turn_level, "IGPO-style: A_i + lam z_turn on each turn's tokens (4.7)",
               needs=frozenset({"turn_gains", "turn_is_final"}), level="turn", knobs=("lam", "gamma", *_SESSION_KNOBS)),
     Estimator("fold", _fold, "FoldGRPO-style: A_i, minus p on main turns past half the budget (4.8)",

@@ -211,6 +211,9 @@ def _table(grid: Grid, data: dict, evals: list[str], label: str) -> dict:
         row["sessions"] = _mean_metric(g["seeds"], evals, "session/count/")
         row["pos_gain_share"] = _mean_metric(g["seeds"], evals, "session/pos_gain_share/")
         row["tokens_per_traj"] = _mean_metric(g["seeds"], evals, "response_length/").get("mean", float("nan"))
+        reach = _mean_metric(g["seeds"], evals, "session/subagent_result_in_final")
+        if reach:  # (evaluations since issue 32 log it: helpers whose result is still in the final state)
+            row["results_in_final"] = reach[""]
         row["step_s"] = float(np.nanmedian([s["step_s"] for s in g["seeds"].values()]))
         arms[key], mats[key] = row, x
     keys = list(arms)
@@ -263,7 +266,9 @@ def _md_table(t: dict) -> list[str]:
             + (f"{float(vw['diff']) * 100:+.1f} [{float(vw['lo']) * 100:+.1f}, {float(vw['hi']) * 100:+.1f}]"
                + (f", seeds p {vw['p_seeds']:.2g}" if "p_seeds" in vw else "") if vw else "–")
             + f" | {r.get('seeds_improving', '–')}/{r['seeds']} | {s.get('main', 0):.2f}, {s.get('compaction', 0):.2f}, "
-            f"{s.get('subagent', 0):.2f} | {r['pos_gain_share'].get('all', float('nan')):.3f} | "
+            f"{s.get('subagent', 0):.2f}"
+            + (f" ({_pct(r['results_in_final'])} % of helpers' results in the final context)" if "results_in_final" in r else "")
+            + f" | {r['pos_gain_share'].get('all', float('nan')):.3f} | "
             f"{r['tokens_per_traj']:.0f} | {r['step_s']:.1f} |")  # fmt: skip
     explain = True
     for family, title in ((t["pairs"], "Arms against each other within a setting"),

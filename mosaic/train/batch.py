@@ -20,6 +20,7 @@ from mosaic.core.estimators import ESTIMATORS, AdvantageBatch, Estimator, Estima
 from mosaic.trace.graph import KIND_CODES, Trajectory, kind_names
 from mosaic.trace.rows import TrainingRow, TurnLayout, flatten, to_rows, turn_layout, turn_spans
 from mosaic.config.loader import AlgoConfig, Config
+from mosaic.train.downstream import group_references, score_downstream, with_references
 from mosaic.train.scorer import score_gains, score_turns
 
 __all__ = ["Scores", "StepAdvantages", "drop_uniform_groups", "estimator_params", "advantage_batch", "step_advantages",
@@ -36,7 +37,20 @@ class Scores:
     """(S,) final flags of the scored sessions."""
     turn_gains: torch.Tensor | None = None
     """(U,) turn gains in :func:`~mosaic.trace.turn_layout` order."""
+    downstream: torch.Tensor | None = None
+    """(S,) downstream credit (docs/algorithm.md §4.10) in flatten order."""
+    downstream_how: list[str] | None = None
+    """(S,) how each downstream credit was obtained (``direct``, ``propagated``, ...)."""
+    gain_valid: torch.Tensor | None = None
+    """(S,) False where the session's trajectory had no answer to probe (``algo.gain_reference=group`` and no
+    success in its group); None: every session had one."""
     metrics: dict[str, float] | None = None
+
+    def unscored(self) -> torch.Tensor | None:
+        """(S,) the sessions left out of the gain statistics (finals, and those without a reference)."""
+        if self.is_final is None:
+            return None
+        return self.is_final if self.gain_valid is None else self.is_final | ~self.gain_valid
 
 
 def drop_uniform_groups(trajs: Sequence[Trajectory]) -> tuple[list[Trajectory], int]:
@@ -55,15 +69,21 @@ def estimator_params(algo: AlgoConfig) -> EstimatorParams:
 
 def advantage_batch(trajs: Sequence[Trajectory], gains=None, *, count_kinds: Sequence[str] | None = None,
                     layout: TurnLayout | None = None, turn_gains=None,
-                    context_budget: int | None = None) -> AdvantageBatch:  # fmt: skip
-    """An :class:`AdvantageBatch` from trajectories; ``gains``: (S,) in flatten order or None;
-    ``layout`` (+ ``turn_gains`` (U,), ``context_budget`` for the half-budget flags) for turn-level fields."""
+                    context_budget: int | None = None, downstream=None, gain_valid=None) -> AdvantageBatch:  # fmt: skip
+    """An :class:`AdvantageBatch` from trajectories; ``gains``, ``downstream`` (float), ``gain_valid`` (bool):
+    (S,) in flatten order or None; ``layout`` (+ ``turn_gains`` (U,), ``context_budget`` for the half-budget
+    flags) for turn-level fields."""
     fb = flatten(trajs, count_kinds=count_kinds)
-    g = None
-    if gains is not None:
-        g = torch.as_tensor(gains, dtype=torch.float32)
-        if g.shape != (len(fb.kinds),):
-            raise ValueError(f"gains has shape {tuple(g.shape)}, expected ({len(fb.kinds)},) sessions in flatten order")
+
+    def per_session(name: str, values, dtype):
+        if values is None:
+            return None
+        v = torch.as_tensor(values, dtype=dtype)
+        if v.shape != (len(fb.kinds),):
+            raise ValueError(f"{name} has shape {tuple(v.shape)}, expected ({len(fb.kinds)},) sessions in flatten order")
+        return v
+
+    g = per_session("gains", gains, torch.float32)
     turns: dict[str, torch.Tensor | None] = {}
     if layout is not None:
         turns["turn_session"] = torch.from_numpy(layout.session)
@@ -77,7 +97,8 @@ def advantage_batch(trajs: Sequence[Trajectory], gains=None, *, count_kinds: Seq
         rewards=torch.from_numpy(fb.rewards), group_ids=torch.from_numpy(fb.group_ids),
         session_counts=torch.from_numpy(fb.session_counts), success=torch.from_numpy(fb.success),
         session_traj=torch.from_numpy(fb.session_traj), kinds=torch.from_numpy(fb.kinds),
-        is_final=torch.from_numpy(fb.is_final), gains=g, **turns,
+        is_final=torch.from_numpy(fb.is_final), gains=g, downstream=per_session("downstream", downstream, torch.float32),
+        gain_valid=per_session("gain_valid", gain_valid, torch.bool), **turns,
     )  # fmt: skip
 
 
@@ -108,13 +129,17 @@ def step_advantages(trajs: Sequence[Trajectory], cfg: Config, scores: Scores | N
         raise ValueError(f"algo.estimator={est.name!r} needs information gains: score the batch first")
     if "turn_gains" in est.needs and scores.turn_gains is None:
         raise ValueError(f"algo.estimator={est.name!r} needs turn-level gains: score the turns first")
+    if "downstream" in est.needs and scores.downstream is None:
+        raise ValueError(f"algo.estimator={est.name!r} needs downstream credit: score the batch first")
     turns = every or est.needs_turns
     if turns and layout is None:
         layout = turn_layout(trajs)
     budget = every or "turn_over_half" in est.needs
     batch = advantage_batch(trajs, scores.gains if every or est.needs_gains else None, count_kinds=cfg.algo.count_kinds,
                             layout=layout if turns else None, turn_gains=scores.turn_gains,
-                            context_budget=cfg.harness.context_budget if budget else None)  # fmt: skip
+                            context_budget=cfg.harness.context_budget if budget else None,
+                            downstream=scores.downstream if every or "downstream" in est.needs else None,
+                            gain_valid=scores.gain_valid)  # fmt: skip
     params = estimator_params(cfg.algo)
     adv, metrics = est(batch, params, kind_names=kind_names())
     out = StepAdvantages(adv, metrics, layout if turns else None)
@@ -182,17 +207,30 @@ def training_rows(trajs: Sequence[Trajectory], adv: torch.Tensor, est: Estimator
 
 
 def score_for(est: Estimator, trajs: Sequence[Trajectory], model, chat, algo: AlgoConfig, *,
-              known: Sequence | None = None) -> Scores:
-    """Score what ``est`` needs with ``model`` (the rollout policy, before the update; docs/algorithm.md §4.4, §4.7);
-    ``known``: states already scored live (:class:`~mosaic.train.scorer.LiveScorer`)."""
+              known: Sequence | None = None, refs: dict[str, str | None] | None = None) -> Scores:
+    """Score what ``est`` needs with ``model`` (the rollout policy, before the update; docs/algorithm.md §4.4, §4.7,
+    §4.10); ``known``: states already scored live (:class:`~mosaic.train.scorer.LiveScorer`); ``refs``: with
+    ``algo.gain_reference=group``, the groups' references when ``trajs`` is part of a larger batch (a rank's
+    share: :func:`~mosaic.train.downstream.group_references` of the whole batch); None: from ``trajs``."""
     out = Scores(metrics={})
+    scored = list(trajs)
+    if algo.gain_reference == "group" and (est.needs_gains or "turn_gains" in est.needs):
+        refs = group_references(trajs) if refs is None else refs
+        scored = with_references(trajs, refs)  # (no answer is known to a live scorer: known is None here)
+        out.gain_valid = torch.tensor([t.ground_truth is not None for t in scored for _ in t.sessions], dtype=torch.bool)
+        out.metrics["score/groups_without_reference"] = float(sum(r is None for r in refs.values()))
+        if known is not None:
+            raise ValueError("algo.gain_reference=group cannot use states scored live (algo.score_live=false)")
     if est.needs_gains:
-        res = score_gains(trajs, model, chat.answer_probe, method=algo.scorer, max_batch_tokens=algo.score_batch_tokens,
-                          known=known)  # fmt: skip
-        out.gains, out.is_final = res.gains, res.is_final
-        out.metrics.update(res.stats.as_metrics())
+        out.gains, out.is_final = _session_gains(scored, model, chat, algo, known, out.metrics)
+    if "downstream" in est.needs:
+        res = score_downstream(scored, model, chat.answer_probe, out.gains, empty_result_ids=chat.tool_delta(""),
+                               header_ids=chat.generation_header_ids, method=algo.scorer,
+                               max_batch_tokens=algo.score_batch_tokens)  # fmt: skip
+        out.downstream, out.downstream_how = res.downstream, res.how
+        out.metrics.update(res.metrics)
     if "turn_gains" in est.needs:
-        res = score_turns(trajs, model, chat.answer_probe, method=algo.scorer, header_ids=chat.generation_header_ids,
+        res = score_turns(scored, model, chat.answer_probe, method=algo.scorer, header_ids=chat.generation_header_ids,
                           max_batch_tokens=algo.score_batch_tokens)  # fmt: skip
         per_session = [len(turn_spans(s.loss_mask)) for t in trajs for s in t.sessions]
         got = [int(g.numel()) for g in res.gains]
@@ -201,3 +239,31 @@ def score_for(est: Estimator, trajs: Sequence[Trajectory], model, chat, algo: Al
         out.turn_gains = torch.cat([g.to(torch.float32) for g in res.gains]) if res.gains else torch.zeros(0)
         out.metrics.update(res.stats.as_metrics())
     return out
+
+
+def _session_gains(trajs: Sequence[Trajectory], model, chat, algo: AlgoConfig, known, metrics: dict) -> tuple:
+    """(gains (S,), is_final (S,)) of ``trajs``; trajectories without an answer to probe (None) are not scored
+    (gain 0: :attr:`Scores.gain_valid` keeps them out of the statistics)."""
+    have = [i for i, t in enumerate(trajs) if t.ground_truth is not None]
+    if len(have) == len(trajs):
+        res = score_gains(trajs, model, chat.answer_probe, method=algo.scorer, max_batch_tokens=algo.score_batch_tokens,
+                          known=known)  # fmt: skip
+        metrics.update(res.stats.as_metrics())
+        return res.gains, res.is_final
+    sub = [trajs[i] for i in have]
+    res = score_gains(sub, model, chat.answer_probe, method=algo.scorer, max_batch_tokens=algo.score_batch_tokens,
+                      known=None if known is None else [known[i] for i in have]) if sub else None  # fmt: skip
+    if res is not None:
+        metrics.update(res.stats.as_metrics())
+    gains, final = [], []
+    k = 0
+    have_set = set(have)
+    for i, t in enumerate(trajs):
+        for s in t.sessions:
+            final.append(bool(s.is_final))
+            if i in have_set:
+                gains.append(float(res.gains[k]))
+                k += 1
+            else:
+                gains.append(0.0)
+    return torch.tensor(gains, dtype=torch.float32), torch.tensor(final, dtype=torch.bool)

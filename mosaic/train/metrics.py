@@ -23,6 +23,11 @@ split by outcome (only mixed groups carry a trajectory advantage) |
 | ``session/gain/<kind>`` | mean information gain of non-final sessions of a kind |
 | ``session/pos_gain_share/<kind>`` | share of non-final sessions of a kind with gain > 0 |
 | ``session/compactions``, ``session/forks`` | per trajectory (mean) |
+| ``session/subagent_result_in_final`` | of the helpers' sessions, the share whose result is still in the final
+state (not dropped by a later compaction, not aborted; from the graph, no model) |
+| ``dag/*``, ``timing_s/score_downstream`` | the downstream credit's work (``mosaic-dag``, docs/algorithm.md §4.10) |
+| ``capo/action_token_share``, ``capo/action_unit_share`` | ``algo.capo``: share of trained tokens that are action
+labels, of routed units in the action partition (docs/algorithm.md §5.1) |
 | ``session/end/<reason>`` | share of trajectories ending for each reason |
 | ``response_length/mean`` | trainable (sampled) tokens per trajectory |
 | ``val-core/deepsearch/acc/mean@<n>`` | held-out accuracy over n samples per question (verl's name) |
@@ -104,6 +109,22 @@ def _outcome_split(trajs: Sequence[Trajectory], kinds: list[str]) -> dict[str, f
     return m
 
 
+def _results_in_final(trajs: Sequence[Trajectory]) -> dict[str, float]:
+    """``session/subagent_result_in_final``: of the helpers' sessions, the share whose result is still in the
+    final state's tokens (not dropped by a later compaction, not aborted; docs/algorithm.md §4.10), from the
+    graph alone (no model)."""
+    from mosaic.train.downstream import plan_downstream  # (torch-free planning; loaded only here)
+
+    n = reach = 0
+    for t in trajs:
+        helpers = [s.id for s in t.sessions if s.kind == "subagent"]
+        if not helpers:
+            continue
+        n += len(helpers)
+        reach += sum(1 for a in plan_downstream(t, ()).ablations if a.session in helpers)
+    return {"session/subagent_result_in_final": reach / n} if n else {}
+
+
 def rollout_metrics(trajs: Sequence[Trajectory], gains=None, is_final=None) -> dict[str, float]:
     """Batch metrics of a list of trajectories; ``gains``/``is_final`` (S,) in flatten order when scored."""
     if not trajs:
@@ -123,6 +144,7 @@ def rollout_metrics(trajs: Sequence[Trajectory], gains=None, is_final=None) -> d
     m["session/compactions"] = m["session/count/compaction"]
     m["session/forks"] = m["session/count/subagent"]
     m.update(_outcome_split(trajs, kinds))
+    m.update(_results_in_final(trajs))
     # drift repairs (captured rollouts whose harness re-sent a turn differently): stretches trained apart
     m["rollout/drift_repairs"] = float(sum(len(s.detached) for t in trajs for s in t.sessions))
     m["rollout/drift_detached_tokens"] = float(sum(sum(x.loss_mask) for t in trajs for s in t.sessions

@@ -14,6 +14,7 @@ docs/algorithm.md §4.4 asks.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from mosaic.core.loss import policy_loss, token_weights
 from mosaic.envs.splits import Split
 from mosaic.trace import Trajectory
 from mosaic.train.batch import Scores, StepAdvantages, drop_uniform_groups, score_for, step_advantages, training_rows
+from mosaic.train import capo
 from mosaic.train.agreement import Agreement, warn_if_low
 from mosaic.train.batching import collate, completion_logprobs, micro_batches, pack_rows
 from mosaic.config.loader import Config
@@ -64,6 +66,7 @@ class RLState:
             self.source = HarnessRollouts(self.cfg, self.model, self.tokenizer, self.chat, self.split)
         if self.ref_model is None and self.cfg.algo.kl_coef > 0:
             self.ref_model = make_reference(self.model)
+        self.piece = capo.piece_fn(self.tokenizer)  # (a token's text on its own: CAPO's token types)
 
 
 def task_order(n_tasks: int, seed: int, epoch: int) -> list[int]:
@@ -107,7 +110,14 @@ def _accumulate_gradients(st: RLState, packed, w_rows: torch.Tensor, *, temperat
     out: dict[str, float] = {}
     for micro in micro_batches(packed, range(len(packed)), cfg.optim.micro_batch_size):
         batch = collate(packed, micro, pad_id=st.tokenizer.pad_token_id).to(st.device)
-        lp, ent = completion_logprobs(st.model, batch, temperature=temperature, with_entropy=True)
+        meter = None
+        if cfg.algo.capo:  # §5.1: token types, and the units each activates more (this forward's activations)
+            act = capo.batch_action_mask(batch.completion_ids.cpu(), batch.loss_mask.cpu(), st.piece).to(st.device)
+            act &= batch.loss_mask
+            meter = capo.ActivationMeter(st.model, capo.positions(batch, act),
+                                         capo.positions(batch, batch.loss_mask & ~act))  # fmt: skip
+        with meter if meter is not None else contextlib.nullcontext():
+            lp, ent = completion_logprobs(st.model, batch, temperature=temperature, with_entropy=True)
         if agree is not None:
             agree.add(lp, batch.old_logprobs, batch.loss_mask)
         ref_lp = None
@@ -115,11 +125,16 @@ def _accumulate_gradients(st: RLState, packed, w_rows: torch.Tensor, *, temperat
             with torch.no_grad():
                 ref_lp, _ = completion_logprobs(st.ref_model, batch, temperature=temperature)
         w = batch.token_weights(w_rows)  # (R, Lc): each token carries its session's weight
-        res = policy_loss(lp, batch.old_logprobs, batch.advantages, batch.loss_mask, w,
-                          clip_low=cfg.algo.clip_low, clip_high=cfg.algo.clip_high,
-                          clip_ratio_c=cfg.algo.clip_ratio_c, ref_logprobs=ref_lp,
-                          kl_coef=cfg.algo.kl_coef, entropy=ent)  # fmt: skip
-        res.loss.backward()
+        kw = dict(clip_low=cfg.algo.clip_low, clip_high=cfg.algo.clip_high, clip_ratio_c=cfg.algo.clip_ratio_c,
+                  ref_logprobs=ref_lp, kl_coef=cfg.algo.kl_coef)
+        res = policy_loss(lp, batch.old_logprobs, batch.advantages, batch.loss_mask, w, entropy=ent, **kw)
+        if meter is None:
+            res.loss.backward()
+        else:  # the loss is linear in the token weights: L = L(action tokens) + L(argument tokens)
+            la = policy_loss(lp, batch.old_logprobs, batch.advantages, batch.loss_mask, w * act, **kw).loss
+            lb = policy_loss(lp, batch.old_logprobs, batch.advantages, batch.loss_mask, w * ~act, **kw).loss
+            res.metrics.update(capo.routed_backward(st.model, la, lb, meter.partitions()))
+            res.metrics.update({"capo/action_tokens": float(act.sum()), "capo/trained_tokens": float(batch.loss_mask.sum())})
         for k, v in res.metrics.items():
             if k.endswith("_max"):
                 out[k] = max(out.get(k, v), v)
@@ -127,7 +142,7 @@ def _accumulate_gradients(st: RLState, packed, w_rows: torch.Tensor, *, temperat
                 out[k] = min(out.get(k, v), v)
             else:
                 out[k] = out.get(k, 0.0) + v
-    return out
+    return capo.share_metrics(out) if cfg.algo.capo else out
 
 
 def update(st: RLState, rows, *, temperature: float) -> dict[str, float]:
@@ -188,7 +203,8 @@ def _samples(cfg: Config, trajs: list[Trajectory], scores, res: StepAdvantages, 
     keep = range(min(cfg.train.rollout_samples, len(trajs)))
     return sample_records(trajs, keep, step=step, estimator=cfg.algo.estimator, advantages=res.every,
                           unavailable=res.unavailable, gains=scores.gains, turn_gains=scores.turn_gains,
-                          layout=res.layout)  # fmt: skip
+                          layout=res.layout, downstream=scores.downstream,
+                          downstream_how=scores.downstream_how)  # fmt: skip
 
 
 _ADDITIVE = frozenset({"score/probes", "score/unique_states", "score/tokens_encoded"})
@@ -234,7 +250,7 @@ def rl_step(st: RLState, step: int) -> dict[str, float]:
     total = time.perf_counter() - t0
     tokens = sum(len(r.prompt_ids) + len(r.completion_ids) for r in rows)
     m = rollout_metrics(train, None if scores.gains is None else scores.gains.numpy(),
-                        None if scores.is_final is None else scores.is_final.numpy()) if train \
+                        None if scores.is_final is None else scores.unscored().numpy()) if train \
         else rollout_metrics(trajs, None, None)  # fmt: skip
     if cfg.algo.skip_uniform_groups:  # rewards of the whole batch, not only of the groups trained on
         m.update({k: v for k, v in rollout_metrics(trajs, None, None).items() if k.startswith("critic/")})

@@ -20,6 +20,8 @@ gives it, without a model or a tokenizer::
                    "prompt": [ids], "completion": [ids],
                    "mask": [runs],            # loss_mask as run lengths, starting with a False run
                    "gain": 0.12,              # L(after) - L(before), nats per answer token; null where not scored
+                   "downstream": 0.3,         # optional: the downstream credit D (§4.10), when it was scored
+                   "downstream_how": "direct",  # how D was obtained: direct | propagated | missing | none
                    "turn_gains": [...],       # per turn, only when scored
                    "adv": {"broadcast": 0.87, "mosaic": 0.91, ...},     # session-level estimators
                    "turn_adv": {"fold": [0.87, -0.13], ...}}]}         # turn-level, one per turn
@@ -53,19 +55,19 @@ _MIN_PREFIX = 32
 
 def all_estimator_advantages(trajs: Sequence[Trajectory], params: EstimatorParams, *, gains=None, turn_gains=None,
                              layout: TurnLayout | None = None, context_budget: int | None = None,
-                             count_kinds: Sequence[str] | None = None,
+                             count_kinds: Sequence[str] | None = None, downstream=None,
                              ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:  # fmt: skip
     """Every registered estimator on one batch: ``({name: (S,) or (U,) advantages}, {name: why not})``.
 
     For batches no step trained on (``mosaic view`` of a rollouts file); the trainer gets the same from
     :func:`mosaic.train.batch.step_advantages`, which runs each estimator once per step.
-    ``gains``: (S,) in flatten order; ``turn_gains``: (U,) in ``layout`` order; ``context_budget``
+    ``gains``, ``downstream``: (S,) in flatten order; ``turn_gains``: (U,) in ``layout`` order; ``context_budget``
     enables the half-budget flags of ``fold``."""
     from mosaic.train.batch import advantage_batch, every_estimator
 
     layout = layout if layout is not None else turn_layout(trajs)
     batch = advantage_batch(trajs, gains, count_kinds=count_kinds, layout=layout, turn_gains=turn_gains,
-                            context_budget=context_budget)  # fmt: skip
+                            context_budget=context_budget, downstream=downstream)  # fmt: skip
     return every_estimator(batch, params)
 
 
@@ -107,15 +109,18 @@ def _rounded(values) -> list[float]:
 
 def sample_records(trajs: Sequence[Trajectory], keep: Sequence[int], *, step: int, estimator: str | None,
                    advantages: dict[str, torch.Tensor], unavailable: dict[str, str], gains=None, turn_gains=None,
-                   layout: TurnLayout | None = None) -> list[dict[str, Any]]:  # fmt: skip
+                   layout: TurnLayout | None = None, downstream=None,
+                   downstream_how: Sequence[str] | None = None) -> list[dict[str, Any]]:  # fmt: skip
     """The ``samples.jsonl`` lines of trajectories ``keep`` (indices into ``trajs``, the whole batch that
-    ``advantages`` (from :func:`all_estimator_advantages`), ``gains`` (S,) and ``turn_gains`` (U,) cover)."""
+    ``advantages`` (from :func:`all_estimator_advantages`), ``gains`` (S,), ``downstream`` (S,) with
+    ``downstream_how`` (S,) and ``turn_gains`` (U,) cover)."""
     from mosaic.core.estimators import ESTIMATORS
 
     layout = layout if layout is not None else turn_layout(trajs)
     levels = {n: ESTIMATORS[n].level for n in advantages}
     adv = {n: _rounded(v) for n, v in advantages.items()}
     g = None if gains is None else _rounded(gains)
+    dn = None if downstream is None else _rounded(downstream)
     tg = None if turn_gains is None else _rounded(turn_gains)
     # Offsets of each trajectory's sessions (S order) and each session's turns (U order).
     s_off, k = [], 0
@@ -131,33 +136,8 @@ def sample_records(trajs: Sequence[Trajectory], keep: Sequence[int], *, step: in
     out = []
     for i in keep:
         t = trajs[i]
-        sessions = []
-        for s in t.sessions:
-            flat = s_off[i] + s.id
-            rec: dict[str, Any] = {"id": s.id, "kind": s.kind, "parent": s.parent, "edge": s.edge,
-                                   "end": s.end_reason, "final": bool(s.is_final), "turns": s.num_turns}  # fmt: skip
-            prompt = list(s.prompt_ids)
-            if s.parent is not None:
-                n = _shared_prefix(prompt, t.sessions[s.parent].tokens())
-                if n >= _MIN_PREFIX:
-                    rec["prefix"] = [s.parent, n]
-                    prompt = prompt[n:]
-            sb = s.state_before
-            if s.edge == "forks" and sb is not None and sb.session == s.parent and sb.upto is not None:
-                rec["fork_at"] = sb.upto  # where in the parent's tokens it left (the viewer shows the turn)
-            if "notes_before" in s.meta or "notes_after" in s.meta:  # a reset session's workspace (mode=reset)
-                rec["notes"] = {"before": list(s.meta.get("notes_before", [])),
-                                "after": list(s.meta.get("notes_after", []))}
-            rec["prompt"] = prompt
-            rec["completion"] = list(s.completion_ids)
-            rec["mask"] = mask_runs(s.loss_mask)
-            rec["gain"] = None if g is None or s.is_final else g[flat]
-            ua, ub = u_off[flat], u_off[flat + 1]
-            if tg is not None:
-                rec["turn_gains"] = tg[ua:ub]
-            rec["adv"] = {n: v[flat] for n, v in adv.items() if levels[n] == "session"}
-            rec["turn_adv"] = {n: v[ua:ub] for n, v in adv.items() if levels[n] == "turn"}
-            sessions.append(rec)
+        sessions = [_session_record(t, sess, s_off[i] + sess.id, u_off, adv, levels, g, tg, dn, downstream_how)
+                    for sess in t.sessions]
         out.append({"schema": SAMPLE_SCHEMA, "schema_version": SAMPLE_SCHEMA_VERSION, "step": int(step),
                     "trajectory": t.id, "task_id": t.task_id, "group_id": t.group_id, "reward": float(t.reward),
                     "success": bool(t.success), "answer": t.answer, "ground_truth": t.ground_truth,
@@ -165,6 +145,39 @@ def sample_records(trajs: Sequence[Trajectory], keep: Sequence[int], *, step: in
                     "estimators": list(ESTIMATORS), "unavailable": dict(unavailable),
                     "sessions": sessions})  # fmt: skip
     return out
+
+
+def _session_record(t: Trajectory, s, flat: int, u_off: list[int], adv: dict, levels: dict, g, tg, dn,
+                    how) -> dict[str, Any]:  # fmt: skip
+    """One session's entry of a ``samples.jsonl`` line (``flat``: its index in the batch's S order)."""
+    rec: dict[str, Any] = {"id": s.id, "kind": s.kind, "parent": s.parent, "edge": s.edge,
+                           "end": s.end_reason, "final": bool(s.is_final), "turns": s.num_turns}  # fmt: skip
+    prompt = list(s.prompt_ids)
+    if s.parent is not None:
+        n = _shared_prefix(prompt, t.sessions[s.parent].tokens())
+        if n >= _MIN_PREFIX:
+            rec["prefix"] = [s.parent, n]
+            prompt = prompt[n:]
+    sb = s.state_before
+    if s.edge == "forks" and sb is not None and sb.session == s.parent and sb.upto is not None:
+        rec["fork_at"] = sb.upto  # where in the parent's tokens it left (the viewer shows the turn)
+    if "notes_before" in s.meta or "notes_after" in s.meta:  # a reset session's workspace (mode=reset)
+        rec["notes"] = {"before": list(s.meta.get("notes_before", [])),
+                        "after": list(s.meta.get("notes_after", []))}
+    rec["prompt"] = prompt
+    rec["completion"] = list(s.completion_ids)
+    rec["mask"] = mask_runs(s.loss_mask)
+    rec["gain"] = None if g is None or s.is_final else g[flat]
+    if dn is not None and not s.is_final:  # the downstream credit (§4.10), beside the immediate gain
+        rec["downstream"] = dn[flat]
+        if how is not None:
+            rec["downstream_how"] = str(how[flat])
+    ua, ub = u_off[flat], u_off[flat + 1]
+    if tg is not None:
+        rec["turn_gains"] = tg[ua:ub]
+    rec["adv"] = {n: v[flat] for n, v in adv.items() if levels[n] == "session"}
+    rec["turn_adv"] = {n: v[ua:ub] for n, v in adv.items() if levels[n] == "turn"}
+    return rec
 
 
 def vocab_pieces(tokenizer) -> list[str]:

@@ -63,7 +63,9 @@ class HarnessRollouts:
             partner_model = frozen_copy(model)
         self.partner_model = partner_model
         est = get_estimator(cfg.algo.estimator)
-        self.score_live = est.needs_gains and cfg.algo.scorer == "cached" and cfg.algo.score_live
+        # (a group reference is known only once the group has finished: scored after the rollout)
+        self.score_live = est.needs_gains and cfg.algo.scorer == "cached" and cfg.algo.score_live \
+            and cfg.algo.gain_reference == "answer"
         self.live_scorer: LiveScorer | None = None  # set by each collect()
 
     def collect(self, tasks: Sequence, step: int) -> tuple[list[Trajectory], dict[str, float]]:

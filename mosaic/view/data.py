@@ -67,6 +67,10 @@ def _ints(v, what: str, *, lo: int = 0) -> None:
         raise ViewError(f"{what}: must be a list of integers >= {lo}")
 
 
+DOWNSTREAM_HOW = ("direct", "propagated", "missing", "none")
+"""How a session's downstream credit was obtained (``mosaic.train.downstream``)."""
+
+
 def _numbers(v) -> bool:
     def num(x) -> bool:
         return x is None or (isinstance(x, (int, float)) and not isinstance(x, bool))
@@ -91,6 +95,10 @@ def _check_session(s, k: int) -> None:
         raise ViewError(f"sessions[{k}].turn_adv: must map estimator names to lists of numbers")
     if "turn_gains" in s and s["turn_gains"] is not None and not _numbers(s["turn_gains"]):
         raise ViewError(f"sessions[{k}].turn_gains: must be a list of numbers")
+    if s.get("downstream") is not None and not _numbers([s["downstream"]]):
+        raise ViewError(f"sessions[{k}].downstream: must be a number or null")
+    if s.get("downstream_how") is not None and s["downstream_how"] not in DOWNSTREAM_HOW:
+        raise ViewError(f"sessions[{k}].downstream_how: must be one of {', '.join(DOWNSTREAM_HOW)}")
 
 
 def check_sample(rec: dict) -> None:

@@ -461,3 +461,44 @@ def test_registry_grpo_is_single_session_and_errors_are_clear():
                        is_final=torch.ones(2))  # fmt: skip
     _, metrics = get_estimator("mosaic")(_example_batch())
     assert "session/pos_gain_share/kind_1" in metrics  # default kind names
+
+
+def _batch_of(b, *, downstream=None, valid=None):
+    r, g, n, ok, st_, gains, kinds, fin = _tensors(b)
+    return AdvantageBatch(rewards=r, group_ids=g, session_counts=n, success=ok, session_traj=st_, kinds=kinds,
+                          is_final=fin, gains=gains, downstream=downstream, gain_valid=valid)
+
+
+@SETTINGS
+@given(batches(), st.randoms(use_true_random=False))
+def test_mosaic_dag_is_mosaic_on_the_downstream_credit_and_keeps_its_properties(b, rnd):
+    """§4.10: mosaic-dag is §4.4's formula with D in place of g, so §4.5 holds for it unchanged."""
+    r, g, n, ok, st_, gains, kinds, fin = _tensors(b)
+    d = torch.tensor([rnd.uniform(-3, 3) for _ in range(st_.shape[0])], dtype=torch.float32)
+    est = get_estimator("mosaic-dag")
+    out, m = est(_batch_of(b, downstream=d))
+    torch.testing.assert_close(out, mosaic(r, g, n, ok, st_, d, kinds, fin))
+    assert torch.isfinite(out).all()
+    # λ = 0: the trajectory term alone
+    lam0, _ = est(_batch_of(b, downstream=d), lam=0.0)
+    torch.testing.assert_close(lam0, broadcast(session_aware(r, g, n, ok), st_))
+    # the immediate gains do not enter it (they only share the credit before, in the scorer)
+    other, _ = est(_batch_of(b, downstream=d), rho=0.2)
+    b2 = dict(b, gains=[x + 1.0 for x in b["gains"]])
+    torch.testing.assert_close(est(_batch_of(b2, downstream=d), rho=0.2)[0], other)
+    assert any(k.startswith("session/pos_downstream_share/") for k in m) or bool(fin.all())
+
+
+@SETTINGS
+@given(batches(), st.randoms(use_true_random=False))
+def test_sessions_without_a_reference_are_left_out_like_finals(b, rnd):
+    """§4.11: a session with no answer to probe gets z = 0 and does not move any kind's statistics."""
+    r, g, n, ok, st_, gains, kinds, fin = _tensors(b)
+    valid = torch.tensor([rnd.random() < 0.7 for _ in range(st_.shape[0])])
+    for name in ("mosaic", "mosaic-session"):
+        out, m = get_estimator(name)(_batch_of(b, valid=valid))
+        as_final, _ = get_estimator(name)(AdvantageBatch(rewards=r, group_ids=g, session_counts=n, success=ok,
+                                                         session_traj=st_, kinds=kinds, is_final=fin | ~valid,
+                                                         gains=gains))  # fmt: skip
+        torch.testing.assert_close(out, as_final)
+        assert m["session/no_reference_share"] == pytest.approx(float((~valid).float().mean()))

@@ -99,4 +99,4 @@ def test_register_refuses_taken_names_and_undeclared_knobs():
 def test_knob_table_lists_every_knob_and_its_readers():
     table = knob_table().splitlines()
     assert len(table) == 2 + len(KNOBS)
-    assert "| `rho` | float | `0.2` | [0, 1) | `mosaic-traj`, `mosaic` |" in table[2]
+    assert "| `rho` | float | `0.2` | [0, 1) | `mosaic-traj`, `mosaic`, `mosaic-dag` |" in table[2]

@@ -49,7 +49,8 @@ def test_every_verl_name_runs_its_registry_estimator_with_the_configured_knobs()
     # two trajectories of one group: t0 (2 sessions, success), t1 (1 session, failure)
     uid, rewards = ["q", "q", "q"], np.array([0.0, 1.0, 0.0])
     cols = {"mosaic_traj": ["t0", "t0", "t1"], "mosaic_kind": ["main", "main", "main"],
-            "mosaic_final": [False, True, True], "mosaic_sessions": [2, 2, 1], "mosaic_gain": [0.3, 0.0, 0.0]}
+            "mosaic_final": [False, True, True], "mosaic_sessions": [2, 2, 1], "mosaic_gain": [0.3, 0.0, 0.0],
+            "mosaic_downstream": [0.7, float("nan"), float("nan")]}
     p = VerlParams.from_config({"mosaic": {"rho": 0.5, "lam": 0.2, "loss_agg": "as-is"}})
     for verl_name, name in estimator_names().items():
         got, _ = row_advantages(verl_name, rewards, uid, cols, torch.ones(3), p)
@@ -57,3 +58,8 @@ def test_every_verl_name_runs_its_registry_estimator_with_the_configured_knobs()
         torch.testing.assert_close(got, want.to(torch.float32))
     with pytest.raises(ValueError, match="unknown Mosaic verl estimator 'fold'"):
         row_advantages("fold", rewards, uid, cols, torch.ones(3), p)
+    # the downstream column reaches mosaic-dag; without it (or NaN on a non-final row) mosaic-dag says so
+    assert float(advantage_batch_from_rows(rewards, uid, cols).downstream[0]) == pytest.approx(0.7)
+    no_d = {k: v for k, v in cols.items() if k != "mosaic_downstream"}
+    with pytest.raises(ValueError, match="needs AdvantageBatch.downstream"):
+        row_advantages("mosaic-dag", rewards, uid, no_d, torch.ones(3), p)

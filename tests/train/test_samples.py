@@ -65,7 +65,7 @@ def test_records_give_back_the_exact_tokens_masks_and_graph():
             assert (got["kind"], got["parent"], got["edge"], got["final"]) == (s.kind, s.parent, s.edge, s.is_final)
             assert got["gain"] is None  # none scored
     # no gains, multi-session rollouts: the gain estimators and grpo say why they are missing
-    assert set(why) == {"grpo", "mosaic-session", "mosaic", "turn-level"}
+    assert set(why) == {"grpo", "mosaic-session", "mosaic", "mosaic-dag", "turn-level"}
     assert "single-session" in why["grpo"] and "gains" in why["mosaic"]
     assert set(advs) == {"broadcast", "mosaic-traj", "fold"}
 
@@ -76,16 +76,20 @@ def test_every_estimator_in_a_record_is_what_the_trainer_trains_with():
     layout = turn_layout(trajs)
     gains = torch.linspace(-1, 2, n_sessions)
     turn_gains = torch.linspace(2, -1, len(layout.session))
+    down = torch.linspace(1, -0.5, n_sessions) ** 2
     cfg = load_config("cpu")
     advs, why = all_estimator_advantages(trajs, estimator_params(cfg.algo), gains=gains, turn_gains=turn_gains,
-                                         layout=layout, context_budget=cfg.harness.context_budget)  # fmt: skip
+                                         layout=layout, context_budget=cfg.harness.context_budget,
+                                         downstream=down)  # fmt: skip
     assert set(why) == {"grpo"} and set(advs) == set(ESTIMATORS) - {"grpo"}
+    how = ["direct"] * n_sessions
     recs = sample_records(trajs, [0, 3], step=1, estimator="mosaic", advantages=advs, unavailable=why, gains=gains,
-                          turn_gains=turn_gains, layout=layout)  # fmt: skip
+                          turn_gains=turn_gains, layout=layout, downstream=down, downstream_how=how)  # fmt: skip
     offsets = {0: 0, 3: sum(len(t.sessions) for t in trajs[:3])}
     for name in advs:
         c = load_config("cpu", overrides=[f"algo.estimator={name}"])
-        want, _ = compute_advantages(trajs, c, Scores(gains=gains, turn_gains=turn_gains), layout=layout)
+        want, _ = compute_advantages(trajs, c, Scores(gains=gains, turn_gains=turn_gains, downstream=down),
+                                     layout=layout)  # fmt: skip
         for i, rec in zip([0, 3], recs):
             for k, s in enumerate(rec["sessions"]):
                 flat = offsets[i] + k
@@ -98,4 +102,8 @@ def test_every_estimator_in_a_record_is_what_the_trainer_trains_with():
         for k, s in enumerate(rec["sessions"]):
             flat = offsets[i] + k
             assert s["gain"] == (None if trajs[i].sessions[k].is_final else pytest.approx(float(gains[flat]), rel=1e-5))
+            if trajs[i].sessions[k].is_final:
+                assert "downstream" not in s
+            else:
+                assert s["downstream"] == pytest.approx(float(down[flat]), rel=1e-5) and s["downstream_how"] == "direct"
             assert len(s["turn_gains"]) == len(s["turn_adv"]["fold"])

@@ -140,3 +140,37 @@ def test_live_gains_equal_reference_with_context_resets(world):
     assert any(len(t.sessions) > 1 for t in trajs) and all(s.kind == "reset" for t in trajs for s in t.sessions)
     live = _live_vs_reference(trajs, scorer, model, chat)
     assert scorer.missed == 0 and live.stats.num_probes == 0
+
+
+def test_subagents_own_states_are_their_own_start_and_end_and_scored_live(world):
+    """Issue 32: ``harness.subagent_states=own`` (docs/algorithm.md §4.4, the paper's alternative) probes a helper's own prompt and
+    its own end; the live scorer probes them off the helper's own cache as it closes."""
+    from mosaic.agent.expert import ExpertNoise, ExpertPolicy
+    from mosaic.agent.harness import DeepSearchEnv, Harness, HarnessConfig
+
+    split, chat = world
+    model = tiny_model(vocab_size=len(chat.tokenizer), seed=4)
+    runs = {}
+    for states in ("merge", "own"):
+        policy = TeacherForcedLocal(model, chat.tokenizer,
+                                    ExpertPolicy(chat.tokenizer, split.tasks[:3], ExpertNoise(), seed=0))
+        scorer = LiveScorer(policy, chat.answer_probe)
+        harness = Harness(policy, chat, DeepSearchEnv(split),
+                          HarnessConfig(mode="fork", context_budget=2048, max_new_tokens=64, subagent_states=states),
+                          state_scorer=scorer)  # fmt: skip
+        trajs = harness.run(split.tasks[:3], group_size=2, seed=0)
+        runs[states] = (trajs, _live_vs_reference(trajs, scorer, model, chat), scorer)
+    (merge, g_merge, _), (own, g_own, sc) = runs["merge"], runs["own"]
+    assert [t.to_dict()["sessions"][0]["completion_ids"] for t in merge] == \
+        [t.to_dict()["sessions"][0]["completion_ids"] for t in own]  # same rollouts, other states
+    n = 0
+    for t in own:
+        for s in t.sessions:
+            if s.kind != "subagent":
+                continue
+            n += 1
+            assert s.state_before.session == s.id and s.state_after.session == s.id
+            assert s.state_before.upto < len(s.tokens()) and "merged_at" in s.meta
+    assert n >= 3 and sc.missed == 0
+    sub = torch.tensor([s.kind == "subagent" for t in own for s in t.sessions])
+    assert not torch.allclose(g_own.gains[sub], g_merge.gains[sub])

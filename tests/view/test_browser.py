@@ -138,3 +138,35 @@ def test_forks_are_drawn_as_edges_to_subagents(chromium, tmp_path):
         assert "information gain (nats per answer token)" in b.eval("document.querySelector('tr.gain').innerText")
         _shot(b, tmp_path, "view_forks.png")
         assert b.page_errors() == []
+
+
+def test_downstream_credit_is_shown_beside_the_immediate_gain(chromium, tmp_path):
+    """Issue 32: a ``mosaic-dag`` run's page shows each session's downstream credit next to its gain, and
+    marks the sessions where the two disagree in sign."""
+    from mosaic.config.loader import load_config
+    from mosaic.train import entrypoints
+
+    d = tmp_path / "run"
+    cfg = load_config("cpu", overrides=[
+        f"data.cache_dir={tmp_path / 'cache'}", "data.n_train_tasks=8", "train.steps=1", "harness.mode=fork",
+        "algo.estimator=mosaic-dag", "train.batch_tasks=2", "train.group_size=4", "train.heldout_split=none",
+        "train.tensorboard=false", "train.rollout_samples=8", f"train.run_dir={d}",
+    ])  # fmt: skip
+    assert entrypoints.run_train(cfg) == 0
+    recs = [json.loads(x) for x in (d / "samples.jsonl").read_text().splitlines()]
+    subs = [(i, k, s) for i, r in enumerate(recs) for k, s in enumerate(r["sessions"]) if s["kind"] == "subagent"]
+    assert subs and all(isinstance(s["downstream"], float) and s["downstream_how"] == "direct" for *_, s in subs)
+    disagree = sum(1 for *_, s in subs if s["gain"] * s["downstream"] < 0)
+    assert main(["view", str(d)]) == 0
+    with Browser(chromium) as b:
+        b.open(d / "view.html")
+        rows = b.eval("[...document.querySelectorAll('tr.gain')].map(e => e.innerText)")
+        assert any(r.startswith("downstream credit (nats per answer token)") for r in rows), rows
+        assert b.eval("document.querySelectorAll('td.disagree').length") == disagree
+        i, k, s = subs[0]
+        node = f"article[data-traj='{i}'] g.node[data-s='{k}']"
+        assert " · D " in b.eval(f"document.querySelector(\"{node} text.sub\").textContent")
+        b.click(node)
+        b.wait_for("!document.getElementById('transcript').hidden")
+        assert "downstream credit" in b.eval("document.querySelector('#transcript header').innerText")
+        assert b.page_errors() == []

@@ -68,7 +68,10 @@ def concat_scores(parts: Sequence[Scores]) -> Scores:
         if any(v is None for v in vals):
             raise ValueError(f"scores.{name} is missing on some ranks")
         return torch.cat([torch.as_tensor(v) for v in vals])
-    return Scores(gains=cat("gains"), is_final=cat("is_final"), turn_gains=cat("turn_gains"), metrics={})
+    how = [p.downstream_how for p in parts]
+    return Scores(gains=cat("gains"), is_final=cat("is_final"), turn_gains=cat("turn_gains"),
+                  downstream=cat("downstream"), gain_valid=cat("gain_valid"),
+                  downstream_how=None if any(h is None for h in how) else [x for h in how for x in h], metrics={})
 
 
 def _score_slice(scores: Scores, trajs: Sequence[Trajectory], keep: range) -> Scores:
@@ -78,6 +81,9 @@ def _score_slice(scores: Scores, trajs: Sequence[Trajectory], keep: range) -> Sc
     out = Scores(metrics={})
     if scores.gains is not None:
         out.gains, out.is_final = scores.gains[s0:s1], scores.is_final[s0:s1]
+    for name in ("downstream", "gain_valid", "downstream_how"):
+        if getattr(scores, name) is not None:
+            setattr(out, name, getattr(scores, name)[s0:s1])
     if scores.turn_gains is not None:
         layout = turn_layout(trajs)
         sel = (layout.session >= s0) & (layout.session < s1)

@@ -30,6 +30,7 @@ used (the estimator, the loss weights and ``harness.max_new_tokens`` replace the
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -40,6 +41,7 @@ from mosaic.core.estimators import get_estimator
 from mosaic.core.loss import policy_loss
 from mosaic.integrations.trl.batch import Scope, concat_scores, rank_batch, row_tensors, sample_indices
 from mosaic.train.batch import Scores, score_for
+from mosaic.train.downstream import group_references
 from mosaic.train.batching import RowBatch, completion_logprobs
 from mosaic.config.loader import Config
 from mosaic.train.metrics import rollout_metrics
@@ -67,6 +69,9 @@ def check_args(args: GRPOConfig, cfg: Config) -> None:
         raise ValueError("eval_strategy: evaluate checkpoints with `mosaic eval` (TRL's eval loop has no harness)")
     if args.num_generations < 2:
         raise ValueError("num_generations must be >= 2 (the group size of the outcome advantage)")
+    if cfg.algo.capo:
+        raise ValueError("algo.capo: CAPO routes two backward passes to different units, and TRL's step runs one "
+                         "backward over one loss; train with CAPO in `mosaic train`")  # fmt: skip
 
 
 def _combine(per_rank: list[dict[str, float]]) -> dict[str, float]:
@@ -113,14 +118,18 @@ class MosaicGRPOTrainer(GRPOTrainer):
                                       top_p=self.top_p, seed=seed)  # fmt: skip
         t_gen = time.perf_counter() - t0
         self._reward(inputs, trajs, start)
-        scores = self._score(model, trajs)
+        refs = None
+        if self.mosaic.algo.gain_reference == "group":  # a group's samples may lie on several ranks
+            outcomes = gather_object([(t.group_id, bool(t.success), t.answer) for t in trajs])
+            refs = group_references([SimpleNamespace(group_id=g, success=ok, answer=a) for g, ok, a in outcomes])
+        scores = self._score(model, trajs, refs)
         t_score = time.perf_counter() - t0 - t_gen
         all_trajs = gather_object(trajs)
         all_scores = concat_scores(gather_object([scores]))
         rb = rank_batch(all_trajs, all_scores, self.mosaic, local, world_size=acc.num_processes, scope=self.scope)
         out = row_tensors(rb, pad_id=self.processing_class.pad_token_id, multiple=self.args.steps_per_generation)
         m = rollout_metrics(all_trajs, None if all_scores.gains is None else all_scores.gains.numpy(),
-                            None if all_scores.is_final is None else all_scores.is_final.numpy())  # fmt: skip
+                            None if all_scores.is_final is None else all_scores.unscored().numpy())  # fmt: skip
         m.update(rb.metrics)
         m.update(_combine(gather_object([scores.metrics or {}])))
         t_gen, t_score = (max(v) for v in zip(*gather_object([(t_gen, t_score)])))  # the slowest rank's
@@ -153,15 +162,16 @@ class MosaicGRPOTrainer(GRPOTrainer):
         self._metrics["train"]["reward"].append(total.mean().item())
         self._metrics["train"]["reward_std"].append(total.std().item() if total.numel() > 1 else 0.0)
 
-    def _score(self, model, trajs) -> Scores:
-        """The information gains the estimator asks for, with the rollout policy (before the update)."""
+    def _score(self, model, trajs, refs=None) -> Scores:
+        """The information gains the estimator asks for, with the rollout policy (before the update); ``refs``:
+        the groups' references over all ranks (``algo.gain_reference=group``)."""
         if self.chat is None:
             return Scores(metrics={})
         was_training = model.training
         model.eval()
         try:
             with torch.no_grad():
-                return score_for(self.estimator, trajs, model, self.chat, self.mosaic.algo)
+                return score_for(self.estimator, trajs, model, self.chat, self.mosaic.algo, refs=refs)
         finally:
             model.train(was_training)
 

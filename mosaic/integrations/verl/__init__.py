@@ -12,7 +12,7 @@ How it plugs in (every point is one verl offers, except the one marked):
 | per-row fields reaching them (trajectory, kind, final flag, count, gain) | **none in verl 0.9.1**: its dispatcher forwards ``non_tensor_batch`` only to ``gdpo``; :func:`.advantages.install_row_hook` wraps ``compute_advantage`` for our names only |
 | trajectory-token-mean | the estimator scales each row's advantage by ``N / (n_traj * tokens_of_traj)`` (unit token mean); verl's own ``token-mean`` ``agg_loss`` then yields our weights exactly, at any micro-batch or data-parallel layout |
 | the multi-session agent loop ``mosaic_agent`` | ``experimental.agent_loop.register`` + ``AgentLoopBase``; one ``AgentLoopOutput`` per session (list return, consumed by verl's v1 trainer) |
-| session gains | the rollout servers' prompt log-probs (``sampling_params["prompt_logprobs"]``), see :mod:`.agent_loop` |
+| session gains, downstream credit (``mosaic.downstream=true``, for ``mosaic-dag``) | the rollout servers' prompt log-probs (``sampling_params["prompt_logprobs"]``), see :mod:`.agent_loop` |
 | reward | ``custom_reward_function.path`` → :func:`.reward.compute_score` |
 | loading all of the above in every Ray process | the ``verl.plugins`` entry point (:mod:`.plugin`), which ``import verl`` loads |
 """
@@ -33,7 +33,7 @@ def not_registered() -> dict[str, str]:
 
     out = {}
     for name, e in ESTIMATORS.items():
-        extra = sorted(e.needs - {"gains"})
+        extra = sorted(e.needs - {"gains", "downstream"})  # (both are per-session columns the agent loop writes)
         if name in VERL_OWN:
             out[name] = VERL_OWN[name]
         elif e.level != "session" or extra:

@@ -22,7 +22,7 @@ import torch
 
 from mosaic.core.estimators import alias_note
 from mosaic.integrations.verl import estimator_names
-from mosaic.integrations.verl.rows import COLUMNS, VerlParams, row_advantages
+from mosaic.integrations.verl.rows import COLUMNS, OPTIONAL_COLUMNS, VerlParams, row_advantages
 
 __all__ = ["register_estimators", "install_row_hook", "estimator_fn", "LAST_METRICS"]
 
@@ -60,7 +60,8 @@ def estimator_fn(verl_name: str):
             norm_adv_by_std_in_grpo = bool(config.get("norm_adv_by_std_in_grpo", True)) if config is not None else True
         mask = response_mask.to(torch.float32)
         adv, metrics = row_advantages(verl_name, _row_rewards(token_level_rewards), list(uid),
-                                      {c: list(non_tensor_batch[c]) for c in COLUMNS if c in non_tensor_batch},
+                                      {c: list(non_tensor_batch[c]) for c in COLUMNS + OPTIONAL_COLUMNS
+                                       if c in non_tensor_batch},
                                       mask.sum(-1), params, norm_by_std=norm_adv_by_std_in_grpo)  # fmt: skip
         LAST_METRICS.clear()
         LAST_METRICS.update(metrics)
@@ -152,6 +153,9 @@ def _wrap_multi_traj(orig):
             extra = _fetch_extra_fields(keys, "train")
             for c in COLUMNS:
                 data.non_tensor_batch[c] = np.array([e.get(c) for e in extra], dtype=object)
+            for c in OPTIONAL_COLUMNS:
+                if extra and all(c in e for e in extra):
+                    data.non_tensor_batch[c] = np.array([e[c] for e in extra], dtype=object)
         # verl's own trajectory key is "{uid}_{session_id}"; ours must agree with it
         return _wrap_compute_advantage(_base_compute_advantage())(
             data, a["adv_estimator"], norm_adv_by_std_in_grpo=a["norm_adv_by_std_in_grpo"], config=a["config"])

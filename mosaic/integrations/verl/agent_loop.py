@@ -25,7 +25,10 @@ probes and on sampling are returned per trajectory (``mosaic_probe_seconds``,
 
 Configuration: a top-level ``mosaic`` block in verl's config (Hydra ``+mosaic.harness.mode=compaction``):
 ``mosaic.harness.*`` are :class:`~mosaic.config.harness.HarnessConfig` fields; ``mosaic.gains``
-(default true) turns probe scoring off for the estimators that do not read gains (broadcast).
+(default true) turns probe scoring off for the estimators that do not read gains (broadcast);
+``mosaic.downstream`` (default false) also scores each session's downstream credit (docs/algorithm.md §4.10:
+the final state and one ablation per session whose output it holds), which ``mosaic-dag`` reads.
+``algo.gain_reference=group`` has no verl form: one agent-loop run sees one trajectory, not its group.
 Each row needs ``extra_info.tools_kwargs.split_config`` (written by ``mosaic data export``) to rebuild
 its world and search index; the split is built once per process and cached.
 """
@@ -50,6 +53,7 @@ from mosaic.envs.export import row_to_task, split_config_from_json
 from mosaic.envs.splits import Split, load_split
 from mosaic.integrations.verl import AGENT_NAME
 from mosaic.trace.graph import Trajectory
+from mosaic.train.downstream import downstream_from_logprobs
 
 __all__ = ["MosaicAgentLoop", "ServerPolicy", "score_session_gains", "session_outputs"]
 
@@ -161,8 +165,10 @@ def server_logprob_fn(server_manager) -> LogprobFn:
 
 
 def session_outputs(traj: Trajectory, gains: Sequence[float] | None, *, with_logprobs: bool,
-                    metrics: AgentLoopMetrics, extra: dict[str, Any] | None = None) -> list[AgentLoopOutput]:  # fmt: skip
-    """One ``AgentLoopOutput`` per session of ``traj`` (final main session last), tokens copied exactly."""
+                    metrics: AgentLoopMetrics, extra: dict[str, Any] | None = None,
+                    downstream: Sequence[float] | None = None) -> list[AgentLoopOutput]:  # fmt: skip
+    """One ``AgentLoopOutput`` per session of ``traj`` (final main session last), tokens copied exactly;
+    ``downstream`` (S,): the sessions' downstream credit (``mosaic_downstream``, NaN when not scored)."""
     order = [s for s in traj.sessions if not s.is_final] + [s for s in traj.sessions if s.is_final]
     n = len(traj.sessions)
     outs = []
@@ -170,6 +176,7 @@ def session_outputs(traj: Trajectory, gains: Sequence[float] | None, *, with_log
         fields = {
             "mosaic_traj": traj.id, "mosaic_kind": s.kind, "mosaic_final": bool(s.is_final), "mosaic_sessions": n,
             "mosaic_gain": float("nan") if gains is None else float(gains[s.id]), "mosaic_session_id": s.id,
+            "mosaic_downstream": float("nan") if downstream is None else float(downstream[s.id]),
             "mosaic_parent": -1 if s.parent is None else int(s.parent), "mosaic_edge": s.edge or "",
             **(extra or {}),
         }  # fmt: skip
@@ -202,6 +209,9 @@ class MosaicAgentLoop(AgentLoopBase):
             raise ValueError(f"harness.partner={self.harness_config.partner!r} is not supported here yet (reset mode's frozen or "
                              "scripted partner runs in the built-in trainer: mosaic train); use harness.partner=self")
         self.score_gains = bool(block.get("gains", True))
+        self.score_downstream = bool(block.get("downstream", False))
+        if self.score_downstream and not self.score_gains:
+            raise ValueError("mosaic.downstream=true needs mosaic.gains=true (the credit is shared by immediate gain)")
         with self._lock:
             if id(self.tokenizer) not in self._chats:
                 self._chats[id(self.tokenizer)] = ChatFormat(self.tokenizer)
@@ -232,8 +242,14 @@ class MosaicAgentLoop(AgentLoopBase):
         if self.score_gains:
             gains = await score_session_gains(traj, self.chat.answer_probe(traj.ground_truth),
                                               server_logprob_fn(self.server_manager))  # fmt: skip
+        downstream = None
+        if self.score_downstream:
+            downstream = await downstream_from_logprobs(
+                traj, self.chat.answer_probe(traj.ground_truth), server_logprob_fn(self.server_manager),
+                [0.0 if math.isnan(g) else g for g in gains], empty_result_ids=self.chat.tool_delta(""),
+                header_ids=self.chat.generation_header_ids)  # fmt: skip
         probe_s = time.perf_counter() - t0
         metrics = AgentLoopMetrics(generate_sequences=policy.seconds, tool_calls=0.0)
         return session_outputs(traj, gains, with_logprobs=bool(self.rollout_config.get("calculate_log_probs", False)),
-                               metrics=metrics, extra={"mosaic_probe_seconds": probe_s,
+                               metrics=metrics, downstream=downstream, extra={"mosaic_probe_seconds": probe_s,
                                                        "mosaic_rollout_seconds": policy.seconds})  # fmt: skip

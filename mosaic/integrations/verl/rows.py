@@ -13,6 +13,7 @@ A row is one session's ``AgentLoopOutput``. The agent loop (:mod:`.agent_loop`) 
 | ``mosaic_final`` | True for the trajectory's final main session (exactly one per trajectory) |
 | ``mosaic_sessions`` | the trajectory's session count (the count §4.3 ranks) |
 | ``mosaic_gain`` | the session's information gain ``L(after) - L(before)`` (NaN when not scored; final: ignored) |
+| ``mosaic_downstream`` | optional: the session's downstream credit (§4.10; NaN when not scored), for ``mosaic-dag`` |
 
 The trajectory's outcome reward is read from its final row's token-level rewards (their sum), as
 verl's multi-output advantage reads the last output's reward.
@@ -31,10 +32,12 @@ from mosaic.core.estimators import ESTIMATORS, KNOBS, AdvantageBatch, EstimatorP
 from mosaic.core.loss import token_weights
 from mosaic.trace.graph import KIND_CODES, kind_names
 
-__all__ = ["COLUMNS", "VERL_OWN_KEYS", "VerlParams", "advantage_batch_from_rows", "row_advantages", "trajectory_token_scale"]
+__all__ = ["COLUMNS", "OPTIONAL_COLUMNS", "VERL_OWN_KEYS", "VerlParams", "advantage_batch_from_rows", "row_advantages", "trajectory_token_scale"]
 
 COLUMNS = ("mosaic_traj", "mosaic_kind", "mosaic_final", "mosaic_sessions", "mosaic_gain")
 """The ``non_tensor_batch`` columns the Mosaic estimators read (besides verl's ``uid``)."""
+OPTIONAL_COLUMNS = ("mosaic_downstream",)
+"""Columns read when present (the agent loop writes them when asked: ``mosaic.downstream=true``)."""
 
 
 VERL_OWN_KEYS = {"norm_by_std": "norm_adv_by_std_in_grpo"}
@@ -151,17 +154,24 @@ def advantage_batch_from_rows(
     unknown = sorted(set(kinds) - set(KIND_CODES))
     if unknown:
         raise ValueError(f"mosaic_kind: unknown session kinds {unknown}; known: {sorted(KIND_CODES)}")
-    gains = np.asarray(columns["mosaic_gain"], dtype=np.float64)
-    if np.isnan(gains[~final]).any():
-        gains = None  # not scored: estimators that need gains will say so
-    else:
-        gains = torch.from_numpy(np.where(final, 0.0, gains).astype(np.float32))
+    gains, down = _per_session(columns, "mosaic_gain", final), _per_session(columns, "mosaic_downstream", final)
     return AdvantageBatch(
         rewards=torch.from_numpy(rewards), group_ids=torch.from_numpy(group[first]),
         session_counts=torch.from_numpy(counts[first]), success=torch.from_numpy(rewards >= success_threshold),
         session_traj=torch.from_numpy(traj), kinds=torch.tensor([KIND_CODES[k] for k in kinds], dtype=torch.int64),
-        is_final=torch.from_numpy(final), gains=gains,
+        is_final=torch.from_numpy(final), gains=gains, downstream=down,
     )  # fmt: skip
+
+
+def _per_session(columns: Mapping[str, Sequence[Any]], name: str, final: np.ndarray) -> torch.Tensor | None:
+    """(R,) float32 of a per-session column, 0 on final rows; None when absent or NaN on a non-final row (not
+    scored: an estimator that needs it says so)."""
+    if name not in columns:
+        return None
+    v = np.asarray(columns[name], dtype=np.float64)
+    if np.isnan(v[~final]).any():
+        return None
+    return torch.from_numpy(np.where(final, 0.0, v).astype(np.float32))
 
 
 def trajectory_token_scale(row_tokens: torch.Tensor, row_traj: torch.Tensor) -> torch.Tensor:

@@ -156,11 +156,15 @@
         if (f && f[1] !== null) edges += `<text class="elabel" x="${x2 + 4}" y="${y(p) - 4}">from turn ${f[1]}</text>`;
       }
       const dim = state.kind !== "all" && s.kind !== state.kind ? " dim" : "";
-      const g = !isNum(s.gain) ? (s.final ? "final" : "gain –") : `gain ${s.gain >= 0 ? "+" : ""}${s.gain.toFixed(2)} nats/tok`;
+      const g = (!isNum(s.gain) ? (s.final ? "final" : "gain –") : `gain ${s.gain >= 0 ? "+" : ""}${s.gain.toFixed(2)}`) +
+        (isNum(s.downstream) ? ` · D ${s.downstream >= 0 ? "+" : ""}${s.downstream.toFixed(2)}` : "") +
+        (isNum(s.gain) && !isNum(s.downstream) ? " nats/tok" : "") + (disagrees(s) ? " ≠" : "");
       const f = forkTurn(t, k);
       nodes += `<g class="node${dim}${s.final ? " final" : ""}" data-traj="${ti}" data-s="${k}" tabindex="0">` +
         `<title>session ${k}: ${esc(s.kind)}, ended by ${esc(s.end)}, ${fmtInt(s.turns)} turn(s)` +
-        (f ? `, ${forkText(f)}` : "") + (isNum(s.gain) ? `; information gain ${fmt(s.gain)} ${GAIN_UNIT}` : "") + `</title>` +
+        (f ? `, ${forkText(f)}` : "") + (isNum(s.gain) ? `; information gain ${fmt(s.gain)} ${GAIN_UNIT}` : "") +
+        (isNum(s.downstream) ? `; downstream credit ${fmt(s.downstream)} ${GAIN_UNIT} (${esc(s.downstream_how || "?")})` : "") +
+        (disagrees(s) ? "; the two disagree in sign" : "") + `</title>` +
         `<rect x="${x(p)}" y="${y(p)}" width="${W}" height="${H}" rx="6" fill="${esc(kindColour(s.kind))}"/>` +
         `<text x="${x(p) + 6}" y="${y(p) + 16}">${k} ${esc(s.kind)}</text>` +
         `<text x="${x(p) + 6}" y="${y(p) + 32}" class="sub">${esc(g)}</text></g>`;
@@ -186,7 +190,13 @@
         t.sessions.map((s) => { const v = sessionAdv(s, e); return `<td class="v"${bg(advStyle(v, e))}>${fmt(v)}</td>`; }).join("") + "</tr>";
     }
     h += `<tr class="gain"><td title="L(after) − L(before): mean log-probability of the answer's tokens">information gain (${GAIN_UNIT})</td><td></td>` + t.sessions.map((s) => `<td class="v">${s.final ? "final" : fmt(s.gain)}</td>`).join("") + "</tr>";
+    if (t.sessions.some((s) => isNum(s.downstream)))
+      h += `<tr class="gain"><td title="L(final) − L(final with this session's output removed), or its share of the session it fed">downstream credit (${GAIN_UNIT})</td><td></td>` +
+        t.sessions.map((s) => `<td class="v${disagrees(s) ? " disagree" : ""}" title="${esc(s.downstream_how || "")}${disagrees(s) ? ": disagrees in sign with the immediate gain" : ""}">${s.final ? "final" : fmt(s.downstream)}</td>`).join("") + "</tr>";
     return h + "</table>";
+  }
+  function disagrees(s) {  // the immediate gain and the downstream credit point opposite ways
+    return !s.final && isNum(s.gain) && isNum(s.downstream) && s.gain * s.downstream < 0;
   }
   const SCALE = {};  // per estimator: the largest |advantage| it gives in the run (fold's -1 would wash out mosaic's 0.1)
   for (const t of D.samples) for (const s of t.sessions) {
@@ -324,7 +334,9 @@
       `session ${k}: <span class="kind"${bg(kindColour(s.kind))}>${esc(s.kind)}</span> ` +
       `${s.parent === null ? "root" : forkTurn(t, k) ? forkText(forkTurn(t, k)) : `${esc(s.edge)} from session ${esc(s.parent)}`} · ended by ${esc(s.end)} · ${fmtInt(s.turns)} turn(s)` +
       (forks.length ? ` · forks ${esc(forks.join(", "))}` : "") + `<br>` +
-      `information gain <b>${s.final ? "final session (none)" : fmt(s.gain)}</b>${s.final || !isNum(s.gain) ? "" : ` ${GAIN_UNIT}`} · advantage (${esc(est)}) <b>${fmt(sessionAdv(s, est))}</b> · ` +
+      `information gain <b>${s.final ? "final session (none)" : fmt(s.gain)}</b>${s.final || !isNum(s.gain) ? "" : ` ${GAIN_UNIT}`} · ` +
+      (isNum(s.downstream) ? `downstream credit <b>${fmt(s.downstream)}</b> ${GAIN_UNIT} (${esc(s.downstream_how || "?")})${disagrees(s) ? " <b>disagrees in sign</b>" : ""} · ` : "") +
+      `advantage (${esc(est)}) <b>${fmt(sessionAdv(s, est))}</b> · ` +
       `${ids.length} tokens: ${prompt.length} prompt, ${comp.length - nTrained} inserted, ${nTrained} sampled (trained)` +
       (s.turn_gains ? `<br>turn gains (${GAIN_UNIT}): ${s.turn_gains.map(fmt).join(", ")}` : "") +
       notesText(s) +

@@ -41,7 +41,10 @@ def _scores(trajs, seed: int = 1) -> Scores:
     final = torch.tensor([s.is_final for t in trajs for s in t.sessions])
     gains = torch.from_numpy(rng.normal(0, 1, len(final)).astype(np.float32)) * ~final
     turns = len(turn_layout(trajs).session)
-    return Scores(gains=gains, is_final=final, turn_gains=torch.from_numpy(rng.normal(0, 1, turns).astype(np.float32)))
+    down = torch.from_numpy(rng.normal(0, 1, len(final)).astype(np.float32)) * ~final
+    valid = torch.tensor([t.group_id != "0/t2" for t in trajs for _ in t.sessions])  # (a group with no reference)
+    return Scores(gains=gains, is_final=final, turn_gains=torch.from_numpy(rng.normal(0, 1, turns).astype(np.float32)),
+                  downstream=down, gain_valid=valid, downstream_how=["direct"] * len(final))
 
 
 @pytest.fixture(scope="module")
@@ -55,12 +58,13 @@ def _split_scores(trajs, scores, cuts):
         s1 = s0 + sum(len(t.sessions) for t in trajs[a:b])
         u1 = u0 + len(turn_layout(trajs[a:b]).session)
         out.append(Scores(gains=scores.gains[s0:s1], is_final=scores.is_final[s0:s1],
-                          turn_gains=scores.turn_gains[u0:u1]))
+                          turn_gains=scores.turn_gains[u0:u1], downstream=scores.downstream[s0:s1],
+                          gain_valid=scores.gain_valid[s0:s1], downstream_how=scores.downstream_how[s0:s1]))
         s0, u0 = s1, u1
     return out
 
 
-@pytest.mark.parametrize("estimator", ["broadcast", "mosaic-traj", "mosaic", "turn-level", "fold"])
+@pytest.mark.parametrize("estimator", ["broadcast", "mosaic-traj", "mosaic", "mosaic-dag", "turn-level", "fold"])
 def test_ranks_together_give_the_one_process_batch(estimator):
     tiny_budget = ["harness.context_budget=8", "harness.max_new_tokens=2", "harness.summary_max_new_tokens=2"]
     cfg = load_config("cpu", overrides=[f"algo.estimator={estimator}", "algo.lam=0.5", *tiny_budget])
@@ -68,6 +72,7 @@ def test_ranks_together_give_the_one_process_batch(estimator):
     cuts = [0, 6, 12]  # group t1 straddles the two ranks
     gathered = concat_scores(_split_scores(trajs, scores, cuts))
     assert torch.equal(gathered.gains, scores.gains) and torch.equal(gathered.turn_gains, scores.turn_gains)
+    assert torch.equal(gathered.downstream, scores.downstream) and torch.equal(gathered.gain_valid, scores.gain_valid)
     adv, _ = compute_advantages(trajs, cfg, scores)
     rows = training_rows(trajs, adv, get_estimator(cfg.algo.estimator))
     w = token_weights([r.num_trainable for r in rows], [r.traj_index for r in rows], mode=cfg.algo.loss_agg)

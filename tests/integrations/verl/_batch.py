@@ -35,8 +35,9 @@ def random_case(seed: int, *, n_groups: int = 4, width: int = 6, gains: bool = T
     is_final = position == n_sess[session_traj] - 1
     kinds_txt = np.where(is_final, "main", rng.choice(["main", "compaction", "subagent"], session_traj.size))
     g = rng.normal(0, 1, session_traj.size).astype(np.float32)
+    d = rng.normal(0, 1, session_traj.size).astype(np.float32)  # downstream credit (mosaic-dag)
     perm = rng.permutation(session_traj.size)  # rows in any order
-    session_traj, position, is_final, kinds_txt, g = (x[perm] for x in (session_traj, position, is_final, kinds_txt, g))
+    session_traj, position, is_final, kinds_txt, g, d = (x[perm] for x in (session_traj, position, is_final, kinds_txt, g, d))
     s = session_traj.size
     lengths = rng.integers(1, width + 1, s)
     mask = torch.arange(width)[None, :] < torch.as_tensor(lengths)[:, None]
@@ -51,11 +52,13 @@ def random_case(seed: int, *, n_groups: int = 4, width: int = 6, gains: bool = T
         session_traj=torch.from_numpy(session_traj),
         kinds=torch.tensor([KIND_CODES[k] for k in kinds_txt]), is_final=torch.from_numpy(is_final),
         gains=torch.from_numpy(np.where(is_final, 0.0, g).astype(np.float32)) if gains else None,
+        downstream=torch.from_numpy(np.where(is_final, 0.0, d).astype(np.float32)) if gains else None,
     )  # fmt: skip
     columns = {
         "mosaic_traj": traj_name, "mosaic_kind": kinds_txt.astype(object), "mosaic_final": is_final,
         "mosaic_sessions": n_sess[session_traj],
         "mosaic_gain": (g if gains else np.full(s, np.nan)).astype(np.float64),
+        "mosaic_downstream": (d if gains else np.full(s, np.nan)).astype(np.float64),
     }  # fmt: skip
     keys = [f"{traj_name[i]}_{position[i]}" for i in range(s)]
     return Case(batch, uid, columns, tlr, mask.to(torch.float32), keys)

@@ -99,11 +99,11 @@ def tokenizer(split):
     return build_project_tokenizer([split])
 
 
-def _loop(tokenizer, server, *, gains=True, logprobs=True) -> MosaicAgentLoop:
+def _loop(tokenizer, server, *, gains=True, logprobs=True, downstream=False) -> MosaicAgentLoop:
     config = OmegaConf.create({
         "actor_rollout_ref": {"rollout": {"calculate_log_probs": logprobs, "prompt_length": 4096,
                                           "response_length": 4096}},
-        "data": {}, "mosaic": {"harness": HARNESS, "gains": gains},
+        "data": {}, "mosaic": {"harness": HARNESS, "gains": gains, "downstream": downstream},
     })  # fmt: skip
     return hydra.utils.instantiate(_agent_loop_registry["mosaic_agent"], trainer_config=DictConfigWrap(config),
                                    server_manager=server, tokenizer=tokenizer, processor=None, hf_model_type=None,
@@ -173,6 +173,28 @@ def test_gains_are_scored_on_the_server_once_per_distinct_state(split, tokenizer
         return float(np.mean([fake_logprob(sum(ids[:j]), ids[j]) for j in range(len(ctx) + a, len(ctx) + b)]))
 
     assert first.extra_fields["mosaic_gain"] == pytest.approx(L(after) - L(before), abs=1e-9)
+
+
+def test_downstream_credit_is_scored_on_the_server_for_mosaic_dag(split, tokenizer):
+    """``mosaic.downstream=true`` (issue 32): two more server requests per trajectory with a compaction (the
+    final state, and the final state with the last summary replaced by the bare task); the rows carry
+    ``mosaic_downstream``, which the mosaic-dag estimator reads."""
+    from mosaic.integrations.verl.rows import advantage_batch_from_rows
+
+    task = split.tasks[1]
+    plain_server, server = ScriptedServer(tokenizer, task.answer), ScriptedServer(tokenizer, task.answer)
+    plain = asyncio.run(_loop(tokenizer, plain_server).run({"temperature": 1.0}, **_kwargs(split, task)))
+    outs = asyncio.run(_loop(tokenizer, server, downstream=True).run({"temperature": 1.0}, **_kwargs(split, task)))
+    n_probe = [sum("prompt_logprobs" in r[2] for r in sv.requests) for sv in (plain_server, server)]
+    assert sum(o.extra_fields["mosaic_kind"] == "compaction" for o in outs) >= 1
+    assert n_probe[1] == n_probe[0] + 2
+    live = [o for o in outs if not o.extra_fields["mosaic_final"]]
+    assert all(math.isfinite(o.extra_fields["mosaic_downstream"]) for o in live)
+    assert all(math.isnan(o.extra_fields["mosaic_downstream"]) for o in plain)
+    cols = {k: [o.extra_fields[k] for o in outs] for k in ("mosaic_traj", "mosaic_kind", "mosaic_final",
+                                                            "mosaic_sessions", "mosaic_gain", "mosaic_downstream")}
+    batch = advantage_batch_from_rows(np.array([o.reward_score or 0.0 for o in outs]), ["u1"] * len(outs), cols)
+    assert batch.downstream is not None and float(batch.downstream.abs().sum()) > 0
 
 
 def test_broadcast_twin_skips_probes_and_logprobs_when_off(split, tokenizer):
