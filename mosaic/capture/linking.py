@@ -62,6 +62,7 @@ class Linker:
         via = self.link_subagents(hit, successor_of)  # 5c
         self.link_forward()  # 5e
         self.resolve_via(via)  # 5c, continued
+        self.link_resets()  # 5f
         for x in sorted(sessions, key=lambda s: s.calls[0]):
             if x.successor is not None:
                 p = x.parent
@@ -306,6 +307,28 @@ class Linker:
                 x.kind, via[x.idx] = "subagent", successor_of[y.idx]
         return via
 
+    def link_resets(self) -> None:
+        """5f: a session still without a parent that restarts the agent — its first message (the system
+        prompt) equals that of an agent session (the root's lineage: main or reset) that had finished before
+        it started and has no successor yet — is that session's context reset: both become ``reset``
+        sessions, the new one ``continues`` the old (the latest such; ``meta["by"] = "reset"``). What carries
+        over (notes) is in its prompt, like a compaction's summary, but no model call wrote it as a summary."""
+        sessions = self.sessions
+        taken = {x.parent for x in sessions if x.edge == "continues"}
+        for y in sorted(sessions[1:], key=lambda s: s.calls[0]):
+            if y.parent is not None or y.kind == "compaction":
+                continue
+            first = self._first_message(y)
+            cands = [x for x in sessions if x is not y and x.kind in ("main", "reset") and x.idx not in taken
+                     and (x.idx == 0 or x.parent is not None) and x.calls[-1] < y.calls[0]
+                     and first is not None and self._first_message(x) == first]  # fmt: skip
+            if not cands:
+                continue
+            x = max(cands, key=lambda s: s.calls[-1])
+            x.kind, y.kind, y.parent, y.edge = "reset", "reset", x.idx, "continues"
+            y.meta["by"] = "reset"
+            taken.add(x.idx)
+
     def link_forward(self) -> None:
         """5e: a session still without a parent whose first user message is, loosely, a string argument
         of an earlier tool call of another session was opened by that call: a subagent forked by it
@@ -378,6 +401,11 @@ class Linker:
         sessions, calls = self.sessions, self.calls
         cur, seen = 0, {0}
         while True:
+            reset = [s for s in sessions if s.parent == cur and s.edge == "continues" and s.kind == "reset"]
+            if reset:  # 5f: the agent's context was reset; its lineage goes on in the next session
+                cur = reset[0].idx
+                seen.add(cur)
+                continue
             nxt = [s for s in sessions if s.parent == cur and s.edge == "continues" and s.kind == "compaction"
                    and s.successor is not None and s.successor not in seen]
             if not nxt:
@@ -395,4 +423,4 @@ class Linker:
                 sessions[ends[pick].idx].meta["final_by"] = "answer" if says(pick) else "latest_reply"
             cur = nxt[0].successor
             seen.add(cur)
-        return cur if sessions[cur].kind == "main" else 0
+        return cur if sessions[cur].kind in ("main", "reset") else 0

@@ -81,11 +81,16 @@ Rules (per rollout; settings in :class:`ReconstructionRules`):
       in ``meta["ambiguous_with"]``), whether or not its result was shown to a
       later model call (``meta["result_unseen"]`` when not).
 
+   f. Reset: a session still without a parent that restarts the agent (its first message equals that
+      of an agent session — the root's lineage, main or reset — which had finished before it started
+      and has no successor) is that session's context reset: both are ``reset`` sessions, the new one
+      ``continues`` the old (``meta["by"] = "reset"``); the notes it carries are in its prompt.
+
    A compaction's successor takes its parent's kind. Anything else stays
    ``main`` with no parent and ``meta["unlinked"]`` True (a compaction without
    successor gets ``meta["no_successor"]``).
 6. **Final session.** From the root, follow ``continues`` edges through the
-   root's compactions to their successors: the last ``main`` of the root
+   root's compactions to their successors and through its resets: the last ``main`` (or ``reset``) of the root
    agent's lineage is the final session (subagents' compactions are not in
    it). Where the lineage branches, the branch whose last reply states the
    reward's answer wins, else the one that replied last (``meta["final_by"]``).
@@ -98,7 +103,8 @@ Rules (per rollout; settings in :class:`ReconstructionRules`):
    prompt. subagent: the parent's context before the turn that called it →
    the parent's context once the result was inserted (when the result was
    only seen in a compaction: → the parent's context when it was compacted;
-   when never seen: → the parent's context after the calling turn).
+   when never seen: → the parent's context after the calling turn). reset: its prompt → the next
+   reset session's prompt (its own end when it is the last).
 """
 
 from __future__ import annotations
@@ -209,6 +215,11 @@ def _states(s: SessionDraft, calls: list[CallRecord], sessions: list[SessionDraf
         before = StateRef(session=s.parent, upto=s.parent_upto) if s.parent is not None else None
         after = (StateRef(session=s.successor, upto=len(calls[sessions[s.successor].calls[0]].prompt_ids))
                  if s.successor is not None else None)
+    elif s.kind == "reset":  # its prompt (with the notes it got) → the next reset session's (with its notes)
+        nxt = next((x for x in sessions if x.parent == s.idx and x.edge == "continues" and x.kind == "reset"), None)
+        before = StateRef(session=s.idx, upto=len(calls[s.calls[0]].prompt_ids))
+        after = (StateRef(session=nxt.idx, upto=len(calls[nxt.calls[0]].prompt_ids)) if nxt is not None
+                 else StateRef(session=s.idx, upto=None))
     elif s.kind == "subagent" and s.fork_before is not None:
         before = StateRef(session=s.parent, upto=s.fork_before)
         after = StateRef(session=s.parent, upto=s.fork_after)

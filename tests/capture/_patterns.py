@@ -255,3 +255,39 @@ async def cut_reply_resent(llm: ScriptLLM) -> str:
                            "Notes: the river starts in the hills", cut=True)
     answer, _ = await llm(head + [{"role": "user", "content": summary}], None, "ANSWER: the hills", cut=True)
     return answer
+
+
+RESET_SYS = "You work in sessions of at most two actions. Keep notes: they are all the next session sees."
+NOTE = {"type": "function", "function": {"name": "note_write", "description": "Keep a note.",
+                                         "parameters": {"type": "object", "properties": {
+                                             "text": {"type": "string"}}}}}
+TOOLS_RESET = [SEARCH, NOTE]
+
+
+async def context_resets(llm: ScriptLLM, sessions: int = 3, with_researcher: bool = False) -> str:
+    """Pattern 5 (HMA-style, issue 30): the agent's context is reset every two actions; each session starts
+    from the system prompt, the task and the notes written so far (note_write), nothing else. With
+    ``with_researcher``: the second session also runs a researcher subagent."""
+    notes: list[str] = []
+    tools = TOOLS_RESET + ([RESEARCHER] if with_researcher else [])
+    for s in range(sessions):
+        shown = "\n".join(f"- {n}" for n in notes) or "(none)"
+        msgs = [{"role": "system", "content": RESET_SYS}, {"role": "user", "content": f"{TASK}\nNotes:\n{shown}"}]
+        if s == sessions - 1:
+            answer, _ = await llm(msgs, tools, f"ANSWER: {' and '.join(notes)}")
+            return answer
+        q = f"river city part {s}"
+        if with_researcher and s == 1:
+            call = tool_call("researcher", {"question": QA}, QA)
+            await llm(msgs, tools, "", [call])
+            result = await researcher(llm, QA, 1)
+            msgs += [assistant("", [call]), {"role": "tool", "tool_call_id": call["id"], "content": result}]
+        else:
+            t = tool_call("search", {"query": q}, f"reset{s}")
+            await llm(msgs, tools, "", [t])
+            msgs += [assistant("", [t]), {"role": "tool", "tool_call_id": t["id"], "content": document(q)}]
+        note = f"fact {h(q)} from session {s}"
+        n = tool_call("note_write", {"text": note}, f"note{s}")
+        await llm(msgs, tools, "", [n])
+        notes.append(note)
+    raise AssertionError("unreachable")

@@ -217,3 +217,29 @@ def test_export_summary_counts_the_drift_repairs(rnd, tmp_path):
     assert summary["drift_repairs"] == 5 and summary["drift_detached_tokens"] > 0
     (t,) = load_trajectories(tmp_path / "out.jsonl")
     _exact(t, recs)  # the detached stretches survive the file
+
+
+@pytest.mark.parametrize("with_researcher", [False, True])
+def test_a_harness_that_resets_its_context_rebuilds_as_reset_sessions(rnd, with_researcher):
+    """Issue 30: an HMA-style harness restarts the agent every two actions from the system prompt, the task
+    and its notes; the proxy's records rebuild as a chain of ``reset`` sessions (not unrelated mains), the
+    last one final, with the states of docs/algorithm.md §4.4 (prompt → the next session's prompt)."""
+    recs, answer = P.run(lambda llm: P.context_resets(llm, 3, with_researcher), rnd, "p5")
+    t = reconstruct_rollout(recs, RewardRecord("p5", 1.0, ground_truth="x"))
+    resets = [s for s in t.sessions if s.kind == "reset"]
+    assert [(s.parent, s.edge) for s in resets] == [(None, None), (0, "continues"), (1, "continues")]
+    assert resets[-1].is_final and t.meta["unlinked_sessions"] == []
+    assert [s.meta.get("by") for s in resets] == [None, "reset", "reset"]
+    for a, b in zip(resets, resets[1:]):
+        assert a.state_before == StateRef(session=a.id, upto=len(a.prompt_ids))
+        assert a.state_after == StateRef(session=b.id, upto=len(b.prompt_ids))
+    if with_researcher:
+        sub = [s for s in t.sessions if s.kind == "subagent"]
+        assert len(sub) == 1 and sub[0].parent == resets[1].id
+    _exact(t, recs)
+    # the estimators and the per-kind statistics take the rebuilt graph as it is
+    from mosaic.train.batch import advantage_batch
+    from mosaic.core.estimators import get_estimator
+    b = advantage_batch([t], [0.1] * len(t.sessions))
+    adv, _ = get_estimator("mosaic")(b)
+    assert adv.shape == (len(t.sessions),)
