@@ -14,7 +14,7 @@ from pathlib import Path
 
 from mosaic.config.cliargs import output_error
 
-__all__ = ["train_error", "sft_error", "eval_error"]
+__all__ = ["train_error", "sft_error", "eval_error", "family_error"]
 
 
 def _key(name: str) -> str:
@@ -47,6 +47,16 @@ def _input_file_error(name: str, value: str, *, dir_ok: bool = False) -> str | N
     return None
 
 
+def family_error(cfg) -> str | None:
+    """``data.family`` a verb cannot run yet: the service family has its world, tools, experts and
+    ``mosaic data generate|show``, not yet the trainer, evaluation, rollouts or experiments (docs/service.md);
+    refused in one line rather than silently running deep search."""
+    if cfg.data.family == "deepsearch":
+        return None
+    return (f"{_key('data.family')} {cfg.data.family}: only `mosaic data generate|show` run this family so far "
+            "(training, evaluation and rollouts on it are not wired yet: docs/service.md)")
+
+
 def _sft_output_needed(cfg) -> bool:
     """Whether the warm start of ``train`` / ``eval`` may be (re)trained into ``sft.output_dir``."""
     return cfg.model.source not in ("dir", "base")
@@ -60,7 +70,7 @@ def _cache_error(cfg) -> str | None:
 
 def sft_error(cfg) -> str | None:
     """``mosaic sft``: the base model, ``sft.data`` (when given) and ``sft.output_dir``."""
-    return (_model_error(cfg) or _cache_error(cfg)
+    return (family_error(cfg) or _model_error(cfg) or _cache_error(cfg)
             or (_input_file_error("sft.data", cfg.sft.data) if cfg.sft.data else None)
             or output_error(_key("sft.output_dir"), cfg.sft.output_dir, is_dir=True))
 
@@ -79,8 +89,8 @@ def _kinds_error(cfg) -> str | None:
 
 def train_error(cfg) -> str | None:
     """``mosaic train``: ``train.run_dir``, the warm start's model and output, ``rollout.records``."""
-    bad = (output_error(_key("train.run_dir"), cfg.train.run_dir, is_dir=True) or _model_error(cfg)
-           or _cache_error(cfg) or _kinds_error(cfg))
+    bad = (family_error(cfg) or output_error(_key("train.run_dir"), cfg.train.run_dir, is_dir=True)
+           or _model_error(cfg) or _cache_error(cfg) or _kinds_error(cfg))
     if bad:
         return bad
     if cfg.rollout.source == "records":
@@ -94,7 +104,7 @@ def train_error(cfg) -> str | None:
 def eval_error(cfg, checkpoint: str | None) -> str | None:
     """``mosaic eval``: the warm start's model when it is what gets evaluated (no ``--checkpoint``, no
     checkpoint in ``train.run_dir``)."""
-    bad = _cache_error(cfg)
+    bad = family_error(cfg) or _cache_error(cfg)
     if bad or checkpoint:
         return bad
     from mosaic.train.checkpoint import find_latest

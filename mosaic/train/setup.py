@@ -43,6 +43,11 @@ def resolve_dtype(cfg: Config, device: torch.device) -> torch.dtype:
 
 
 def load_split(cfg: Config, split: str) -> Split:
+    """The deep-search split ``split`` of ``cfg``'s world (the service family has its own loader:
+    :mod:`mosaic.envs.service.splits`)."""
+    if cfg.data.family != "deepsearch":
+        raise ValueError(f"data.family={cfg.data.family}: the trainer, evaluation and rollouts run deep search "
+                         "only so far (docs/service.md)")
     return _load_split(split, split_config_for(cfg, split), cache_dir=resolve_cache_dir(cfg.data.cache_dir))
 
 
