@@ -276,6 +276,8 @@ class Harness(EnvCalls, ForkSessions, ResetSessions):
         cfg, s = self.config, live.session
         if run.total_turns >= cfg.max_total_turns:
             return "total_turn_cap"
+        if cfg.max_total_tokens and run.counters["tokens_sampled"] >= cfg.max_total_tokens:
+            return "token_cap"
         if s.num_turns >= (cfg.max_turns if s.kind == "main" else cfg.subagent_max_turns):
             return "turn_cap"
         header = len(self.chat.generation_header_ids) if live.at_boundary else 0

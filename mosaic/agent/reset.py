@@ -64,6 +64,8 @@ class ResetSessions:
         cfg, s = self.config, live.session
         if run.total_turns >= cfg.max_total_turns:
             return "total_turn_cap"
+        if cfg.max_total_tokens and run.counters["tokens_sampled"] >= cfg.max_total_tokens:
+            return "token_cap"
         header = len(self.chat.generation_header_ids) if live.at_boundary else 0
         fits = live.length + header + cfg.max_new_tokens <= budget
         if s.num_turns < cfg.reset_k and fits:

@@ -61,6 +61,10 @@ class HarnessConfig:
     """Sessions (all kinds) per trajectory; needing more ends it unanswered (``session_cap``)."""
     max_total_turns: int = 48
     """Main + subagent turns per trajectory (``total_turn_cap``)."""
+    max_total_tokens: int = 0
+    """Tokens the policy may sample per trajectory, all sessions together (summaries and notes included); a
+    session about to take a turn past it ends the trajectory (``token_cap``; the last turn may overshoot by
+    at most ``max_new_tokens``). 0 = no cap. Compares modes at the same total budget."""
     subagent_max_turns: int = 6
     """Assistant turns per subagent session."""
     subagent_context_budget: int = 0
@@ -119,6 +123,8 @@ class HarnessConfig:
         need(self.subagent_context_budget >= 0, "subagent_context_budget", "must be >= 0 (0 = context_budget)")
         need(self.reset_context_budget >= 0, "reset_context_budget", "must be >= 0 (0 = context_budget)")
         need(self.max_depth >= 0, "max_depth", "must be >= 0")
+        need(isinstance(self.max_total_tokens, int) and self.max_total_tokens >= 0, "max_total_tokens",
+             "must be an int >= 0 (0 = no cap)")
         need(self.subagent_states in ("merge", "own"), "subagent_states", "must be 'merge' or 'own'")
         need(self.max_new_tokens < self.context_budget, "max_new_tokens", "must be < context_budget")
         need(self.reward_metric in ("em", "f1"), "reward_metric", "must be 'em' or 'f1'")

@@ -55,6 +55,24 @@ def test_total_turn_cap(chat):
     assert all(t.end_reason == "total_turn_cap" and t.meta["turns"] == 7 for t in trajs)
 
 
+@pytest.mark.parametrize("mode", ["compaction", "fork", "reset"])
+def test_total_token_cap_ends_at_the_budget_in_every_mode(chat, mode):
+    """``max_total_tokens``: tokens sampled over all sessions (summaries, helpers, notes) stop the trajectory
+    once reached (``token_cap``); a turn in flight may overshoot by at most ``max_new_tokens``."""
+    def fn(r):
+        if r.meta["kind"] == "compaction":
+            return "Summary: nothing yet."
+        return DELEGATE if mode == "fork" and r.meta["kind"] == "main" else SEARCH
+    trajs, _ = run(chat, fn, mode=mode, context_budget=600 if mode == "compaction" else 4000, max_new_tokens=40,
+                   max_turns=50, max_sessions=50, max_total_turns=200, max_total_tokens=150, subagent_max_turns=50)
+    for t in trajs:
+        sampled = sum(s.num_trainable for s in t.sessions)
+        assert t.end_reason == "token_cap" and 150 <= t.meta["tokens_sampled"] < 150 + 40 + 2, t.meta
+        assert sampled == t.meta["tokens_sampled"]
+    with pytest.raises(ValueError, match="max_total_tokens"):
+        HarnessConfig(max_total_tokens=-1)
+
+
 def test_session_cap(chat):
     fn = lambda r: "Summary: nothing yet." if r.meta["kind"] == "compaction" else SEARCH
     trajs, _ = run(chat, fn, mode="compaction", context_budget=600, max_new_tokens=40, max_turns=50,
