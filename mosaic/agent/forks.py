@@ -28,6 +28,7 @@ class ForkSessions:
         child.session.state_before = StateRef(session=child.session.id, upto=boundary) if own else \
             StateRef(session=s.id, upto=live.turn_start)
         child.fork_boundary = live.turn_start
+        child.session.meta["forked_at"] = live.turn_start  # the parent's length where it left (any states)
         child.turn_start = boundary
         run.counters["forks"] += 1
 

@@ -233,6 +233,7 @@ class Harness(EnvCalls, ForkSessions, ResetSessions):
         top = run.stack[-1] if run.stack else None
         for live in reversed(list(run.stack)):
             if live.session.kind == "subagent":  # aborted: its result never reached the parent
+                live.session.meta["aborted"] = True
                 live.session.state_after = self._own_end(live) if self.config.subagent_states == "own" else \
                     StateRef(session=live.session.parent, upto=live.fork_boundary)
             self._close(run, live, reason if live is top else "aborted", ends=True)
@@ -401,6 +402,7 @@ class Harness(EnvCalls, ForkSessions, ResetSessions):
         mains = [s for s in traj.sessions if s.kind in ("main", "reset")]
         mains[-1].is_final = True
         if self.config.resets:
+            self._keep_bare_prompt(run, mains[-1])
             mains[-1].meta.setdefault("notes_after", list(run.notes))
             traj.meta["notes"] = list(run.notes)
             traj.meta.update({k: run.counters[k] for k in ("resets", "notes_written", "workspace_full", "partner_tokens")})

@@ -39,12 +39,25 @@ class ResetSessions:
     """The reset-mode part of :class:`~mosaic.agent.harness.Harness` (a mixin: it uses the harness's
     ``config``, ``chat``, ``hooks`` and session helpers)."""
 
+    def _reset_system(self, role: int | None) -> str:
+        system = self.hooks.system_text(self.config, 0, TOOL_DOCS["delegate"])
+        return system if role is None else system + f"\nYour role: {self.config.reset_roles[role]}"
+
+    def _keep_bare_prompt(self, run: RunState, final) -> None:
+        """For the final reset session of a run with roles: its prompt with an empty workspace (same role),
+        kept in ``traj.states`` and named by ``meta["bare_state"]`` — what the downstream credit puts in
+        place of the notes (docs/algorithm.md §4.10); without roles the root's prompt is that already."""
+        if final.kind != "reset" or final.meta.get("role") is None or final.parent is None:
+            return
+        ids, boundary = self.chat.initial_prompt(self._reset_system(final.meta["role"]),
+                                                 self.config.reset_text(run.question, []))
+        run.traj.states.append(ids[:boundary])
+        final.meta["bare_state"] = len(run.traj.states) - 1
+
     def _open_reset(self, run: RunState, parent: int | None) -> LiveSession:
         cfg = self.config
         role = cfg.role_of(sum(1 for s in run.traj.sessions if s.kind == "reset"))
-        system = self.hooks.system_text(cfg, 0, TOOL_DOCS["delegate"])
-        if role is not None:
-            system += f"\nYour role: {cfg.reset_roles[role]}"
+        system = self._reset_system(role)
         prompt, boundary = self.chat.initial_prompt(system, self.config.reset_text(run.question, run.notes))
         live = self._new_session(run, "reset", prompt, parent, None if parent is None else "continues", 0,
                                  run.question)

@@ -276,8 +276,10 @@ class AlgoConfig(_Section):
             self._need(why is None, k.name, why or "")
         self._need(self.gain_reference in ("answer", "group"), "gain_reference", "must be 'answer' or 'group'")
         if self.gain_reference == "group" and name is not None:
-            self._need(get_estimator(name).level == "session", "gain_reference",
+            est = get_estimator(name)
+            self._need(est.level == "session", "gain_reference",
                        f"group references are for session-level estimators; {name} scores turns")
+            self._need(est.needs_gains, "gain_reference", f"group references change the gains; {name} reads none")
         self._positive("kl_coef", allow_zero=True)
         self._positive("score_batch_tokens", "clip_low", "clip_high")
         self._need(self.clip_low < 1, "clip_low", "must be < 1")

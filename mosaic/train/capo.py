@@ -36,13 +36,16 @@ __all__ = ["action_span", "action_mask", "batch_action_mask", "piece_fn", "Activ
            "routed_modules", "routed_backward"]
 
 _CALL = re.compile(r'<tool_call>\s*\{\s*"name"\s*:\s*"[^"]*"')
+_ANSWER = re.compile(r"<\s*answer\s*>", re.I)  # (any case and spacing, as the reward's extraction reads it)
+_ANSWER_END = re.compile(r"<\s*/\s*answer\s*>", re.I)
 
 
 def action_span(text: str) -> tuple[int, int] | None:
     """Character span of a turn's action label (see the module docstring), or None."""
-    a, c = text.find("<answer>"), text.find("<tool_call>")
-    if a >= 0 and ("</answer>" in text[a:] or c < 0):  # a complete answer wins over a call (tools.parse_action)
-        return a, a + len("<answer>")
+    m_a = _ANSWER.search(text)
+    a, c = (m_a.start() if m_a else -1), text.find("<tool_call>")
+    if m_a and (_ANSWER_END.search(text, m_a.end()) or c < 0):  # a complete answer wins (tools.parse_action)
+        return a, m_a.end()
     if c < 0:
         return None
     m = _CALL.match(text, c)

@@ -14,8 +14,9 @@ the trajectory ended without an answer):
 * a session whose output reaches the final state only through another session — its *consumer*: a
   subagent's parent, a main session's compaction, a compaction's (or reset's) next session — inherits a
   share of its consumer's credit: ``D_k = s_k · D_c`` with ``s_k = g_k⁺ / Σ g_j⁺`` over the consumer's inputs
-  ``j`` (their positive immediate gains; equal shares when none is positive). The shares of a consumer's
-  inputs sum to 1: propagation conserves credit along each edge.
+  ``j`` when ``D_c >= 0`` (their positive immediate gains), ``g_k⁻ / Σ g_j⁻`` when ``D_c < 0`` (blame to
+  the inputs that lowered the likelihood); equal shares when no gain has that sign. The shares of a
+  consumer's inputs sum to 1: propagation conserves credit along each edge.
 * a session whose output never reaches the final state (an aborted subagent, a record without the span)
   gets ``D = 0``, counted.
 
@@ -32,6 +33,7 @@ from typing import Literal, Sequence
 import torch
 
 from mosaic.agent.chat import ProbeFn
+from mosaic.envs.rewards import normalize_answer
 from mosaic.trace.graph import Session, Trajectory
 from mosaic.trace.rows import turn_boundaries
 from mosaic.train.probes import Host, ScoreStats, eval_mode, extend_cache, run_from_caches, run_reference
@@ -109,11 +111,15 @@ def plan_downstream(traj: Trajectory, empty_result_ids: Sequence[int],
     bare = None
     if rb is not None and rb.session == root.id and rb.state is None and rb.upto:
         bare = tuple(root.tokens()[: rb.upto])
+    k = fin.meta.get("bare_state")  # reset mode with roles: the final session's own role, an empty workspace
+    if type(k) is int and 0 <= k < len(traj.states):
+        bare = tuple(traj.states[k])
     for s in traj.sessions:
         if s.is_final:
             continue
         if s.edge == "forks":  # a helper: its result is merged into its parent
-            if s.end_reason == "aborted" or ("merged_at" not in s.meta and s.state_after == s.state_before):
+            if s.end_reason == "aborted" or s.meta.get("aborted") or \
+                    ("merged_at" not in s.meta and s.state_after == s.state_before):  # fmt: skip
                 continue  # ended with the trajectory: its result never reached the parent
             c = s.parent
             if c != fin.id:
@@ -142,7 +148,9 @@ def plan_downstream(traj: Trajectory, empty_result_ids: Sequence[int],
 
 def propagate(plan: DownstreamPlan, direct: dict[int, float], gains: Sequence[float], n: int) -> list[float]:
     """Per session (``n`` of them) the downstream credit: ``direct`` where ablated, else a share of the
-    consumer's credit by positive immediate gain (``gains``, per session id), 0 where nothing flows."""
+    consumer's credit — credit (``D_c >= 0``) shared by the inputs' positive immediate gains, blame
+    (``D_c < 0``) by their negative ones (``gains``, per session id); equal shares when no input's gain
+    has that sign; 0 where nothing flows."""
     inputs: dict[int, list[int]] = {}
     for k, c in plan.consumer.items():
         inputs.setdefault(c, []).append(k)
@@ -155,10 +163,12 @@ def propagate(plan: DownstreamPlan, direct: dict[int, float], gains: Sequence[fl
             v = float(direct[k])
         elif k in plan.consumer and depth <= n:
             c = plan.consumer[k]
-            pos = [max(float(gains[j]), 0.0) for j in inputs[c]]
-            tot = sum(pos)
-            share = pos[inputs[c].index(k)] / tot if tot > 0 else 1.0 / len(inputs[c])
-            v = share * credit(c, depth + 1)
+            dc = credit(c, depth + 1)
+            sign = 1.0 if dc >= 0 else -1.0  # credit goes to the inputs that raised L, blame to those that lowered it
+            part = [max(sign * float(gains[j]), 0.0) for j in inputs[c]]
+            tot = sum(part)
+            share = part[inputs[c].index(k)] / tot if tot > 0 else 1.0 / len(inputs[c])
+            v = share * dc
         else:
             v = 0.0
         memo[k] = v
@@ -335,21 +345,23 @@ async def downstream_from_logprobs(traj: Trajectory, probe, logprob_fn, gains: S
 
 
 def group_references(trajs: Sequence[Trajectory]) -> dict[str, str | None]:
-    """Per group, the final answer of its successful trajectories (the most frequent one; ties: the first in
-    batch order), or None when no trajectory of the group succeeded with a non-empty answer."""
+    """Per group, the final answer of its successful trajectories (the most frequent one, answers compared
+    after the reward's normalisation; ties: the first in batch order; the first spelling seen), or None
+    when no trajectory of the group succeeded with a non-empty answer."""
     seen: dict[str, Counter] = {}
-    first: dict[str, dict[str, int]] = {}
+    first: dict[str, dict[str, tuple[int, str]]] = {}  # normalised answer -> (batch index, raw answer) of its first
     for n, t in enumerate(trajs):
         seen.setdefault(t.group_id, Counter())
-        if t.success and t.answer and t.answer.strip():
-            seen[t.group_id][t.answer] += 1
-            first.setdefault(t.group_id, {}).setdefault(t.answer, n)
+        key = normalize_answer(t.answer) if t.success and t.answer else ""
+        if key:  # answers that agree after the reward's normalisation are one answer
+            seen[t.group_id][key] += 1
+            first.setdefault(t.group_id, {}).setdefault(key, (n, t.answer))
     out: dict[str, str | None] = {}
     for gid, cnt in seen.items():
         if not cnt:
             out[gid] = None
             continue
-        out[gid] = min(cnt, key=lambda a: (-cnt[a], first[gid][a]))
+        out[gid] = first[gid][min(cnt, key=lambda a: (-cnt[a], first[gid][a][0]))][1]
     return out
 
 

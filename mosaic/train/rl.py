@@ -204,7 +204,7 @@ def _samples(cfg: Config, trajs: list[Trajectory], scores, res: StepAdvantages, 
     return sample_records(trajs, keep, step=step, estimator=cfg.algo.estimator, advantages=res.every,
                           unavailable=res.unavailable, gains=scores.gains, turn_gains=scores.turn_gains,
                           layout=res.layout, downstream=scores.downstream,
-                          downstream_how=scores.downstream_how)  # fmt: skip
+                          downstream_how=scores.downstream_how, gain_valid=scores.gain_valid)  # fmt: skip
 
 
 _ADDITIVE = frozenset({"score/probes", "score/unique_states", "score/tokens_encoded"})

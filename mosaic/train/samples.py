@@ -104,13 +104,13 @@ def _rounded(values) -> list[float]:
     """Six significant digits: the page shows three, and the file stays small."""
     import torch
 
-    return [float(f"{x:.6g}") for x in torch.as_tensor(values, dtype=torch.float64).tolist()]
+    return [float(f"{x:.6g}") + 0.0 for x in torch.as_tensor(values, dtype=torch.float64).tolist()]  # (+0.0: no -0.0)
 
 
 def sample_records(trajs: Sequence[Trajectory], keep: Sequence[int], *, step: int, estimator: str | None,
                    advantages: dict[str, torch.Tensor], unavailable: dict[str, str], gains=None, turn_gains=None,
                    layout: TurnLayout | None = None, downstream=None,
-                   downstream_how: Sequence[str] | None = None) -> list[dict[str, Any]]:  # fmt: skip
+                   downstream_how: Sequence[str] | None = None, gain_valid=None) -> list[dict[str, Any]]:  # fmt: skip
     """The ``samples.jsonl`` lines of trajectories ``keep`` (indices into ``trajs``, the whole batch that
     ``advantages`` (from :func:`all_estimator_advantages`), ``gains`` (S,), ``downstream`` (S,) with
     ``downstream_how`` (S,) and ``turn_gains`` (U,) cover)."""
@@ -121,6 +121,7 @@ def sample_records(trajs: Sequence[Trajectory], keep: Sequence[int], *, step: in
     adv = {n: _rounded(v) for n, v in advantages.items()}
     g = None if gains is None else _rounded(gains)
     dn = None if downstream is None else _rounded(downstream)
+    valid = None if gain_valid is None else [bool(v) for v in gain_valid.tolist()]
     tg = None if turn_gains is None else _rounded(turn_gains)
     # Offsets of each trajectory's sessions (S order) and each session's turns (U order).
     s_off, k = [], 0
@@ -136,8 +137,8 @@ def sample_records(trajs: Sequence[Trajectory], keep: Sequence[int], *, step: in
     out = []
     for i in keep:
         t = trajs[i]
-        sessions = [_session_record(t, sess, s_off[i] + sess.id, u_off, adv, levels, g, tg, dn, downstream_how)
-                    for sess in t.sessions]
+        sessions = [_session_record(t, sess, s_off[i] + sess.id, u_off, adv, levels, g, tg, dn, downstream_how,
+                                    valid) for sess in t.sessions]
         out.append({"schema": SAMPLE_SCHEMA, "schema_version": SAMPLE_SCHEMA_VERSION, "step": int(step),
                     "trajectory": t.id, "task_id": t.task_id, "group_id": t.group_id, "reward": float(t.reward),
                     "success": bool(t.success), "answer": t.answer, "ground_truth": t.ground_truth,
@@ -148,7 +149,7 @@ def sample_records(trajs: Sequence[Trajectory], keep: Sequence[int], *, step: in
 
 
 def _session_record(t: Trajectory, s, flat: int, u_off: list[int], adv: dict, levels: dict, g, tg, dn,
-                    how) -> dict[str, Any]:  # fmt: skip
+                    how, valid) -> dict[str, Any]:  # fmt: skip
     """One session's entry of a ``samples.jsonl`` line (``flat``: its index in the batch's S order)."""
     rec: dict[str, Any] = {"id": s.id, "kind": s.kind, "parent": s.parent, "edge": s.edge,
                            "end": s.end_reason, "final": bool(s.is_final), "turns": s.num_turns}  # fmt: skip
@@ -159,16 +160,19 @@ def _session_record(t: Trajectory, s, flat: int, u_off: list[int], adv: dict, le
             rec["prefix"] = [s.parent, n]
             prompt = prompt[n:]
     sb = s.state_before
-    if s.edge == "forks" and sb is not None and sb.session == s.parent and sb.upto is not None:
-        rec["fork_at"] = sb.upto  # where in the parent's tokens it left (the viewer shows the turn)
+    if s.edge == "forks" and type(s.meta.get("forked_at")) is int:
+        rec["fork_at"] = s.meta["forked_at"]  # where in the parent's tokens it left (the viewer shows the turn)
+    elif s.edge == "forks" and sb is not None and sb.session == s.parent and sb.upto is not None:
+        rec["fork_at"] = sb.upto  # (records without forked_at: the merge-mode state before is the same point)
     if "notes_before" in s.meta or "notes_after" in s.meta:  # a reset session's workspace (mode=reset)
         rec["notes"] = {"before": list(s.meta.get("notes_before", [])),
                         "after": list(s.meta.get("notes_after", []))}
     rec["prompt"] = prompt
     rec["completion"] = list(s.completion_ids)
     rec["mask"] = mask_runs(s.loss_mask)
-    rec["gain"] = None if g is None or s.is_final else g[flat]
-    if dn is not None and not s.is_final:  # the downstream credit (§4.10), beside the immediate gain
+    unscored = s.is_final or (valid is not None and not valid[flat])  # (§4.11: no answer was probed)
+    rec["gain"] = None if g is None or unscored else g[flat]
+    if dn is not None and not unscored:  # the downstream credit (§4.10), beside the immediate gain
         rec["downstream"] = dn[flat]
         if how is not None:
             rec["downstream_how"] = str(how[flat])

@@ -121,6 +121,10 @@ def test_propagation_shares_follow_positive_gains_and_conserve_credit():
     # no positive gain among the inputs: equal shares
     d0 = propagate(plan, {5: 3.0}, [0.0] * 7, 7)
     assert d0[1] == d0[3] == d0[4] == pytest.approx(1.0)
+    # blame (a negative consumer credit) goes to the inputs that lowered the likelihood, not the helpful ones
+    dn = propagate(plan, {5: -2.0}, gains, 7)
+    assert dn[4] == pytest.approx(-2.0) and dn[1] == 0.0 and dn[3] == 0.0  # sub4 alone had g < 0
+    assert dn[1] + dn[3] + dn[4] == pytest.approx(dn[2])
 
 
 def test_final_state_is_before_the_answer_turn():
@@ -151,6 +155,9 @@ def test_group_reference_is_the_most_frequent_successful_answer():
              t(7, "c", True, "y")]
     refs = group_references(trajs)
     assert refs == {"a": "Velmora", "b": None, "c": "z"}  # ties: the first in batch order
+    # answers that agree after the reward's normalisation are one answer (the first spelling is kept)
+    assert group_references([t(0, "d", True, "Lyon"), t(1, "d", True, "Paris"), t(2, "d", True, "the paris.")]) \
+        == {"d": "Paris"}
     out = with_references(trajs, refs)
     assert [x.ground_truth for x in out] == ["Velmora"] * 4 + [None, None, "z", "z"]
     assert trajs[0].ground_truth == "gold" and out[0].sessions is trajs[0].sessions
@@ -206,3 +213,50 @@ def test_the_verl_loops_server_path_gives_the_same_credit(forks):
                                                     g[off : off + n].tolist(), **kw))
         off += n
     torch.testing.assert_close(torch.tensor(got, dtype=torch.float32), want, atol=1e-4, rtol=0)
+
+
+def test_own_states_keep_the_fork_point_and_cut_off_helpers_are_none(forks, tmp_path):
+    """Review findings: with ``subagent_states=own`` the samples still say where a helper left its parent,
+    and a helper cut off with the trajectory is ``none`` (its result never merged), not ``missing``."""
+    from mosaic.agent.expert import ExpertNoise, ExpertPolicy
+    from mosaic.agent.harness import DeepSearchEnv, Harness, HarnessConfig
+
+    chat, split, _ = forks
+    policy = ExpertPolicy(chat.tokenizer, split.tasks[:6], ExpertNoise(), seed=0)
+    trajs = Harness(policy, chat, DeepSearchEnv(split), HarnessConfig(
+        mode="fork", context_budget=2048, max_new_tokens=64, subagent_states="own", max_total_turns=4,
+    )).run(split.tasks[:6], 1, seed=0, progress=False)  # fmt: skip
+    cut = [(t, s) for t in trajs for s in t.sessions if s.kind == "subagent" and s.meta.get("aborted")]
+    assert cut and all("merged_at" not in s.meta for _, s in cut)
+    for t, s in cut:
+        assert s.id not in plan_downstream(t, [1]).missing
+    from mosaic.train.samples import sample_records
+    recs = sample_records(trajs, range(len(trajs)), step=1, estimator=None, advantages={}, unavailable={})
+    forks_ = [s for r in recs for s in r["sessions"] if s["kind"] == "subagent"]
+    assert forks_ and all(isinstance(s.get("fork_at"), int) for s in forks_)
+
+
+def test_reset_roles_ablate_the_notes_not_the_role(forks):
+    """Review finding: with ``reset_roles`` the final session's bare prompt keeps its own role (an empty
+    workspace), so the ablation swaps the notes only."""
+    from mosaic.agent.expert import ExpertNoise, ExpertPolicy
+    from mosaic.agent.harness import DeepSearchEnv, Harness, HarnessConfig
+
+    chat, split, _ = forks
+    roles = ("You search and note.", "You read the notes and decide.")
+    policy = ExpertPolicy(chat.tokenizer, split.tasks[:6], ExpertNoise(), seed=0)
+    trajs = Harness(policy, chat, DeepSearchEnv(split), HarnessConfig(
+        mode="reset", reset_k=2, max_new_tokens=64, max_sessions=12, reset_roles=roles)).run(
+        split.tasks[:6], 1, seed=0, progress=False)  # fmt: skip
+    seen = 0
+    for t in trajs:
+        fin = t.final_session()
+        if fin.parent is None:
+            continue
+        plan = plan_downstream(t, chat.tool_delta(""), chat.generation_header_ids)
+        (ab,) = [a for a in plan.ablations if t.sessions[a.session].kind == "reset"]
+        bare = chat.decode(list(ab.replacement))
+        assert f"Your role: {roles[fin.meta['role']]}" in bare and "(empty)" in bare
+        assert list(ab.replacement) == t.states[fin.meta["bare_state"]]
+        seen += 1
+    assert seen >= 3

@@ -107,3 +107,20 @@ def test_every_estimator_in_a_record_is_what_the_trainer_trains_with():
             else:
                 assert s["downstream"] == pytest.approx(float(down[flat]), rel=1e-5) and s["downstream_how"] == "direct"
             assert len(s["turn_gains"]) == len(s["turn_adv"]["fold"])
+
+
+def test_sessions_without_a_reference_have_no_gain_in_the_samples():
+    """§4.11: a session whose group had no success was not probed: its gain and downstream credit are null,
+    not 0; no -0.0 is written."""
+    trajs = _batch()
+    n = sum(len(t.sessions) for t in trajs)
+    valid = torch.tensor([t.group_id != trajs[0].group_id for t in trajs for _ in t.sessions])
+    gains, down = torch.zeros(n) * -1.0, torch.linspace(-1, 1, n)
+    recs = sample_records(trajs, range(len(trajs)), step=1, estimator="mosaic", advantages={}, unavailable={},
+                          gains=gains, downstream=down, downstream_how=["direct"] * n, gain_valid=valid)  # fmt: skip
+    for t, r in zip(trajs, recs):
+        for s in r["sessions"]:
+            if t.group_id == trajs[0].group_id or s["final"]:
+                assert s["gain"] is None and "downstream" not in s
+            else:
+                assert s["gain"] == 0.0 and str(s["gain"]) == "0.0"
