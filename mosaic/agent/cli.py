@@ -40,7 +40,8 @@ from rich.table import Table
 from mosaic.agent.chat import ChatFormat, load_smollm2_tokenizer
 from mosaic.config.harness import MODES, HarnessConfig
 from mosaic.agent.expert import ExpertNoise, ExpertPolicy
-from mosaic.agent.harness import DeepSearchEnv, Harness
+from mosaic.agent.episode import make_env
+from mosaic.agent.harness import Harness
 from mosaic.agent.models import load_any
 from mosaic.agent.models.corpus import build_project_tokenizer
 from mosaic.agent.tokenizer import load_tokenizer, save_tokenizer
@@ -227,6 +228,24 @@ def _shared(args: argparse.Namespace):
     return shared
 
 
+def _split(args: argparse.Namespace, shared, cfg):
+    """The split to roll out: deep search's (its world cached under ``data.cache_dir``) or the service
+    family's episodes (``data.family=service``); one line for what cannot run."""
+    from mosaic.envs.cache import cache_dir_error
+    from mosaic.envs.splits import split_config_for
+
+    bad = cache_dir_error(shared.data.cache_dir)
+    if shared.data.family == "service" and cfg.partner == "expert":
+        bad = "config key 'harness.partner': expert: the scripted partner plays deep search only"
+    if bad:
+        raise UsageError(bad)
+    if shared.data.family == "service":
+        from mosaic.envs.service.splits import load_service_split_for
+
+        return load_service_split_for(shared, args.split)
+    return load_split(args.split, split_config_for(shared, args.split), resolve_cache_dir(shared.data.cache_dir))
+
+
 def _run(args: argparse.Namespace) -> int:
     shared = _shared(args)  # first: --help-config / --print-config need nothing else
     _check_args(args)
@@ -234,16 +253,8 @@ def _run(args: argparse.Namespace) -> int:
     seed = shared.train.seed
     temperature = shared.rollout.temperature if args.temperature is None else args.temperature
     top_p = shared.rollout.top_p if args.top_p is None else args.top_p
-    from mosaic.envs.cache import cache_dir_error
-    from mosaic.envs.splits import split_config_for
-
-    bad = cache_dir_error(shared.data.cache_dir)
-    if shared.data.family != "deepsearch":  # (not the train floor's preflight: the agent floor sits below it)
-        bad = (f"config key 'data.family': {shared.data.family}: only `mosaic data generate|show` run this family "
-               "so far (rollouts on it are not wired yet: docs/service.md)")
-    if bad:
-        raise UsageError(bad)
-    split = load_split(args.split, split_config_for(shared, args.split), resolve_cache_dir(shared.data.cache_dir))
+    service = shared.data.family == "service"
+    split = _split(args, shared, cfg)
     tasks = split.tasks if args.n_tasks is None else split.tasks[: args.n_tasks]
     model = model_tok = None
     if args.policy == "local":
@@ -252,7 +263,11 @@ def _run(args: argparse.Namespace) -> int:
     if args.save_tokenizer:
         save_tokenizer(tok, args.save_tokenizer)
     chat = ChatFormat(tok)
-    if args.policy == "expert":
+    if args.policy == "expert" and service:  # the revalidating service expert (its noise knobs do not apply)
+        from mosaic.agent.service_expert import ServiceExpertPolicy
+
+        policy = ServiceExpertPolicy(tok, tasks)
+    elif args.policy == "expert":
         policy = ExpertPolicy(tok, tasks, noise, seed=seed)
     elif args.policy == "local":
         from mosaic.agent.policies.local import LocalPolicy, LocalPolicyConfig  # lazy: torch; keeps --help fast
@@ -270,7 +285,7 @@ def _run(args: argparse.Namespace) -> int:
         partner = ExpertPolicy(tok, tasks, ExpertNoise.off(), seed=seed)
     elif cfg.partner == "frozen":
         partner = policy
-    harness = Harness(policy, chat, DeepSearchEnv(split), cfg, partner=partner)
+    harness = Harness(policy, chat, make_env(split), cfg, partner=partner)
     out = Path(args.out)
     if out.is_file() and out.stat().st_size:  # a second run appended to the first: duplicate trajectory ids
         print(f"mosaic rollout: --out {out} exists; overwriting it", file=sys.stderr)

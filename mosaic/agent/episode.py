@@ -17,6 +17,16 @@ from mosaic.trace.graph import Session, Trajectory
 __all__ = ["DeepSearchEnv", "EnvHooks", "LiveSession", "RunState", "StateScorer", "check_result"]
 
 
+def make_env(split):
+    """The harness's environment for a split of either family: :class:`DeepSearchEnv` over a deep-search
+    split, :class:`mosaic.envs.service.ServiceEnv` over a service split's episodes."""
+    if getattr(split, "family", "deepsearch") == "service":
+        from mosaic.envs.service import ServiceEnv
+
+        return ServiceEnv(split.tasks)
+    return DeepSearchEnv(split)
+
+
 class DeepSearchEnv:
     """Thin adapter over the deep-search environment: a ``Split`` or a ``SearchIndex``."""
 
@@ -40,7 +50,9 @@ class EnvHooks:
     - ``finish(key, text)``: the rollout ends (``text``: the answering message, None when it ended
       otherwise); its result's ``reward`` replaces the answer score, its ``to_dict()`` lands in
       ``traj.meta["env"]``;
-    - ``tool_docs() -> str``: replaces ``{tools}`` in the system prompts (plus ``delegate`` in fork modes).
+    - ``tool_docs() -> str``: replaces ``{tools}`` in the system prompts (plus ``delegate`` in fork modes);
+    - ``system_rules``: text appended to the system prompts (the service family's rules);
+    - ``current_question(key) -> str``: what the task asks now (restated after a compaction).
     """
 
     def __init__(self, env):
@@ -60,6 +72,12 @@ class EnvHooks:
         out = self.env.finish(key, text)
         return out.to_dict() if hasattr(out, "to_dict") else dict(out)
 
+    def question(self, key: str, first: str) -> str:
+        """What the task asks now: the environment's ``current_question(key)`` (a service episode's current
+        visit, restated after a compaction), else ``first`` (deep search: the question never changes)."""
+        now = getattr(self.env, "current_question", None)
+        return now(key) if callable(now) else first
+
     def system_text(self, cfg, depth: int, delegate_doc: str) -> str:
         docs = getattr(self.env, "tool_docs", None)
         if not callable(docs):
@@ -69,7 +87,9 @@ class EnvHooks:
 
         text = docs() + "".join("\n" + (delegate_doc if t == "delegate" else TOOL_DOCS[t])
                                 for t in cfg.tools(depth) if t != "search")
-        return tmpl.replace("{tools}", text)
+        rules = getattr(self.env, "system_rules", "")  # (the service family's rules of the business)
+        out = tmpl.replace("{tools}", text)
+        return out + f"\n{rules}" if rules and rules not in out else out
 
 
 @dataclass

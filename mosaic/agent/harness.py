@@ -333,7 +333,8 @@ class Harness(EnvCalls, ForkSessions, ResetSessions):
         if live.session.kind == "compaction":
             summary = text.replace("<|im_end|>", "").strip()  # (other specials: sanitised in the prompt)
             self._close(run, live, "summary")
-            new = self._open_main(run, self.config.resume_text(run.question, summary), parent=live.session.id)
+            question = self._safe(run, self.hooks.question(run.traj.id, run.question))
+            new = self._open_main(run, self.config.resume_text(question, summary), parent=live.session.id)
             live.session.state_after = new.session.state_before
             return
         self._act(run, live, self._parse(live, text), text)

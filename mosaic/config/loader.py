@@ -142,6 +142,19 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
 }
 """Overrides of the field defaults per preset."""
 
+# The service family (issue 29, docs/service.md) on the cpu preset's model and learning setting: its turns
+# are tool calls with JSON arguments (up to ~200 tokens: max_new_tokens 256) and a two-visit episode takes
+# the scripted expert about 1,300 tokens (at most 1,382 on 32 episodes), so the budget is the model's 2,048
+# positions; caps leave the expert room (9-19 turns). The shipped base model has never seen this family:
+# its warm start is near zero until `mosaic pretrain` covers both families (docs/service.md).
+PRESETS["cpu-service"] = {
+    **PRESETS["cpu"],
+    "data": {**PRESETS["cpu"]["data"], "family": "service"},
+    "harness": {"context_budget": 2048, "max_new_tokens": 256, "summary_max_new_tokens": 128, "max_turns": 40,
+                "max_sessions": 8, "max_total_turns": 60},
+    "train": {**PRESETS["cpu"]["train"], "run_dir": "runs/cpu-service"},
+}
+
 
 def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
     hints = typing.get_type_hints(cls)

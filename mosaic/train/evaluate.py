@@ -18,7 +18,8 @@ from typing import Sequence
 
 import numpy as np
 
-from mosaic.agent.harness import DeepSearchEnv, Harness
+from mosaic.agent.episode import make_env
+from mosaic.agent.harness import Harness
 from mosaic.trace import Trajectory
 from mosaic.config.loader import Config
 from mosaic.train.metrics import rollout_metrics, val_keys
@@ -64,7 +65,7 @@ def evaluate(cfg: Config, model, tokenizer, chat, split, *, n_tasks: int | None 
     if partner_model is None and cfg.harness.partner == "frozen":
         partner_model = frozen_copy(model)
     partner = partner_policy(cfg, tokenizer, split, partner_model, seed=seed, temperature=temperature, batch_size=batch)
-    harness = Harness(policy, chat, DeepSearchEnv(split), cfg.harness, state_scorer=live, partner=partner)
+    harness = Harness(policy, chat, make_env(split), cfg.harness, state_scorer=live, partner=partner)
     trajs = harness.run(tasks, group_size=samples, seed=seed, progress="eval" if progress is True else progress,
                         step="eval")
     gains = is_final = None

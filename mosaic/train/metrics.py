@@ -25,6 +25,8 @@ split by outcome (only mixed groups carry a trajectory advantage) |
 | ``session/compactions``, ``session/forks`` | per trajectory (mean) |
 | ``session/subagent_result_in_final`` | of the helpers' sessions, the share whose result is still in the final
 state (not dropped by a later compaction, not aborted; from the graph, no model) |
+| ``env/stale_rate``, ``env/stale_actions``, ``env/visits_correct``, ``env/state_match``, ``env/answer_correct``,
+``env/tool_errors`` | the service family's outcome per batch (stale actions per mutating action, pooled) |
 | ``dag/*``, ``timing_s/score_downstream`` | the downstream credit's work (``mosaic-dag``, docs/algorithm.md §4.10) |
 | ``capo/action_token_share``, ``capo/action_unit_share`` | ``algo.capo``: share of trained tokens that are action
 labels, of routed units in the action partition (docs/algorithm.md §5.1) |
@@ -109,6 +111,30 @@ def _outcome_split(trajs: Sequence[Trajectory], kinds: list[str]) -> dict[str, f
     return m
 
 
+def _env_metrics(trajs: Sequence[Trajectory]) -> dict[str, float]:
+    """The service family's outcome (``traj.meta["env"]``, docs/service.md): ``env/stale_rate`` (stale
+    actions per mutating action, pooled over the batch), ``env/stale_actions`` (per trajectory),
+    ``env/visits_correct`` (share of visits handled right), ``env/state_match``, ``env/answer_correct``,
+    ``env/tool_errors`` (per trajectory). Nothing for deep search (no such record)."""
+    envs = [t.meta["env"] for t in trajs if isinstance(t.meta.get("env"), dict)]
+    if not envs:
+        return {}
+
+    def num(e: dict, k: str) -> float:
+        v = e.get(k, 0)
+        return float(v) if isinstance(v, (int, float)) else 0.0
+
+    actions = sum(num(e, "actions") for e in envs)
+    return {
+        "env/stale_rate": sum(num(e, "stale_actions") for e in envs) / actions if actions else 0.0,
+        "env/stale_actions": float(np.mean([num(e, "stale_actions") for e in envs])),
+        "env/visits_correct": float(np.mean([num(e, "visits_correct") / max(1.0, num(e, "visits")) for e in envs])),
+        "env/state_match": float(np.mean([num(e, "state_match") for e in envs])),
+        "env/answer_correct": float(np.mean([num(e, "answer_correct") for e in envs])),
+        "env/tool_errors": float(np.mean([num(e, "tool_errors") for e in envs])),
+    }
+
+
 def _results_in_final(trajs: Sequence[Trajectory]) -> dict[str, float]:
     """``session/subagent_result_in_final``: of the helpers' sessions, the share whose result is still in the
     final state's tokens (not dropped by a later compaction, not aborted; docs/algorithm.md §4.10), from the
@@ -145,6 +171,7 @@ def rollout_metrics(trajs: Sequence[Trajectory], gains=None, is_final=None) -> d
     m["session/forks"] = m["session/count/subagent"]
     m.update(_outcome_split(trajs, kinds))
     m.update(_results_in_final(trajs))
+    m.update(_env_metrics(trajs))
     # drift repairs (captured rollouts whose harness re-sent a turn differently): stretches trained apart
     m["rollout/drift_repairs"] = float(sum(len(s.detached) for t in trajs for s in t.sessions))
     m["rollout/drift_detached_tokens"] = float(sum(sum(x.loss_mask) for t in trajs for s in t.sessions

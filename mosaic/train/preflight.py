@@ -48,13 +48,15 @@ def _input_file_error(name: str, value: str, *, dir_ok: bool = False) -> str | N
 
 
 def family_error(cfg) -> str | None:
-    """``data.family`` a verb cannot run yet: the service family has its world, tools, experts and
-    ``mosaic data generate|show``, not yet the trainer, evaluation, rollouts or experiments (docs/service.md);
-    refused in one line rather than silently running deep search."""
+    """A setting the service family (``data.family=service``) cannot run: the scripted reset partner and
+    the external-harness and replay sources play deep search only (docs/service.md)."""
     if cfg.data.family == "deepsearch":
         return None
-    return (f"{_key('data.family')} {cfg.data.family}: only `mosaic data generate|show` run this family so far "
-            "(training, evaluation and rollouts on it are not wired yet: docs/service.md)")
+    if cfg.harness.partner == "expert":
+        return f"{_key('harness.partner')} expert: the scripted partner plays deep search only"
+    if cfg.rollout.source != "builtin":
+        return f"{_key('rollout.source')} {cfg.rollout.source}: the service family runs in the built-in harness only"
+    return None
 
 
 def _sft_output_needed(cfg) -> bool:

@@ -42,12 +42,15 @@ def resolve_dtype(cfg: Config, device: torch.device) -> torch.dtype:
     return getattr(torch, cfg.model.dtype)
 
 
-def load_split(cfg: Config, split: str) -> Split:
-    """The deep-search split ``split`` of ``cfg``'s world (the service family has its own loader:
-    :mod:`mosaic.envs.service.splits`)."""
-    if cfg.data.family != "deepsearch":
-        raise ValueError(f"data.family={cfg.data.family}: the trainer, evaluation and rollouts run deep search "
-                         "only so far (docs/service.md)")
+def load_split(cfg: Config, split: str):
+    """The split ``split`` of ``cfg``'s task family: deep search's :class:`~mosaic.envs.splits.Split` (its
+    world, tasks and search index), or the service family's episodes
+    (:class:`~mosaic.envs.service.splits.ServiceSplit`). :func:`mosaic.agent.episode.make_env` gives the
+    harness its environment."""
+    if cfg.data.family == "service":
+        from mosaic.envs.service.splits import load_service_split_for
+
+        return load_service_split_for(cfg, split)
     return _load_split(split, split_config_for(cfg, split), cache_dir=resolve_cache_dir(cfg.data.cache_dir))
 
 

@@ -21,7 +21,8 @@ import torch
 from tqdm.auto import tqdm
 
 from mosaic.agent.expert import ExpertNoise, ExpertPolicy
-from mosaic.agent.harness import DeepSearchEnv, Harness
+from mosaic.agent.episode import make_env
+from mosaic.agent.harness import Harness
 from mosaic.trace import Trajectory, to_rows
 from mosaic.train.batching import collate, completion_logprobs, pack_rows
 from mosaic.config.loader import Config
@@ -47,9 +48,14 @@ def expert_trajectories(cfg: Config, split, tokenizer, chat, *, n_tasks: int, se
     """Roll the scripted expert over the first ``n_tasks`` tasks of ``split``."""
 
     tasks = split.tasks[:n_tasks]
-    policy = ExpertPolicy(tokenizer, tasks, expert_noise(cfg.sft.expert_noise), seed=seed)
+    if getattr(split, "family", "deepsearch") == "service":  # the revalidating service expert (no noise knobs)
+        from mosaic.agent.service_expert import ServiceExpertPolicy
+
+        policy = ServiceExpertPolicy(tokenizer, tasks)
+    else:
+        policy = ExpertPolicy(tokenizer, tasks, expert_noise(cfg.sft.expert_noise), seed=seed)
     # (reset mode with a partner: the expert plays both roles; only its own role's sessions are trained)
-    harness = Harness(policy, chat, DeepSearchEnv(split), cfg.harness,
+    harness = Harness(policy, chat, make_env(split), cfg.harness,
                       partner=policy if cfg.harness.partner != "self" else None)
     return harness.run(tasks, group_size=1, seed=seed, progress=progress, step="sft")
 

@@ -18,7 +18,8 @@ import contextlib
 from pathlib import Path
 from typing import Any, Callable, ContextManager, Protocol, Sequence, runtime_checkable
 
-from mosaic.agent.harness import DeepSearchEnv, Harness
+from mosaic.agent.episode import make_env
+from mosaic.agent.harness import Harness
 from mosaic.config.loader import Config
 from mosaic.core.estimators import get_estimator
 from mosaic.trace import Trajectory
@@ -75,7 +76,7 @@ class HarnessRollouts:
             if self.score_live else None  # fmt: skip
         partner = partner_policy(cfg, self.tokenizer, self.split, self.partner_model,
                                  seed=cfg.train.seed * 1_000_003 + step)
-        harness = Harness(policy, self.chat, DeepSearchEnv(self.split), cfg.harness, state_scorer=scorer,
+        harness = Harness(policy, self.chat, make_env(self.split), cfg.harness, state_scorer=scorer,
                           partner=partner)
         trajs = harness.run(tasks, group_size=cfg.train.group_size, seed=cfg.train.seed + step, step=step)
         if scorer is not None:

@@ -74,3 +74,29 @@ def test_transcript_unwraps_tool_responses():
             "<|im_start|>assistant\nX<|im_end|>\n<|im_start|>tool\n<tool_response>\nR\n</tool_response><|im_end|>\n"
             "<|im_start|>assistant\n")
     assert transcript_of(text) == [("user", "Visit 1 of 2, day 3. Hi"), ("assistant", "X"), ("tool", "R")]
+
+
+def test_the_family_plugs_into_the_trainers_split_and_env(tmp_path):
+    """Issue 29 item 6: ``data.family=service`` gives the trainer, evaluation and rollouts the service split
+    and its environment (the rules appended to the system prompt once); a compaction restates the current
+    visit, not the first."""
+    from mosaic.agent.episode import make_env
+    from mosaic.config.loader import load_config
+    from mosaic.envs.service.splits import ServiceSplit
+    from mosaic.train.setup import load_split
+
+    cfg = load_config("cpu-service", overrides=[f"data.cache_dir={tmp_path}", "data.n_eval_tasks=8"])
+    split = load_split(cfg, "validation")
+    assert isinstance(split, ServiceSplit) and len(split.tasks) == 8 and split.name == "validation"
+    env = make_env(split)
+    assert isinstance(env, ServiceEnv)
+    chat = ChatFormat(tiny_tokenizer())
+    policy = ServiceExpertPolicy(chat.tokenizer, split.tasks)
+    hc = HarnessConfig(mode="compaction", context_budget=2400, max_new_tokens=256, max_turns=40, max_sessions=12,
+                       max_total_turns=80)
+    trajs = Harness(policy, chat, env, hc).run(split.tasks, 1, seed=0, progress=False)
+    text = chat.decode(trajs[0].sessions[0].prompt_ids)
+    assert text.count(SERVICE_RULES.splitlines()[0]) == 1
+    resumed = [chat.decode(t.sessions[s.id + 1].prompt_ids) for t in trajs for s in t.sessions
+               if s.kind == "compaction" and s.id + 1 < len(t.sessions)]
+    assert resumed and any("Visit 2 of" in r for r in resumed), resumed[:1]

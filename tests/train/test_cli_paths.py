@@ -84,15 +84,15 @@ def _cases(tmp_path):
          "config key 'algo.count_kinds': unknown session kind(s) ['wizard']"),
         (["train", "model.source=dir", f"model.path={m_hdr}", f"train.run_dir={tmp_path / 'r3'}"],
          "model.safetensors: corrupt safetensors header (Error while deserializing header"),
-        # the service family is not wired into these verbs yet: refused, never silently run as deep search
-        (["train", "data.family=service", f"train.run_dir={tmp_path / 'r1'}"], "config key 'data.family': service"),
-        (["eval", "data.family=service", f"train.run_dir={tmp_path / 'r5'}"], "config key 'data.family': service"),
-        (["sft", "data.family=service", f"sft.output_dir={ok_out}"], "config key 'data.family': service"),
-        (["rollout", "data.family=service", "--out", str(tmp_path / "r1" / "x.jsonl")], "config key 'data.family'"),
+        # what the service family cannot run is refused, never silently run as deep search
+        (["train", "data.family=service", "harness.mode=reset", "harness.reset_roles=[a,b]", "harness.partner=expert",
+          f"train.run_dir={tmp_path / 'r1'}"], "config key 'harness.partner': expert"),
+        (["train", "data.family=service", "rollout.source=records", f"rollout.records={records}",
+          f"train.run_dir={tmp_path / 'r1'}"], "config key 'rollout.source': records"),
     ]
 
 
-@pytest.mark.parametrize("case", range(24))
+@pytest.mark.parametrize("case", range(22))
 def test_bad_paths_are_one_line_exit_2_before_any_work(tmp_path, capsys, no_work, case):
     argv, fragment = _cases(tmp_path)[case]
     assert main(argv) == 2, argv

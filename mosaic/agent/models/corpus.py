@@ -46,6 +46,12 @@ def build_project_tokenizer(splits, *, vocab_size: int = 2048, harness_config: H
     cfg = harness_config or HarnessConfig()
     docs, questions, extra = [], [], prompt_texts(cfg)
     for sp in splits:
+        if getattr(sp, "family", "deepsearch") == "service":  # episodes: every visit's text, the rules and tools
+            from mosaic.envs.service import SERVICE_RULES, tool_docs
+
+            questions += [v.text for e in sp.tasks for v in e.visits]
+            extra += [SERVICE_RULES, tool_docs()]
+            continue
         docs += [d.text for d in sp.world.documents]
         questions += [t.question for t in sp.tasks]
         extra += sample_texts(sp.tasks)

@@ -77,6 +77,24 @@ def config_json(cfg: ServiceConfig) -> dict:
     return dataclasses.asdict(cfg)
 
 
+@dataclasses.dataclass
+class ServiceSplit:
+    """A split of the service family as the trainer, evaluation and rollouts take it (deep search's
+    :class:`mosaic.envs.splits.Split` has the same ``tasks`` and ``name``): its episodes are the tasks
+    (``id``, ``question`` = the first visit, ``answer``)."""
+
+    config: ServiceConfig
+    tasks: list[Episode]
+    name: str
+    family: str = "service"
+
+
+def load_service_split_for(cfg, split: str) -> ServiceSplit:
+    """The service split ``split`` of a run's ``data`` section (:func:`service_config_for`)."""
+    config = service_config_for(cfg, split)
+    return ServiceSplit(config, load_service_split(split, config), split)
+
+
 def service_config_for(cfg, split: str) -> ServiceConfig:
     """The config of ``split`` from a run's ``data`` section (``cfg``: a :class:`mosaic.config.loader.Config`):
     its preset and seed, ``n_train_tasks`` / ``n_eval_tasks`` as the number of users, and the service knobs

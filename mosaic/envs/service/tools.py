@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from mosaic.envs.service.backend import Backend, Rejected
 from mosaic.envs.service.rewards import ServiceOutcome, StaleTracker, score_rollout
-from mosaic.envs.service.state import PLANS, USER_FIELDS, Call, call, sets, uses
+from mosaic.envs.service.state import PLANS, SERVICE_RULES, USER_FIELDS, Call, call, sets, uses
 from mosaic.envs.service.text import format_account, format_order, format_orders
 
 TOOLS: dict[str, tuple[tuple[str, ...], str]] = {
@@ -105,6 +105,15 @@ class ServiceEnv:
 
     tool_names = tuple(TOOLS)
     tool_docs = staticmethod(tool_docs)
+    system_rules = SERVICE_RULES
+    """Appended to the harness's system prompts (:class:`mosaic.agent.episode.EnvHooks`)."""
+
+    def current_question(self, key: str) -> str:
+        """The current visit's text of rollout ``key`` (what a resumed session must be told after a compaction)."""
+        r = self.rollouts.get(key)
+        if r is None:
+            raise ToolError(f"no open rollout {key!r}")
+        return r.episode.visits[r.visit].text
 
     def __init__(self, episodes=()):
         self.episodes = {e.id: e for e in episodes}

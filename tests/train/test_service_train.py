@@ -1,0 +1,23 @@
+"""The service family through the trainer (issue 29 item 6): one RL step on the ``cpu-service`` preset logs
+the family's outcome (stale-action rate and the rest) beside the usual metrics."""
+
+import json
+
+
+def test_one_step_on_the_service_family_logs_its_outcome(tmp_path):
+    from mosaic.config.loader import load_config
+    from mosaic.train import entrypoints
+
+    d = tmp_path / "run"
+    cfg = load_config("cpu-service", overrides=[
+        f"data.cache_dir={tmp_path / 'cache'}", "data.n_train_tasks=8", "train.steps=1", "train.batch_tasks=2",
+        "train.group_size=2", "train.heldout_split=none", "train.tensorboard=false", f"train.run_dir={d}"])  # fmt: skip
+    assert entrypoints.run_train(cfg) == 0
+    m = json.loads((d / "metrics.jsonl").read_text().splitlines()[-1])
+    for k in ("env/stale_rate", "env/stale_actions", "env/visits_correct", "env/state_match", "env/answer_correct"):
+        assert k in m and 0 <= m[k] < 1e6, k
+    sample = json.loads((d / "samples.jsonl").read_text().splitlines()[0])
+    assert sample["task_id"].startswith("train-") or sample["task_id"]
+    first = json.loads((d / "vocab.json").read_text())["pieces"]
+    text = "".join(first[i] for i in sample["sessions"][0]["prompt"])
+    assert "get_account" in text and "Visit 1 of" in text  # the family's tools and its first visit
