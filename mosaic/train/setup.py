@@ -18,7 +18,6 @@ from mosaic.agent.models.smollm2 import load_smollm2
 from mosaic.agent.policies.local import LocalPolicy, LocalPolicyConfig
 from mosaic.agent.models.corpus import build_generator_tokenizer
 from mosaic.envs.cache import resolve_cache_dir
-from mosaic.envs.splits import Split
 from mosaic.envs.splits import load_split as _load_split
 from mosaic.config.loader import Config
 from mosaic.envs.splits import split_config_for
