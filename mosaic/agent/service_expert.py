@@ -2,9 +2,10 @@
 
 Wraps :class:`mosaic.envs.service.ServiceExpert` (revalidating or trusting): each request's prompt is
 decoded into the transcript the expert reads (the first user message, its own turns, the tool
-responses), its next message is tokenised (log-probs 0.0). Main and subagent sessions only: a
-compaction session gets a placeholder summary (the service family's compaction support, a resume
-message that carries the current visit, is not built yet).
+responses), its next message is tokenised (log-probs 0.0). A compaction session writes the actions done
+in the current visit as tool calls (:func:`mosaic.envs.service.expert.progress_summary`); the resumed
+session's message restates the current visit (the env's ``current_question``) with that summary, and
+the expert reads the carried actions back, so it neither redoes nor skips them.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Sequence
 
 from mosaic.agent.policy import GenRequest, GenResult
 from mosaic.envs.service import ServiceExpert
+from mosaic.envs.service.expert import progress_summary
 
 _TOOL_OPEN, _TOOL_CLOSE = "<tool_response>\n", "\n</tool_response>"
 
@@ -61,12 +63,13 @@ class ServiceExpertPolicy:
         episode = self.episodes.get(req.meta.get("task_id"))
         if episode is None:
             text = "<answer>unknown</answer>"
-        elif req.meta.get("kind") == "compaction":
-            text = "No notes."
         else:
             decoded = self.tok.decode(list(req.prompt_ids), skip_special_tokens=False,
                                       clean_up_tokenization_spaces=False)
-            text = self.expert.act(episode, transcript_of(decoded))
+            if req.meta.get("kind") == "compaction":  # what this visit has done, as tool calls to read back
+                text = progress_summary(transcript_of(decoded))
+            else:
+                text = self.expert.act(episode, transcript_of(decoded))
         ids = list(self.tok(text, add_special_tokens=False)["input_ids"]) + [self.im_end_id]
         finish = "stop"
         if len(ids) > req.max_new_tokens:

@@ -11,7 +11,8 @@ through the tools.
   It fails exactly the episodes whose ``trap`` flag is set (an unannounced change it depends on).
 
 Progress comes from the transcript: the visit is the last ``Visit k of n`` message; the actions done
-in it are the mutating calls made since that message (rejected ones included: the experts never retry).
+in it are the mutating calls made since that message (rejected ones included: the experts never retry),
+plus those a compaction summary carried in that message (:func:`progress_summary` writes them as tool calls).
 """
 
 from __future__ import annotations
@@ -69,6 +70,32 @@ def _belief(calls: list[tuple[str, dict, str]], latest: bool) -> dict | None:
     return {**accounts[pick], "orders": orders[pick]}
 
 
+def visit_progress(transcript: list[tuple[str, str]]) -> tuple[int | None, int | None, list[tuple[str, dict]]]:
+    """``(index of the current visit's message, visit number k (0-based), the mutating calls done in it)``;
+    the calls include those a compaction summary carries in that message (canonical tool-call texts, see
+    :func:`progress_summary`), so a resumed session does not redo them. ``(None, None, [])`` before any visit."""
+    starts = [(i, int(m.group(1)) - 1) for i, (role, text) in enumerate(transcript)
+              if role != "assistant" and (m := VISIT_RE.match(text))]
+    if not starts:
+        return None, None, []
+    start, k = starts[-1]
+    carried = []
+    for m in _CALL.finditer(transcript[start][1]):  # (only a resumed session's message holds tool calls)
+        parsed = parse_call(m.group(0))
+        if parsed is not None and parsed[0] in MUTATIONS:
+            carried.append(parsed)
+    return start, k, carried + [(n, a) for n, a, _r in _calls(transcript, start) if n in MUTATIONS]
+
+
+def progress_summary(transcript: list[tuple[str, str]]) -> str:
+    """The expert's compaction summary: the actions already done in the current visit, as tool calls (what
+    :func:`visit_progress` reads back after the compaction; lookups are not kept: the expert re-validates)."""
+    _start, _k, done = visit_progress(transcript)
+    if not done:
+        return "Nothing done yet in this visit."
+    return "Done in this visit: " + " ".join(tool_call_text(n, a) for n, a in done)
+
+
 class ServiceExpert:
     """A scripted agent for the service family; see the module docstring."""
 
@@ -77,11 +104,9 @@ class ServiceExpert:
 
     def act(self, episode, transcript: list[tuple[str, str]]) -> str:
         """The next assistant message (a tool call or the answer) given the transcript so far."""
-        starts = [(i, int(m.group(1)) - 1) for i, (role, text) in enumerate(transcript)
-                  if role != "assistant" and (m := VISIT_RE.match(text))]
-        if not starts:
+        start, k, done_calls = visit_progress(transcript)
+        if start is None:
             return "<answer>unknown</answer>"
-        start, k = starts[-1]
         here = _calls(transcript, start)
         looked = {n for n, _a, _r in (here if self.revalidate else _calls(transcript, 0))}
         for lookup in ("get_account", "list_orders"):
@@ -95,7 +120,7 @@ class ServiceExpert:
         else:  # replay what it remembers: every earlier visit's announcements and its own actions
             for j in range(k + 1):
                 plan = visit_plan(state, episode.events_before(j), episode.visits[j].request, believe=True)
-        done = sum(n in MUTATIONS for n, _a, _r in here)
+        done = len(done_calls)  # (those a compaction summary carried included)
         if done < len(plan):
             return tool_call_text(plan[done].name, plan[done].kw)
         if k + 1 < len(episode.visits):
