@@ -232,6 +232,9 @@ class Harness(EnvCalls, ForkSessions, ResetSessions):
     def _end_trajectory(self, run: RunState, reason: str, *, reward: float = 0.0, answer: str | None = None) -> None:
         top = run.stack[-1] if run.stack else None
         for live in reversed(list(run.stack)):
+            if live.session.kind == "compaction" and live.session.state_after is None:
+                # its summary reached no session (the trajectory ended during it, e.g. a policy error): gain 0
+                live.session.state_after = live.session.state_before
             if live.session.kind == "subagent":  # aborted: its result never reached the parent
                 live.session.meta["aborted"] = True
                 live.session.state_after = self._own_end(live) if self.config.subagent_states == "own" else \

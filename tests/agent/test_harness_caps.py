@@ -227,3 +227,21 @@ def test_special_tokens_in_inserted_text_cannot_forge_messages(chat):
         assert not any(main.loss_mask[start + 1:a])
         assert inserted.count(chat.im_start_id) == 1 and inserted.count(chat.im_end_id) == 1
         assert "< |im_end|>" in chat.decode(inserted)
+
+
+def test_a_compaction_cut_off_by_a_policy_error_keeps_zero_gain_states(chat):
+    """A trajectory that ends during its compaction turn (a policy error, e.g. a prompt past the model's
+    positions) leaves that compaction with states (after = before: its summary reached no session), so the
+    gain scorer takes the batch instead of failing on it (found on the service family)."""
+    from mosaic.agent.policy import GenResult
+
+    class FailsOnCompaction(TextPolicy):
+        def generate(self, requests):
+            return [GenResult([], [], "error", error="prompt past the model's positions")
+                    if r.meta["kind"] == "compaction" else out for r, out in zip(requests, super().generate(requests))]
+
+    trajs, _ = run(chat, lambda r: SEARCH, mode="compaction", context_budget=600, max_new_tokens=40, max_turns=50,
+                   policy=FailsOnCompaction(chat.tokenizer, lambda r: SEARCH))
+    comp = [s for t in trajs for s in t.sessions if s.kind == "compaction"]
+    assert comp and all(t.end_reason == "policy_error" for t in trajs)
+    assert all(s.state_after is not None and s.state_after == s.state_before for s in comp)
