@@ -33,6 +33,7 @@ from typing import Literal, Sequence
 import torch
 
 from mosaic.agent.chat import ProbeFn
+from mosaic.agent.policies.sampling import common_prefix
 from mosaic.envs.rewards import normalize_answer
 from mosaic.trace.graph import Session, Trajectory
 from mosaic.trace.rows import turn_boundaries
@@ -199,14 +200,6 @@ def _encode_row(model, tokens: list[int], stats: ScoreStats):
     return [(layer.keys[0], layer.values[0]) for layer in out.past_key_values.layers]
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
 def _probe_jobs(trajs, plans, model, probe_fn, method: str, stats: ScoreStats):
     """The sequences to probe — per trajectory with an ablation, its final state then each ablated one — as
     hosts (and, ``cached``, each one's KV cache: the final state's, extended from where they part)."""
@@ -226,7 +219,7 @@ def _probe_jobs(trajs, plans, model, probe_fn, method: str, stats: ScoreStats):
             where.append((i, sid))
             if kv is None:
                 continue
-            shared = min(_common_prefix(final, seq), len(seq) - 1, len(final) - 1)
+            shared = min(common_prefix(final, seq, len(seq)), len(seq) - 1, len(final) - 1)
             caches.append(_encode_row(model, seq[:-1], stats) if shared < 1 else
                           extend_cache(model, seq, [(K[:, :shared], V[:, :shared]) for K, V in kv], len(seq) - 1,
                                        stats))  # fmt: skip

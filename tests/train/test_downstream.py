@@ -49,15 +49,21 @@ def test_harness_records_where_each_result_lies(forks):
     assert n >= 4
 
 
-def test_cached_matches_reference_and_is_direct_under_forks(forks):
-    chat, _, out = forks
-    trajs = out["fork"]
-    model = tiny_model(vocab_size=len(chat.tokenizer), seed=5)
+def _cached_and_reference(chat, trajs, *, seed):
+    """Downstream credit of ``trajs`` on a tiny random model, cached and reference paths (held equal here)."""
+    model = tiny_model(vocab_size=len(chat.tokenizer), seed=seed)
     g = score_gains(trajs, model, chat.answer_probe).gains
     kw = dict(empty_result_ids=chat.tool_delta(""), header_ids=chat.generation_header_ids)
     fast = score_downstream(trajs, model, chat.answer_probe, g, **kw)
     ref = score_downstream(trajs, model, chat.answer_probe, g, method="reference", **kw)
     torch.testing.assert_close(fast.downstream, ref.downstream, atol=1e-4, rtol=0)
+    return fast, ref
+
+
+def test_cached_matches_reference_and_is_direct_under_forks(forks):
+    chat, _, out = forks
+    trajs = out["fork"]
+    fast, ref = _cached_and_reference(chat, trajs, seed=5)
     assert fast.how == ref.how
     fb = flatten(trajs)
     sub = [h for h, k in zip(fast.how, fb.kinds.tolist()) if k == 2]
@@ -74,12 +80,7 @@ def test_compaction_chain_propagates_and_matches_reference(forks):
     chat, _, out = forks
     trajs = [t for t in out["compaction+fork"] if t.meta["compactions"] > 0]
     assert trajs
-    model = tiny_model(vocab_size=len(chat.tokenizer), seed=6)
-    g = score_gains(trajs, model, chat.answer_probe).gains
-    kw = dict(empty_result_ids=chat.tool_delta(""), header_ids=chat.generation_header_ids)
-    fast = score_downstream(trajs, model, chat.answer_probe, g, **kw)
-    ref = score_downstream(trajs, model, chat.answer_probe, g, method="reference", **kw)
-    torch.testing.assert_close(fast.downstream, ref.downstream, atol=1e-4, rtol=0)
+    fast, ref = _cached_and_reference(chat, trajs, seed=6)
     assert "propagated" in fast.how  # sessions before the last compaction reach the answer through it
     # the last compaction before the final session is ablated directly (summary -> bare task)
     fb = flatten(trajs)
