@@ -78,6 +78,7 @@ class ServerPolicy:
         self.traj_key = traj_key
         self.end_ids = frozenset(int(i) for i in end_ids)
         self.seconds = 0.0
+        self.weight_steps: list[int] = []  # the servers' weight versions (global steps) seen, for verl's staleness metrics
 
     def generate(self, requests: Sequence[GenRequest]) -> list[GenResult]:
         try:
@@ -101,6 +102,9 @@ class ServerPolicy:
             return GenResult([], [], "error", error=f"rollout server: {type(exc).__name__}: {exc}")
         if res.stop_reason == "aborted":
             return GenResult([], [], "error", error="rollout server aborted the request")
+        for key in ("min_global_steps", "max_global_steps"):
+            if res.extra_fields.get(key) is not None:
+                self.weight_steps.append(int(res.extra_fields[key]))
         ids = [int(t) for t in res.token_ids][: req.max_new_tokens]
         lps = [float(x) for x in res.log_probs][: len(ids)] if res.log_probs is not None else [0.0] * len(ids)
         finish = "stop" if ids and ids[-1] in self.end_ids else "length"
@@ -250,6 +254,8 @@ class MosaicAgentLoop(AgentLoopBase):
                 header_ids=self.chat.generation_header_ids)  # fmt: skip
         probe_s = time.perf_counter() - t0
         metrics = AgentLoopMetrics(generate_sequences=policy.seconds, tool_calls=0.0)
+        extra = {"mosaic_probe_seconds": probe_s, "mosaic_rollout_seconds": policy.seconds}
+        if policy.weight_steps:  # verl's v1 trainer reads the weight versions a trajectory was sampled with
+            extra.update(min_global_steps=min(policy.weight_steps), max_global_steps=max(policy.weight_steps))
         return session_outputs(traj, gains, with_logprobs=bool(self.rollout_config.get("calculate_log_probs", False)),
-                               metrics=metrics, downstream=downstream, extra={"mosaic_probe_seconds": probe_s,
-                                                       "mosaic_rollout_seconds": policy.seconds})  # fmt: skip
+                               metrics=metrics, downstream=downstream, extra=extra)  # fmt: skip

@@ -16,7 +16,13 @@ PATCHED: list[str] = []
 
 
 def load() -> None:
-    """Register the Mosaic estimators and agent loop with verl and install the row hook (idempotent)."""
+    """Register the Mosaic estimators and agent loop with verl and install the row hook (idempotent);
+    with ``VERL_PLATFORM=cpu``, first verl's CPU support (:mod:`mosaic.integrations.verl.cpu`), before
+    anything resolves verl's platform."""
+    from mosaic.integrations.verl import cpu
+
+    if cpu.enabled():
+        cpu.register()
     from mosaic.integrations.verl import advantages
 
     advantages.register_estimators()
