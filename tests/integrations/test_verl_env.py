@@ -59,6 +59,12 @@ def test_integration_suite_in_verl_env(verl_py):
 
 
 @pytest.mark.slow
+def test_verls_trainer_on_cpu_end_to_end(verl_py):
+    """2 steps each of examples/verl/run_{mosaic,broadcast}_compaction.sh with DEVICE=cpu (test_cpu_e2e.py)."""
+    _pytest_in_venv(verl_py, "-m", "slow", "tests/integrations/verl/test_cpu_e2e.py", timeout=3300)
+
+
+@pytest.mark.slow
 def test_core_trace_agent_suites_on_verls_transformers(verl_py):
     _pytest_in_venv(verl_py, "tests/core", "tests/trace", "tests/agent/test_chat_format.py",
                     "tests/agent/test_harness_records.py", "tests/agent/test_harness_caps.py",

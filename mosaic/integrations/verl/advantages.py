@@ -140,6 +140,16 @@ def _fetch_extra_fields(keys: list[str], partition_id: str) -> list[dict]:
     return rows
 
 
+PADDING_ROWS = [0]  # verl's synthetic padding rows seen by the multi-trajectory hook (tests, metrics)
+
+
+def real_rows(keys: list[str], traj_ids) -> np.ndarray:
+    """(N,) bool: which rows are the agent loop's own. verl keys a row ``{uid}_{session_id}_{index}`` and
+    the ``mosaic_agent`` loop names its trajectory ``{uid}_{session_id}``; a synthetic padding row copies
+    another row's fields under a key of its own (``pad<hex>_<i>_0``), so its key and trajectory disagree."""
+    return np.array([str(k).rsplit("_", 1)[0] == str(t) for k, t in zip(keys, traj_ids, strict=True)], dtype=bool)
+
+
 def _wrap_multi_traj(orig):
     sig = inspect.signature(orig)
 
@@ -157,8 +167,22 @@ def _wrap_multi_traj(orig):
                 if extra and all(c in e for e in extra):
                     data.non_tensor_batch[c] = np.array([e[c] for e in extra], dtype=object)
         # verl's own trajectory key is "{uid}_{session_id}"; ours must agree with it
-        return _wrap_compute_advantage(_base_compute_advantage())(
-            data, a["adv_estimator"], norm_adv_by_std_in_grpo=a["norm_adv_by_std_in_grpo"], config=a["config"])
+        run = functools.partial(_wrap_compute_advantage(_base_compute_advantage()), adv_estimator=a["adv_estimator"],
+                                norm_adv_by_std_in_grpo=a["norm_adv_by_std_in_grpo"], config=a["config"])  # fmt: skip
+        real = real_rows(keys, data.non_tensor_batch["mosaic_traj"])
+        if real.all():
+            return run(data)
+        # verl pads the batch to a multiple of its mini-batch size with copies of the first row
+        # (`upsample_batch_to_divisible_size`): those rows train nothing (response mask 0) and must not
+        # count as a second final session of that trajectory. The estimator sees the real rows only.
+        PADDING_ROWS[0] += int((~real).sum())
+        out = run(data.select_idxs(real))
+        LAST_METRICS["mosaic/verl_padding_rows"] = float((~real).sum())
+        for field in ("advantages", "returns"):
+            full = torch.zeros_like(data.batch["response_mask"], dtype=out.batch[field].dtype)
+            full[torch.from_numpy(real)] = out.batch[field]
+            data.batch[field] = full
+        return data
 
     compute_advantage_for_multi_trajectories._mosaic_hook = True
     return compute_advantage_for_multi_trajectories

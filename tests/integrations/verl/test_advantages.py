@@ -137,3 +137,30 @@ def test_verls_own_estimators_are_untouched_by_the_hook():
     out = ray_trainer.compute_advantage(data, adv_estimator="grpo")
     ref, _ = core_algos.compute_grpo_outcome_advantage(case.token_level_rewards, case.response_mask, case.uid)
     torch.testing.assert_close(out.batch["advantages"], ref)
+
+
+def test_verls_synthetic_padding_rows_train_nothing_and_leave_the_real_rows_as_they_were():
+    """verl's v1 trainer pads a batch to its mini-batch multiple with copies of the first row under keys of
+    their own (``upsample_batch_to_divisible_size``); copying a final row must not make a second final
+    session of that trajectory (found running verl's trainer on CPU: the estimator refused the batch)."""
+    from mosaic.integrations.verl import advantages
+
+    case = random_case(5)
+    ours, _ = get_estimator("mosaic")(case.batch)
+    src = int(np.flatnonzero(case.columns["mosaic_final"])[0])  # a final row, copied as verl's template
+    n_pad, width = 2, case.response_mask.shape[1]
+    cols = {k: np.concatenate([v, np.repeat(v[src : src + 1], n_pad)]) for k, v in case.columns.items()}
+    data = DataProto.from_dict(
+        tensors={"token_level_rewards": torch.cat([case.token_level_rewards, torch.zeros(n_pad, width)]),
+                 "response_mask": torch.cat([case.response_mask, torch.zeros(n_pad, width)])},
+        non_tensors={"uid": np.concatenate([case.uid, np.array(["padabc"] * n_pad, dtype=object)]), **cols},
+    )  # fmt: skip
+    keys = case.keys + [f"padabc_{i}_0" for i in range(n_pad)]
+    before = advantages.PADDING_ROWS[0]
+    out = v1_utils.compute_advantage_for_multi_trajectories(data, keys, "mosaic", config=AS_IS)
+    s = len(case.keys)
+    torch.testing.assert_close(out.batch["advantages"][:s], ours[:, None].float() * case.response_mask, rtol=1e-5, atol=1e-6)
+    assert out.batch["advantages"][s:].abs().sum() == 0 and out.batch["returns"][s:].abs().sum() == 0
+    assert advantages.PADDING_ROWS[0] - before == n_pad
+    assert advantages.LAST_METRICS["mosaic/verl_padding_rows"] == n_pad
+    assert advantages.real_rows(keys, cols["mosaic_traj"]).tolist() == [True] * s + [False] * n_pad

@@ -46,6 +46,7 @@ class ScriptedServer:
         self.answer = answer
         self.im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
         self.requests: list[tuple[str, list[int], dict]] = []
+        self.turns = 0
 
     def reply(self, prompt_ids: list[int]) -> str:
         text = self.tok.decode(prompt_ids)
@@ -69,7 +70,9 @@ class ScriptedServer:
             return TokenOutput(token_ids=[0], log_probs=[0.0], stop_reason="completed",
                                extra_fields={"prompt_logprobs": lps + [[0.0]]})  # fmt: skip
         ids = self.sample(prompt_ids, int(sampling_params["max_tokens"]))
-        return TokenOutput(token_ids=ids, log_probs=[-0.25] * len(ids), stop_reason="completed")
+        self.turns += 1  # the weight version moves on mid-trajectory: verl's staleness span 4..5
+        steps = {"min_global_steps": 4 + (self.turns > 2), "max_global_steps": 4 + (self.turns > 2)}
+        return TokenOutput(token_ids=ids, log_probs=[-0.25] * len(ids), stop_reason="completed", extra_fields=steps)
 
 
 class ScriptPolicy:
@@ -141,6 +144,8 @@ def test_one_output_per_session_with_the_harness_tokens_and_graph(split, tokeniz
         assert f["mosaic_traj"] == "u1_3"  # verl's own trajectory key {uid}_{session_id}
     assert outs[-1].reward_score == 1.0 and outs[-1].extra_fields["reward_extra_info"]["acc"] == 1.0
     assert all(o.reward_score is None for o in outs[:-1])  # verl copies the final reward to the others
+    # the weight versions the trajectory was sampled with, which verl's v1 trainer reads on every row
+    assert all((o.extra_fields["min_global_steps"], o.extra_fields["max_global_steps"]) == (4, 5) for o in outs)
 
     # every turn went through the server manager, sticky per session
     turns = [r for r in server.requests if "prompt_logprobs" not in r[2]]
