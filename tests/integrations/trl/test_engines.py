@@ -9,39 +9,20 @@ Runs our step here and TRL in its venv (shares the TRL runs of ``test_processes.
 
 from __future__ import annotations
 
-import contextlib
 from collections import defaultdict
-from types import SimpleNamespace
 
 import pytest
 import torch
 
-import mosaic.train.rl as rl
-from mosaic.trace.storage import read_jsonl
-from mosaic.train import setup
-from mosaic.config.loader import load_config
-from mosaic.train.optim import build_optimizer, build_scheduler
-
 pytestmark = [pytest.mark.peer, pytest.mark.slow]
-
-
-class _Replay:
-    """Our trainer's rollout source for this test: the recorded batch, every step."""
-
-    def __init__(self, trajs):
-        self.trajs = trajs
-
-    def collect(self, tasks, step):
-        return [t for t in self.trajs], {}
-
-    def hold(self):
-        return contextlib.nullcontext()
 
 
 def _tokens(batches) -> dict[tuple, list[tuple[float, float]]]:
     """(ids, absolute position) of every trained token -> its (advantage, weight) values."""
     out: dict[tuple, list[tuple[float, float]]] = defaultdict(list)
     for b in batches:
+        if "input_ids" not in b:  # the scoring entry
+            continue
         for i in range(b["input_ids"].shape[0]):
             n = int(b["attention_mask"][i].sum())
             ids = tuple(b["input_ids"][i, :n].tolist())
@@ -54,32 +35,9 @@ def _tokens(batches) -> dict[tuple, list[tuple[float, float]]]:
 @pytest.fixture(scope="module")
 def ours(recorded, monkeypatch_module):
     """What our trainer's loss is given, per micro-batch, for one step on the recorded batch."""
-    from _record import OVERRIDES
+    from _record import our_step
 
-    cfg = load_config("cpu", overrides=OVERRIDES + ["train.rollout_samples=0"])
-    model, tok = setup.build_base_model(cfg, torch.device("cpu"), torch.float32)
-    trajs = read_jsonl(recorded)
-    opt = build_optimizer(model, cfg.optim)
-    st = rl.RLState(cfg=cfg, model=model, tokenizer=tok, chat=setup.chat_format(tok),
-                    split=SimpleNamespace(tasks=[SimpleNamespace(id=t.task_id) for t in trajs]), optimizer=opt,
-                    scheduler=build_scheduler(opt, cfg.optim, 1), device=torch.device("cpu"),
-                    source=_Replay(trajs))  # fmt: skip
-    seen: list[dict] = []
-    collate, loss = rl.collate, rl.policy_loss
-
-    def spy_collate(*a, **kw):
-        b = collate(*a, **kw)
-        seen.append({"input_ids": b.input_ids, "attention_mask": b.attention_mask, "prompt_lens": b.prompt_lens})
-        return b
-
-    def spy_loss(lp, old, adv, mask, w, **kw):
-        seen[-1].update({"advantages": adv.detach().clone(), "loss_mask": mask.clone(), "token_weights": w.clone()})
-        return loss(lp, old, adv, mask, w, **kw)
-
-    monkeypatch_module.setattr(rl, "collate", spy_collate)
-    monkeypatch_module.setattr(rl, "policy_loss", spy_loss)
-    rl.rl_step(st, 0)
-    return _tokens(seen)
+    return _tokens(our_step(recorded, monkeypatch_module))
 
 
 @pytest.fixture(scope="module")

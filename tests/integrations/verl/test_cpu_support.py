@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from mosaic.integrations.verl.cpu import HFServer
+from mosaic.integrations.verl.cpu_rollout import HFServer
 from mosaic.train.setup import base_model_dir
 
 MODEL = str(base_model_dir("tiny"))
