@@ -9,7 +9,8 @@
 #   ChatML template (SmolLM2-135M-Instruct, Qwen2.5-0.5B-Instruct). Not yet run on a GPU here:
 #   examples/verl/gpu_check.sh is the prepared check for a lent accelerator.
 # DEVICE=cpu: the same trainer on CPU (mosaic.integrations.verl.cpu: a CPU platform for verl, its FSDP
-#   engine on gloo, an HF rollout server with weight sync), small batches, the shipped model by default.
+#   engine on gloo, an HF rollout server with weight sync), small batches, the shipped model by default,
+#   one optimizer step per step; the rollout must stay `hf` (vLLM/SGLang need a GPU).
 #   Tested: tests/integrations/verl/test_cpu_e2e.py (`make slow`), 2 steps of this script and its twin.
 #
 # Usage: [DEVICE=cpu] [MODEL=/path] [NGPU=1] [STEPS=2] examples/verl/run_mosaic_compaction.sh [Hydra overrides]
@@ -24,16 +25,11 @@ GAINS=${GAINS:-true}                    # score session gains on the rollout ser
 NAME=${NAME:-$ESTIMATOR-compaction}
 PYTHON=${PYTHON:-python}
 
-# 1. the deep-search splits as verl Parquet (rows name the `mosaic_agent` loop and carry their world)
-mkdir -p "$DATA"
-[ -f "$DATA/train.parquet" ] || mosaic data export --split train --preset cpu --out "$DATA/train.parquet"
-[ -f "$DATA/validation.parquet" ] || mosaic data export --split validation --preset cpu --out "$DATA/validation.parquet"
-
-REWARD=$("$PYTHON" -c "import mosaic.integrations.verl.reward as m; print(m.__file__)")
-
 case "$DEVICE" in
   gpu)
     MODEL=${MODEL:?set MODEL to a local model directory (SmolLM2-135M-Instruct or a Qwen 0.5B-class instruct model)}
+    # Several optimizer steps per step (verl's mini-batch is ppo_mini_batch_size x n rows, one row per
+    # session): verl weighs each mini-batch's tokens by N / N_minibatch (docs/verl.md; metric mosaic/verl_minibatches).
     DEVICE_ARGS=(
       data.train_batch_size="${BATCH:-16}" data.max_prompt_length=2048 data.max_response_length=2048
       actor_rollout_ref.model.use_remove_padding=True
@@ -51,6 +47,8 @@ case "$DEVICE" in
     MODEL=${MODEL:-$("$PYTHON" -c "from mosaic.train.setup import base_model_dir; print(base_model_dir('tiny'))")}
     export VERL_PLATFORM=cpu          # the Mosaic plugin registers verl's CPU support in every process
     export TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+    # One optimizer step per step, as in `mosaic train`: a mini-batch of MINIBATCH x N rows holds every
+    # session row of a step (at most BATCH x N x max_sessions), which verl allows with dynamic batch sizes.
     DEVICE_ARGS=(
       trainer.device=cpu actor_rollout_ref.actor.strategy=fsdp2 actor_rollout_ref.ref.strategy=fsdp2
       +actor_rollout_ref.model.override_config.attn_implementation=sdpa
@@ -58,10 +56,12 @@ case "$DEVICE" in
       data.train_batch_size="${BATCH:-2}" data.max_prompt_length=1024 data.max_response_length=1024
       data.dataloader_num_workers=0
       actor_rollout_ref.actor.optim.lr=1e-4
-      actor_rollout_ref.actor.ppo_mini_batch_size="${BATCH:-2}" actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4
+      actor_rollout_ref.actor.ppo_mini_batch_size="${MINIBATCH:-$(( ${BATCH:-2} * 4 ))}"
+      actor_rollout_ref.actor.use_dynamic_bsz=True actor_rollout_ref.actor.ppo_max_token_len_per_gpu=8192
       actor_rollout_ref.rollout.name=hf actor_rollout_ref.rollout.n="${N:-2}" actor_rollout_ref.rollout.free_cache_engine=False
-      actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4 actor_rollout_ref.rollout.agent.num_workers=1
-      actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4
+      actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=True actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=8192
+      actor_rollout_ref.ref.log_prob_use_dynamic_bsz=True actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=8192
+      actor_rollout_ref.rollout.agent.num_workers=1
       +mosaic.harness.context_budget=512 +mosaic.harness.max_new_tokens=64 +mosaic.harness.summary_max_new_tokens=64
       +mosaic.harness.max_turns=6 +mosaic.harness.max_sessions=4 +mosaic.harness.max_total_turns=12
       +ray_kwargs.ray_init.num_gpus="$NGPU" ray_kwargs.ray_init.num_cpus=16   # logical worker slots, no GPU
@@ -69,6 +69,13 @@ case "$DEVICE" in
     ) ;;
   *) echo "DEVICE must be gpu or cpu, not '$DEVICE'" >&2; exit 2 ;;
 esac
+[ -f "$MODEL/config.json" ] || { echo "MODEL=$MODEL is not a model directory (no config.json)" >&2; exit 2; }
+
+# 1. the deep-search splits as verl Parquet (rows name the `mosaic_agent` loop and carry their world)
+mkdir -p "$DATA"
+[ -f "$DATA/train.parquet" ] || mosaic data export --split train --preset cpu --out "$DATA/train.parquet"
+[ -f "$DATA/validation.parquet" ] || mosaic data export --split validation --preset cpu --out "$DATA/validation.parquet"
+REWARD=$("$PYTHON" -c "import mosaic.integrations.verl.reward as m; print(m.__file__)")
 
 # 2. verl's PPO entry point; `import verl` loads the Mosaic plugin (entry point `verl.plugins: mosaic`)
 #    in the driver and every Ray worker: estimators, advantage-row hook, `mosaic_agent` loop.

@@ -10,7 +10,7 @@ How it plugs in (every point is one verl offers, except the one marked):
 | --- | --- |
 | every estimator of ``mosaic.core.estimators`` that session rows can feed (:func:`estimator_names`: ``mosaic``, ``mosaic-traj``, ``mosaic-session``, ``broadcast``, and their other spellings), knobs ``algorithm.mosaic.<knob>`` from the same registry | ``core_algos.register_adv_est`` |
 | per-row fields reaching them (trajectory, kind, final flag, count, gain) | **none in verl 0.9.1**: its dispatcher forwards ``non_tensor_batch`` only to ``gdpo``; :func:`.advantages.install_row_hook` wraps ``compute_advantage`` for our names only |
-| trajectory-token-mean | the estimator scales each row's advantage by ``N / (n_traj * tokens_of_traj)`` (unit token mean); verl's own ``token-mean`` ``agg_loss`` then yields our weights exactly, at any micro-batch or data-parallel layout |
+| trajectory-token-mean | the estimator scales each row's advantage by ``N / (n_traj * tokens_of_traj)`` (unit token mean); verl's own ``token-mean`` ``agg_loss`` then yields our weights exactly, at any micro-batch or data-parallel layout of one mini-batch (several mini-batches: several optimizer steps, each normalised by its own tokens; counted as ``mosaic/verl_minibatches``) |
 | the multi-session agent loop ``mosaic_agent`` | ``experimental.agent_loop.register`` + ``AgentLoopBase``; one ``AgentLoopOutput`` per session (list return, consumed by verl's v1 trainer) |
 | session gains, downstream credit (``mosaic.downstream=true``, for ``mosaic-dag``) | the rollout servers' prompt log-probs (``sampling_params["prompt_logprobs"]``), see :mod:`.agent_loop` |
 | reward | ``custom_reward_function.path`` → :func:`.reward.compute_score` |

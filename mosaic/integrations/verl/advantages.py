@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import sys
 from typing import Any
 
@@ -188,6 +189,26 @@ def _wrap_multi_traj(orig):
     return compute_advantage_for_multi_trajectories
 
 
+_WARNED: set[str] = set()
+
+
+def minibatches(rows: int, config) -> int:
+    """How many optimizer steps verl's actor takes on a step of ``rows`` rows (sessions, padding included):
+    its mini-batch is ``ppo_mini_batch_size x rollout.n`` rows. The trajectory-token-mean scaling is exact
+    when this is 1; with several, verl normalises each mini-batch by its own tokens, so each optimizer
+    step weighs its tokens by ``N / N_minibatch`` (docs/verl.md). Warned once per process when > 1."""
+    per = int(config.actor_rollout_ref.actor.ppo_mini_batch_size) * int(config.actor_rollout_ref.rollout.n)
+    k = max(1, -(-int(rows) // max(1, per)))
+    if k > 1 and "minibatches" not in _WARNED:
+        _WARNED.add("minibatches")
+        logging.getLogger(__name__).warning(
+            "Mosaic on verl: a step of %d session rows is %d mini-batches of %d rows, so verl takes %d optimizer "
+            "steps and normalises each by its own tokens; for one update per step (the trajectory-token-mean "
+            "weights of mosaic train) set actor_rollout_ref.actor.ppo_mini_batch_size >= rows / rollout.n with "
+            "actor_rollout_ref.actor.use_dynamic_bsz=True (docs/verl.md)", rows, k, per, k)
+    return k
+
+
 def _wrap_trainer_metrics(cls):
     """``PPOTrainer._compute_advantage(batch, metrics)`` also logs the last Mosaic estimator metrics
     (``session/pos_gain_share/*``, ``critic/advantages/*``) into the step's ``metrics``."""
@@ -198,6 +219,8 @@ def _wrap_trainer_metrics(cls):
         LAST_METRICS.clear()
         out = orig(self, batch, metrics=metrics)
         metrics.update(LAST_METRICS)
+        if _name(self.config.algorithm.adv_estimator) in estimator_names():
+            metrics["mosaic/verl_minibatches"] = float(minibatches(len(batch), self.config))
         return out
 
     cls._compute_advantage = _compute_advantage

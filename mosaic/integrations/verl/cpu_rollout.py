@@ -10,6 +10,8 @@ importing this module imports no verl.
 from __future__ import annotations
 
 import asyncio
+import math
+import numbers
 from typing import Any
 
 import torch
@@ -26,7 +28,9 @@ class HFServer:
     sampled with ``temperature`` / ``top_p`` / ``top_k``; ``logprobs`` are those of the sampled tokens
     under the temperature-scaled distribution (what verl's actor recomputes); ``prompt_logprobs=0``
     returns the prompt's per-token log-probs in vLLM's layout (token 0 dropped, one dummy at the end).
-    Stops at the model's EOS ids (generation config) unless ``ignore_eos``.
+    Stops at the model's EOS ids (generation config) unless ``ignore_eos``, and at ``stop_token_ids``. The
+    log-probs are taken before top-k / top-p (what verl's actor recomputes; vLLM's ``processed_logprobs``
+    may differ when those are set). Parameters it does not implement are refused (:meth:`check_request`).
     """
 
     def __init__(self, model_path: str, max_model_len: int, seed: int = 0, threads: int = 1):
@@ -39,6 +43,11 @@ class HFServer:
         except OSError:
             eos = self.model.config.eos_token_id
         self.eos = set(eos if isinstance(eos, list) else ([] if eos is None else [eos]))
+        self.vocab = int(self.model.get_input_embeddings().weight.shape[0])
+        positions = getattr(self.model.config, "max_position_embeddings", None)
+        if positions is not None and int(max_model_len) > int(positions):
+            raise ValueError(f"max_model_len {max_model_len} exceeds the model's {positions} positions "
+                             "(lower data.max_prompt_length + data.max_response_length)")  # fmt: skip
         self.max_model_len = int(max_model_len)
         self.gen = torch.Generator().manual_seed(int(seed))
         self.lock = asyncio.Lock()
@@ -51,28 +60,67 @@ class HFServer:
                        **kwargs: Any):  # fmt: skip
         from verl.workers.rollout.replica import TokenOutput
 
-        params = dict(sampling_params)
+        prompt, params = self.check_request(prompt_ids, sampling_params)
         async with self.lock:
-            ids, lps, plps = await asyncio.to_thread(self._generate, list(map(int, prompt_ids)), params)
+            ids, lps, plps = await asyncio.to_thread(self._generate, prompt, params)
+            extra: dict[str, Any] = {"global_steps": self.global_steps, "weight_version": self.weight_version}
         self.requests += 1
-        extra: dict[str, Any] = {"global_steps": self.global_steps, "weight_version": self.weight_version}
         if plps is not None:
             extra["prompt_logprobs"] = plps
         return TokenOutput(token_ids=ids, log_probs=lps if params.get("logprobs") else None,
                            stop_reason="completed", extra_fields=extra)  # fmt: skip
 
-    @torch.no_grad()
-    def _generate(self, prompt: list[int], params: dict[str, Any]):
+    SUPPORTED = frozenset({"max_tokens", "max_new_tokens", "temperature", "top_p", "top_k", "logprobs",
+                           "prompt_logprobs", "ignore_eos", "stop_token_ids", "repetition_penalty", "detokenize",
+                           "n", "min_tokens", "seed"})  # fmt: skip
+    """The sampling parameters served; any other key is refused (never silently ignored)."""
+
+    def check_request(self, prompt_ids, sampling_params) -> tuple[list[int], dict[str, Any]]:
+        """The request's prompt as ints in the vocabulary and its parameters, or a ValueError naming the problem."""
+        if not isinstance(sampling_params, dict):
+            raise ValueError(f"sampling_params must be a dict, got {type(sampling_params).__name__}")
+        params = dict(sampling_params)
+        unknown = sorted(set(params) - self.SUPPORTED)
+        if unknown:
+            raise ValueError(f"sampling parameters the hf rollout does not implement: {unknown}")
+        prompt = list(prompt_ids or [])
         if not prompt:
             raise ValueError("empty prompt")
-        room = self.max_model_len - len(prompt)
-        if room < 1:
+        def ok_id(t) -> bool:
+            return isinstance(t, numbers.Integral) and not isinstance(t, bool) and 0 <= t < self.vocab
+
+        if not all(ok_id(t) for t in prompt):
+            raise ValueError(f"prompt ids must be ints in [0, {self.vocab}), got {next(t for t in prompt if not ok_id(t))!r}")
+        prompt = [int(t) for t in prompt]
+        if len(prompt) >= self.max_model_len:
             raise ValueError(f"prompt of {len(prompt)} tokens leaves no room within max_model_len {self.max_model_len}")
-        max_tokens = max(1, min(int(params.get("max_tokens", params.get("max_new_tokens", room))), room))
+        checks = [
+            ("temperature", lambda v: isinstance(v, (int, float)) and math.isfinite(v) and v >= 0, "a finite number >= 0"),
+            ("top_p", lambda v: isinstance(v, (int, float)) and 0 < v <= 1, "in (0, 1]"),
+            ("top_k", lambda v: isinstance(v, int) and (v == -1 or v > 0), "-1 or a positive int"),
+            ("max_tokens", lambda v: v is None or (isinstance(v, int) and v >= 1), "an int >= 1"),
+            ("max_new_tokens", lambda v: v is None or (isinstance(v, int) and v >= 1), "an int >= 1"),
+            ("repetition_penalty", lambda v: v == 1.0, "1.0 (no penalty is implemented)"),
+            ("n", lambda v: v == 1, "1"),
+            ("min_tokens", lambda v: v in (0, None), "0"),
+            ("prompt_logprobs", lambda v: v in (0, None), "0 or None (the prompt tokens' own log-probs)"),
+            ("stop_token_ids", lambda v: v is None or all(isinstance(t, int) for t in v), "a list of ints"),
+        ]  # fmt: skip
+        for key, ok, what in checks:
+            if key in params and not ok(params[key]):
+                raise ValueError(f"sampling parameter {key}={params[key]!r}: must be {what}")
+        return prompt, params
+
+    @torch.no_grad()
+    def _generate(self, prompt: list[int], params: dict[str, Any]):
+        room = self.max_model_len - len(prompt)
+        limit = params.get("max_tokens", params.get("max_new_tokens"))
+        max_tokens = room if limit is None else min(int(limit), room)
         temp = float(params.get("temperature", 1.0))
         top_p = float(params.get("top_p", 1.0))
-        top_k = int(params.get("top_k", -1) or -1)
-        ignore_eos = bool(params.get("ignore_eos", False))
+        top_k = int(params.get("top_k", -1))
+        stops = set() if params.get("ignore_eos") else set(self.eos)
+        stops |= set(params.get("stop_token_ids") or [])
         x = torch.tensor([prompt])
         out = self.model(input_ids=x, use_cache=True)
         plps = None
@@ -101,7 +149,7 @@ class HFServer:
                 tok = int(torch.multinomial(probs / probs.sum(), 1, generator=self.gen))
             ids.append(tok)
             lps.append(float(logp[tok]))
-            if tok in self.eos and not ignore_eos:
+            if tok in stops:
                 break
             if len(ids) == max_tokens:
                 break
@@ -111,12 +159,22 @@ class HFServer:
 
     # -- weights --------------------------------------------------------------------------------
     async def load_weights(self, state: dict[str, torch.Tensor], global_steps: int | None = None) -> int:
-        """Load trained weights (HF names; missing names keep their value, unknown names are an error)."""
+        """Load a full set of trained weights (HF names), or nothing: every name known, every shape equal,
+        every weight of the model covered (tied weights count as one), checked before anything is copied."""
+        own = self.model.state_dict(keep_vars=True)  # tied weights under both names
+        unknown = [k for k in state if k not in own]
+        if unknown:
+            raise KeyError(f"weights the rollout model does not have: {unknown[:5]} (a LoRA adapter must be "
+                           "merged: actor_rollout_ref.model.lora.merge=True)")  # fmt: skip
+        shapes = [f"{k}: {tuple(v.shape)} vs {tuple(own[k].shape)}" for k, v in state.items() if v.shape != own[k].shape]
+        if shapes:
+            raise ValueError(f"weight shapes differ from the rollout model's: {shapes[:5]}")
+        covered = {own[k].data_ptr() for k in state}
+        missing = [k for k, v in own.items() if v.data_ptr() not in covered]
+        if missing:
+            raise ValueError(f"a weight update must cover the whole model; missing {missing[:5]} "
+                             f"({len(missing)} tensors)")  # fmt: skip
         async with self.lock:
-            own = self.model.state_dict(keep_vars=True)  # tied weights under both names
-            unknown = [k for k in state if k not in own]
-            if unknown:
-                raise KeyError(f"weights the rollout model does not have: {unknown[:5]}")
             with torch.no_grad():
                 for k, v in state.items():
                     own[k].copy_(v.to(own[k].dtype))

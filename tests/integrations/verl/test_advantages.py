@@ -164,3 +164,14 @@ def test_verls_synthetic_padding_rows_train_nothing_and_leave_the_real_rows_as_t
     assert advantages.PADDING_ROWS[0] - before == n_pad
     assert advantages.LAST_METRICS["mosaic/verl_padding_rows"] == n_pad
     assert advantages.real_rows(keys, cols["mosaic_traj"]).tolist() == [True] * s + [False] * n_pad
+
+
+def test_minibatch_count_says_when_verl_takes_several_optimizer_steps(caplog):
+    from mosaic.integrations.verl import advantages
+
+    cfg = OmegaConf.create({"actor_rollout_ref": {"actor": {"ppo_mini_batch_size": 8}, "rollout": {"n": 2}}})
+    assert advantages.minibatches(16, cfg) == 1 and advantages.minibatches(12, cfg) == 1
+    advantages._WARNED.discard("minibatches")
+    with caplog.at_level("WARNING"):
+        assert advantages.minibatches(48, cfg) == 3
+    assert "3 optimizer steps" in caplog.text and "use_dynamic_bsz" in caplog.text

@@ -65,4 +65,5 @@ def test_two_steps_through_verls_trainer_on_cpu(script, estimator, tmp_path):
         # comes with each weight sync: a failed sync would show as staleness 1 at step 2)
         assert _finite(d, "training/off_policy/trajectory_staleness_worst/max") == 0
         assert _finite(d, "num_turns/mean") >= 3  # multi-turn agent trajectories, one row per session
+        assert _finite(d, "mosaic/verl_minibatches") == 1  # one optimizer step per step, as in mosaic train
     assert "Training Progress: 100%" in out

@@ -96,24 +96,59 @@ def test_prompt_logprobs_come_in_vllms_layout(server):
     torch.testing.assert_close(torch.tensor([r[0] for r in rows[:-1]]), torch.tensor(expect), atol=1e-5, rtol=1e-5)
 
 
-def test_weight_updates_reach_the_server_and_bad_names_are_refused():
+def test_weight_updates_reach_the_server_and_bad_updates_change_nothing():
     srv = HFServer(MODEL, max_model_len=256)
     prompt = list(range(5, 30))
     state = {k: v.detach().clone() for k, v in srv.model.state_dict().items()}
     name = next(k for k in state if k.endswith("mlp.down_proj.weight"))
     state[name] += 0.5
     before = srv.model(input_ids=torch.tensor([prompt])).logits.detach()
-    assert asyncio.run(srv.load_weights({name: state[name]}, global_steps=3)) == 1
+    for bad, err in [({"no.such.weight": torch.zeros(1)}, KeyError),  # unknown name
+                     ({**state, name: torch.ones(1)}, ValueError),  # a shape that merely broadcasts
+                     ({name: state[name]}, ValueError)]:  # a partial update: stale weights otherwise
+        with pytest.raises(err):
+            asyncio.run(srv.load_weights(bad))
+    assert torch.equal(srv.model(input_ids=torch.tensor([prompt])).logits.detach(), before)  # atomic: untouched
+    assert srv.stats()["weight_version"] == 0
+    assert asyncio.run(srv.load_weights(state, global_steps=3)) == len(state)
     after = srv.model(input_ids=torch.tensor([prompt])).logits.detach()
     assert (after - before).abs().max() > 1e-3 and srv.stats() == {"requests": 0, "weight_version": 1, "global_steps": 3}
     out = asyncio.run(srv.generate(prompt, {"max_tokens": 2}, request_id="w"))
     assert out.extra_fields["global_steps"] == 3  # verl's staleness metrics read this
-    with pytest.raises(KeyError, match="does not have"):
-        asyncio.run(srv.load_weights({"no.such.weight": torch.zeros(1)}))
 
 
-def test_bad_requests_are_clear_errors(server):
-    with pytest.raises(ValueError, match="empty prompt"):
-        asyncio.run(server.generate([], {"max_tokens": 4}, request_id="e"))
-    with pytest.raises(ValueError, match="no room"):
-        asyncio.run(server.generate(list(range(300)), {"max_tokens": 4}, request_id="l"))
+def test_stop_token_ids_end_a_generation(server):
+    prompt = list(range(5, 40))
+    free = asyncio.run(server.generate(prompt, {"max_tokens": 12, "temperature": 0, "ignore_eos": True}, request_id="a"))
+    stop = free.token_ids[3]
+    out = asyncio.run(server.generate(prompt, {"max_tokens": 12, "temperature": 0, "ignore_eos": True,
+                                                          "stop_token_ids": [stop]},
+                                      request_id="b"))  # fmt: skip
+    assert out.token_ids == free.token_ids[: free.token_ids.index(stop) + 1]
+
+
+@pytest.mark.parametrize("prompt,params,match", [
+    ([], {"max_tokens": 4}, "empty prompt"),
+    (list(range(300)), {"max_tokens": 4}, "no room"),
+    ([5, 2000], {}, "prompt ids must be ints"),
+    ([5, -1], {}, "prompt ids must be ints"),
+    ([5.7, 17.2], {}, "prompt ids must be ints"),
+    (["5"], {}, "prompt ids must be ints"),
+    ([5, 6], {"top_p": 0}, "top_p"),
+    ([5, 6], {"temperature": float("nan")}, "temperature"),
+    ([5, 6], {"temperature": -1}, "temperature"),
+    ([5, 6], {"top_k": 2.7}, "top_k"),
+    ([5, 6], {"max_tokens": 0}, "max_tokens"),
+    ([5, 6], {"n": 3}, "n=3"),
+    ([5, 6], {"prompt_logprobs": 5}, "prompt_logprobs"),
+    ([5, 6], {"stop": ["x"]}, "does not implement"),
+    ([5, 6], None, "must be a dict"),
+])  # fmt: skip
+def test_bad_requests_are_clear_errors(server, prompt, params, match):
+    with pytest.raises(ValueError, match=match):
+        asyncio.run(server.generate(prompt, params, request_id="e"))
+
+
+def test_a_context_longer_than_the_models_positions_is_refused():
+    with pytest.raises(ValueError, match="positions"):
+        HFServer(MODEL, max_model_len=100_000)
