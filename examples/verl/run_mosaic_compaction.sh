@@ -70,6 +70,14 @@ case "$DEVICE" in
   *) echo "DEVICE must be gpu or cpu, not '$DEVICE'" >&2; exit 2 ;;
 esac
 [ -f "$MODEL/config.json" ] || { echo "MODEL=$MODEL is not a model directory (no config.json)" >&2; exit 2; }
+if [ "$DEVICE" = cpu ]; then
+  for arg in "$@"; do
+    case "$arg" in
+      actor_rollout_ref.rollout.name=hf) ;;
+      actor_rollout_ref.rollout.name=*) echo "DEVICE=cpu serves rollouts with 'hf' ($arg needs a GPU)" >&2; exit 2 ;;
+    esac
+  done
+fi
 
 # 1. the deep-search splits as verl Parquet (rows name the `mosaic_agent` loop and carry their world)
 mkdir -p "$DATA"

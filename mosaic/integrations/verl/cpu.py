@@ -182,6 +182,16 @@ def _register_rollout() -> None:
 
     base._ROLLOUT_REGISTRY[(ROLLOUT_NAME, "async")] = f"{cpu_rollout.__name__}.HFServerAdapter"
     RolloutReplicaRegistry.register(ROLLOUT_NAME, cpu_rollout.replica_class)
+    for name in ("vllm", "sglang", "trtllm"):  # a clear error instead of verl's "vllm version None not supported"
+        RolloutReplicaRegistry.register(name, _gpu_only(name))
+
+
+def _gpu_only(name: str):
+    def load():
+        raise ValueError(f"actor_rollout_ref.rollout.name={name} needs a GPU; on CPU (VERL_PLATFORM=cpu) use "
+                         f"actor_rollout_ref.rollout.name={ROLLOUT_NAME}")  # fmt: skip
+
+    return load
 
 
 def _patch_process_group() -> None:

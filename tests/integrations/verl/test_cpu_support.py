@@ -40,13 +40,15 @@ def test_verl_platform_cpu_registers_the_platform_engine_rollout_and_a_gloo_grou
         "print(get_rollout_replica_class('hf').__name__, get_rollout_class('hf', 'async').__name__)\n"
         "os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT='29533', RANK='0', WORLD_SIZE='1')\n"
         "initialize_global_process_group_ray()\n"
-        "print(dist.get_backend())\n",
+        "print(dist.get_backend())\n"
+        "try:\n    get_rollout_replica_class('vllm')\nexcept ValueError as e:\n    print('refused:', e)\n",
         VERL_PLATFORM="cpu")  # fmt: skip
-    lines = out.strip().splitlines()[-4:]
+    lines = out.strip().splitlines()[-5:]
     assert lines[0].split() == ["cpu", "gloo", "cpu", "CPU"]
     assert lines[1] == "FSDPEngineWithLMHead"
     assert lines[2] == "_HFReplica _HFServerAdapter"
     assert lines[3] == "gloo"
+    assert lines[4].startswith("refused: actor_rollout_ref.rollout.name=vllm needs a GPU")
 
 
 def test_without_verl_platform_cpu_nothing_is_registered():
@@ -152,3 +154,22 @@ def test_bad_requests_are_clear_errors(server, prompt, params, match):
 def test_a_context_longer_than_the_models_positions_is_refused():
     with pytest.raises(ValueError, match="positions"):
         HFServer(MODEL, max_model_len=100_000)
+
+
+@pytest.mark.parametrize("env,args,message", [
+    ({"DEVICE": "bogus"}, [], "DEVICE must be gpu or cpu"),
+    ({"DEVICE": "cpu", "MODEL": "/nonexistent"}, [], "is not a model directory"),
+    ({"DEVICE": "cpu"}, ["actor_rollout_ref.rollout.name=vllm"], "serves rollouts with 'hf'"),
+    ({"DEVICE": "gpu"}, [], "set MODEL"),
+])  # fmt: skip
+def test_the_script_refuses_bad_arguments_before_any_work(env, args, message, tmp_path):
+    """One line and exit status 2 (1 for a missing MODEL on GPU), before data export or Ray."""
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[3] / "examples/verl/run_mosaic_compaction.sh"
+    base = {k: v for k, v in os.environ.items() if k not in ("MODEL", "DEVICE")}
+    run_env = {**base, "PYTHON": sys.executable, "DATA": str(tmp_path / "data"),
+               "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}", **env}  # fmt: skip
+    res = subprocess.run(["bash", str(script), *args], env=run_env, capture_output=True, text=True, timeout=120)
+    assert res.returncode in (1, 2) and message in res.stderr, (res.returncode, res.stderr[-2000:])
+    assert not (tmp_path / "data").exists()  # refused before the data export
