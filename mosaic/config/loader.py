@@ -145,8 +145,9 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
 # The service family (issue 29, docs/service.md) on the cpu preset's model and learning setting: its turns
 # are tool calls with JSON arguments (up to ~200 tokens: max_new_tokens 256) and a two-visit episode takes
 # the scripted expert about 1,300 tokens (at most 1,382 on 32 episodes); the budget leaves a compaction turn
-# (instruction + 128-token summary) inside the model's 2,048 positions; caps leave the expert room (9-19 turns). The shipped base model has never seen this family:
-# its warm start is near zero until `mosaic pretrain` covers both families (docs/service.md).
+# (instruction + 128-token summary) inside the model's 2,048 positions; caps leave the expert room (9-19
+# turns). The shipped base model has never seen this family: its warm start is near zero until
+# `mosaic pretrain` covers both families (docs/service.md).
 PRESETS["cpu-service"] = {
     **PRESETS["cpu"],
     "data": {**PRESETS["cpu"]["data"], "family": "service"},

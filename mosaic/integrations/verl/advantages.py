@@ -141,9 +141,6 @@ def _fetch_extra_fields(keys: list[str], partition_id: str) -> list[dict]:
     return rows
 
 
-PADDING_ROWS = [0]  # verl's synthetic padding rows seen by the multi-trajectory hook (tests, metrics)
-
-
 def real_rows(keys: list[str], traj_ids) -> np.ndarray:
     """(N,) bool: which rows are the agent loop's own. verl keys a row ``{uid}_{session_id}_{index}`` and
     the ``mosaic_agent`` loop names its trajectory ``{uid}_{session_id}``; a synthetic padding row copies
@@ -176,9 +173,8 @@ def _wrap_multi_traj(orig):
         # verl pads the batch to a multiple of its mini-batch size with copies of the first row
         # (`upsample_batch_to_divisible_size`): those rows train nothing (response mask 0) and must not
         # count as a second final session of that trajectory. The estimator sees the real rows only.
-        PADDING_ROWS[0] += int((~real).sum())
         out = run(data.select_idxs(real))
-        LAST_METRICS["mosaic/verl_padding_rows"] = float((~real).sum())
+        LAST_METRICS["mosaic/verl_padding_rows"] = float(len(real) - real.sum())
         for field in ("advantages", "returns"):
             full = torch.zeros_like(data.batch["response_mask"], dtype=out.batch[field].dtype)
             full[torch.from_numpy(real)] = out.batch[field]

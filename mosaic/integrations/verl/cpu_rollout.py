@@ -10,6 +10,7 @@ importing this module imports no verl.
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import numbers
 from typing import Any
@@ -86,6 +87,7 @@ class HFServer:
         prompt = list(prompt_ids or [])
         if not prompt:
             raise ValueError("empty prompt")
+
         def ok_id(t) -> bool:
             return isinstance(t, numbers.Integral) and not isinstance(t, bool) and 0 <= t < self.vocab
 
@@ -225,7 +227,9 @@ class HFServer:
         return None
 
 
-def _replica_class():
+@functools.cache
+def replica_class():
+    """The replica class, built on first use (its base class imports verl's Ray worker groups)."""
     import ray
     from verl.workers.rollout.replica import RolloutReplica
 
@@ -252,27 +256,17 @@ def _replica_class():
     return _HFReplica
 
 
-_CLASSES: dict[str, Any] = {}
-
-
-def replica_class():
-    """The replica class, built on first use (its base class imports verl's Ray worker groups)."""
-    if "replica" not in _CLASSES:
-        _CLASSES["replica"] = _replica_class()
-    return _CLASSES["replica"]
-
-
 def __getattr__(name: str):  # HFReplica / HFServerAdapter: verl's registries import them by name
     if name == "HFReplica":
         return replica_class()
     if name == "HFServerAdapter":
-        return _adapter_class()
+        return adapter_class()
     raise AttributeError(name)
 
 
-def _adapter_class():
-    if "adapter" in _CLASSES:
-        return _CLASSES["adapter"]
+@functools.cache
+def adapter_class():
+    """The rollout class of verl's hybrid worker, built on first use."""
     import ray
     from verl.workers.rollout.base import BaseRollout
 
@@ -311,5 +305,4 @@ def _adapter_class():
             if self.is_leader:
                 await self._handle().load_weights.remote(state, global_steps=kwargs.get("global_steps"))
 
-    _CLASSES["adapter"] = _HFServerAdapter
     return _HFServerAdapter

@@ -47,13 +47,12 @@ def step(tmp_path_factory):
 
 def _prefix_keys(ids: list[int], positions) -> list[int]:
     """A key per position: the hash of ids[: pos + 1] (rolling, so a long row costs O(n))."""
-    h, out, want = 0, [], set(positions)
-    keys = {}
+    h, want, keys = 0, set(positions), {}
     for j, t in enumerate(ids):
         h = hash((h, t))
         if j in want:
             keys[j] = (h, j)
-    return [keys[p] for p in positions] if positions else out
+    return [keys[p] for p in positions]
 
 
 def _ours(seen) -> dict:
@@ -84,12 +83,13 @@ def _verl_rows(train, gains):
         outs += o
         keys += [f"{t.id}_{i}" for i in range(len(o))]
         uids += [uid] * len(o)
+    reward_of = {t.id: float(t.reward) for t in train}
     width = max(len(o.response_ids) for o in outs)
     mask = torch.zeros(len(outs), width)
     rewards = torch.zeros(len(outs), width)
     for r, o in enumerate(outs):
         mask[r, : len(o.response_mask)] = torch.tensor(o.response_mask, dtype=torch.float32)
-        rewards[r, len(o.response_ids) - 1] = float(next(t for t in train if t.id == o.extra_fields["mosaic_traj"]).reward)
+        rewards[r, len(o.response_ids) - 1] = reward_of[o.extra_fields["mosaic_traj"]]
     cols = {c: np.array([o.extra_fields[c] for o in outs], dtype=object) for c in
             ("mosaic_traj", "mosaic_kind", "mosaic_final", "mosaic_sessions", "mosaic_gain", "mosaic_downstream")}
     data = DataProto.from_dict(tensors={"token_level_rewards": rewards, "response_mask": mask},
