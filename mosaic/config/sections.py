@@ -74,6 +74,9 @@ class ModelConfig(_Section):
     the warm start as it is; ``smollm2``: SmolLM2-135M-Instruct from its offline wheel."""
     embedded_preset: str = "cpu"
     """Shape preset of the embedded model (``tiny`` or ``cpu``)."""
+    base: str = ""
+    """For ``source=base``: which shipped base model (a directory name under ``mosaic/assets/models``);
+    empty: ``<embedded_preset>-base``. ``tiny-base2`` knows both task families (docs/models.md)."""
     path: str = ""
     """Model directory for ``source=dir`` (weights + tokenizer, ``save_pretrained`` layout)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -89,6 +92,10 @@ class ModelConfig(_Section):
         self._need(self.embedded_preset in EMBEDDED_PRESETS, "embedded_preset", f"must be one of {EMBEDDED_PRESETS}")
         self._need(self.source != "dir" or bool(self.path), "path", "is required when model.source='dir'")
         self._need(0 <= self.init_seed <= SEED_MAX, "init_seed", f"must be in [0, {SEED_MAX}]")
+        self._need(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", self.base or "x") is not None, "base",
+                   "must be a directory name under mosaic/assets/models (letters, digits, '.', '_', '-')")
+        self._need(self.source == "base" or not self.base, "base",
+                   f"is read only with model.source=base (model.source is {self.source!r})")
         self._need(self.source == "dir" or not self.path, "path",
                    f"is read only with model.source=dir (model.source is {self.source!r}); "
                    "add model.source=dir to train from that directory")

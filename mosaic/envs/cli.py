@@ -98,7 +98,8 @@ def split_config_from_args(args: argparse.Namespace, verb: str = "data"):
     cfg = getattr(args, "resolved_config", None) or shared_config(args, verb)
     args.resolved_config = cfg
     if cfg.data.family != "deepsearch":
-        raise UsageError(f"data.family={cfg.data.family}: only generate and show are available for this family so far")
+        raise UsageError(f"data.family={cfg.data.family}: only generate, show and export are available for this "
+                         "family so far")
     base = split_config_for(cfg, args.split)
     if args.set_items:
         from mosaic.config.cliargs import deprecated
@@ -204,8 +205,8 @@ def _service(args: argparse.Namespace) -> bool:
         args.resolved_config = shared_config(args, f"data {args.data_command}")
     if args.resolved_config.data.family != "service":
         return False
-    if args.data_command not in ("generate", "show"):
-        raise UsageError("data.family=service: only generate and show are available for this family so far")
+    if args.data_command not in ("generate", "show", "export"):
+        raise UsageError("data.family=service: only generate, show and export are available for this family so far")
     if args.set_items:
         raise UsageError("--set applies to deep-search splits; use data.visits=, data.events_between=, "
                          "data.unannounced_share=, data.n_train_tasks= for the service family")
@@ -287,6 +288,16 @@ def cmd_export(args: argparse.Namespace) -> int:
     bad = output_error("--out", args.out, is_dir=False)
     if bad:
         raise UsageError(bad)
+    if _service(args):
+        from mosaic.envs.service.splits import load_service_split_for
+
+        split = load_service_split_for(args.resolved_config, args.split)
+        path = export_parquet(split.tasks, args.out, split_config=split.config)
+        if [e.id for e in load_parquet(path)] != [e.id for e in split.tasks]:
+            print(f"round-trip mismatch in {path}", file=sys.stderr)
+            return 1
+        print(f"wrote {len(split.tasks)} {split.name} service episodes to {path} (verl layout; read back OK)")
+        return 0
     split = _load(args)
     path = export_parquet(split.tasks, args.out, split_config=split.config)
     back = load_parquet(path)
@@ -311,8 +322,15 @@ def cmd_import(args: argparse.Namespace) -> int:
         first = str(exc).splitlines()[0] if str(exc) else ""
         raise UsageError(f"PATH {path}: not a task Parquet file written by `mosaic data export` "
                          f"({type(exc).__name__}: {first[:200]})") from None
-    hops = collections.Counter(t.hops for t in tasks)
     splits = collections.Counter(t.split for t in tasks)
+    if tasks and not hasattr(tasks[0], "hops"):  # service episodes
+        visits = collections.Counter(len(t.visits) for t in tasks)
+        print(f"{args.path}: {len(tasks)} service episodes, splits={dict(splits)}, visits={dict(sorted(visits.items()))}, "
+              f"traps={sum(t.trap for t in tasks)}")
+        for t in tasks[: args.head]:
+            print(f"  {t.id}: {t.question} -> {t.answer}")
+        return 0
+    hops = collections.Counter(t.hops for t in tasks)
     print(f"{args.path}: {len(tasks)} tasks, splits={dict(splits)}, hops={dict(sorted(hops.items()))}")
     for t in tasks[: args.head]:
         print(f"  {t.id}: {t.question} -> {t.answer}")

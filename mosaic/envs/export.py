@@ -71,13 +71,26 @@ def row_to_task(row: dict) -> Task:
                 start=info["start"], style=info["style"])
 
 
-def export_parquet(tasks: list[Task], path: str | Path, *, split_config: SplitConfig | None = None) -> Path:
+def export_parquet(tasks: list, path: str | Path, *, split_config=None) -> Path:
     """Write ``tasks`` as a verl-layout Parquet file; returns the path. ``split_config``: the config
-    the tasks' split was generated with, so verl's agent loop can rebuild their world (empty if None)."""
+    the tasks' split was generated with, so verl's agent loop can rebuild their world (empty if None).
+    Service episodes (with their :class:`~mosaic.envs.service.ServiceConfig`, required) get the service
+    family's rows (:mod:`mosaic.envs.service.export`)."""
+    from mosaic.envs.service.world import Episode, ServiceConfig
 
     path = Path(path)
+    if tasks and all(isinstance(t, Episode) for t in tasks):
+        if not isinstance(split_config, ServiceConfig):
+            raise ValueError("service episodes are exported with their ServiceConfig (split_config=)")
+        from mosaic.envs.service.export import episode_to_row
+
+        rows = [episode_to_row(e, i, split_config) for i, e in enumerate(tasks)]
+    elif any(isinstance(t, Episode) for t in tasks):
+        raise ValueError("export_parquet: one family per file (deep-search tasks and service episodes are mixed)")
+    else:
+        rows = [task_to_row(t, i, split_config) for i, t in enumerate(tasks)]
     path.parent.mkdir(parents=True, exist_ok=True)
-    table = pa.Table.from_pylist([task_to_row(t, i, split_config) for i, t in enumerate(tasks)])
+    table = pa.Table.from_pylist(rows)
     pq.write_table(table, path)
     return path
 
@@ -98,10 +111,18 @@ def read_rows(path: str | Path) -> list[dict]:
     return pq.read_table(path).to_pylist()
 
 
-def load_parquet(path: str | Path) -> list[Task]:
-    """Read a file written by :func:`export_parquet` back into tasks (same order)."""
+def load_parquet(path: str | Path) -> list:
+    """Read a file written by :func:`export_parquet` back into tasks (same order): deep-search
+    :class:`Task` objects, or the service family's episodes (regenerated from the rows' configs)."""
     rows = read_rows(path)
     missing = {"data_source", "prompt", "ability", "reward_model", "extra_info"} - set(rows[0] if rows else {})
     if rows and missing:
         raise ValueError(f"{path}: not a verl-layout file, missing columns {sorted(missing)}")
+    from mosaic.envs.service.export import DATA_SOURCE as SERVICE_SOURCE, row_episode
+
+    sources = {r["data_source"] for r in rows}
+    if SERVICE_SOURCE in sources:
+        if len(sources) > 1:
+            raise ValueError(f"{path}: rows of several families ({sorted(sources)}); one family per file")
+        return [row_episode(r)[0] for r in rows]
     return [row_to_task(r) for r in rows]

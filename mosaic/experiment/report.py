@@ -211,6 +211,8 @@ def _table(grid: Grid, data: dict, evals: list[str], label: str) -> dict:
         row["sessions"] = _mean_metric(g["seeds"], evals, "session/count/")
         row["pos_gain_share"] = _mean_metric(g["seeds"], evals, "session/pos_gain_share/")
         row["tokens_per_traj"] = _mean_metric(g["seeds"], evals, "response_length/").get("mean", float("nan"))
+        if env := _mean_metric(g["seeds"], evals, "env/"):  # the service family's outcome (docs/service.md)
+            row["env"] = env
         reach = _mean_metric(g["seeds"], evals, "session/subagent_result_in_final")
         if reach:  # (evaluations since issue 32 log it: helpers whose result is still in the final state)
             row["results_in_final"] = reach[""]
@@ -254,10 +256,16 @@ def _pct(x: float) -> str:
 
 
 def _md_table(t: dict) -> list[str]:
+    service = any("env" in r for r in t["arms"].values())
     out = [f"### {t['label']}", "", "| arm | setting | seeds | questions | accuracy % [95 % CI] | warm start % | "
            "Δ vs warm start [95 % CI], sign-flip p over seeds | seeds > warm | sessions/traj (main, compaction, subagent) | "
-           "positive-gain share | sampled tokens/traj | s/step |", "|" + " --- |" * 12]  # fmt: skip
+           "positive-gain share | sampled tokens/traj | s/step |"
+           + (" stale-action rate % (visits handled right %) |" if service else ""),
+           "|" + " --- |" * (13 if service else 12)]  # fmt: skip
     for r in t["arms"].values():
+        env = r.get("env") or {}
+        stale = (f" {_pct(env['stale_rate'])} ({_pct(env.get('visits_correct', float('nan')))}) |"
+                 if "stale_rate" in env else " – |") if service else ""
         s = r["sessions"]
         vw = r.get("vs_warm_start")
         out.append(
@@ -269,7 +277,11 @@ def _md_table(t: dict) -> list[str]:
             f"{s.get('subagent', 0):.2f}"
             + (f" ({_pct(r['results_in_final'])} % of helpers' results in the final context)" if "results_in_final" in r else "")
             + f" | {r['pos_gain_share'].get('all', float('nan')):.3f} | "
-            f"{r['tokens_per_traj']:.0f} | {r['step_s']:.1f} |")  # fmt: skip
+            f"{r['tokens_per_traj']:.0f} | {r['step_s']:.1f} |{stale}")  # fmt: skip
+    if service:
+        out += ["", "Stale-action rate: mutating actions whose arguments rely on a field an event changed after the "
+                "agent last saw it, per mutating action, pooled over each evaluation's trajectories, then averaged "
+                "over the seeds (docs/service.md)."]
     explain = True
     for family, title in ((t["pairs"], "Arms against each other within a setting"),
                           (t.get("ablations") or [], "Each setting against the baseline setting, arm by arm")):

@@ -206,7 +206,10 @@ def _pretrain(args) -> int:
                                                  ("vocab_size", args.vocab_size), ("seed", args.seed),
                                                  ("eval_every", args.eval_every), ("init", args.init),
                                                  ("copy_share", args.copy_share), ("save_every", args.save_every),
-                                                 ("world_seed_base", args.world_seed_base)) if v is not None})
+                                                 ("world_seed_base", args.world_seed_base),
+                                                 ("service_share", args.service_share),
+                                                 ("modes", tuple(m.strip() for m in args.modes.split(",") if m.strip())
+                                                  if args.modes is not None else None)) if v is not None})
     except ValueError as exc:
         print(f"mosaic pretrain: config error: {exc}", file=sys.stderr)
         return EXIT_CONFIG
@@ -214,9 +217,9 @@ def _pretrain(args) -> int:
         print("mosaic pretrain: --out and --into-package name two destinations; pass one", file=sys.stderr)
         return EXIT_CONFIG
     if args.into_package:  # the model the package ships (and `mosaic train` starts from): only when asked
-        out = str(BASE_MODELS_DIR / f"{cfg.model.embedded_preset}-base")
+        out = str(BASE_MODELS_DIR / (cfg.model.base or f"{cfg.model.embedded_preset}-base"))
     else:
-        out = args.out or str(Path("runs") / "pretrain" / f"{cfg.model.embedded_preset}-base")
+        out = args.out or str(Path("runs") / "pretrain" / (cfg.model.base or f"{cfg.model.embedded_preset}-base"))
     from mosaic.train.pretrain import PretrainError
 
     print(f"[mosaic] pretrain: writing to {out}", file=sys.stderr)
@@ -246,6 +249,10 @@ def register(subparsers) -> None:
     p.add_argument("--init", help="continue from this saved model directory (same tokenizer recipe)")
     p.add_argument("--world-seed-base", type=int,
                    help="data seed of the first world (default 1000; use fresh seeds when continuing)")
+    p.add_argument("--service-share", type=float,
+                   help="share of the worlds that are service-family episodes (default 0: deep search only)")
+    p.add_argument("--modes", help="harness modes cycled over the deep-search worlds, comma-separated "
+                                   "(default compaction,compaction,fork)")
     p.add_argument("--copy-share", type=float, help="share of each batch made of name drills (default 0.25)")
     p.add_argument("--save-every", type=int, help="write the resumable state every N steps (default 50; 0: only at "
                                                   "the validation checks); a stopped run started again with the "

@@ -147,7 +147,7 @@ def ensure_warm_start(cfg: Config) -> Path:
     if cfg.model.source == "dir":
         return Path(cfg.model.path)
     if cfg.model.source == "base":  # the shipped base model is already an SFT on expert rollouts
-        path = setup.base_model_dir(cfg.model.embedded_preset)
+        path = setup.base_model_dir(cfg.model.embedded_preset, cfg.model.base)
         _log(f"warm start: the shipped base model {path.name} (SFT by `mosaic pretrain` on expert "
              f"rollouts over generated training worlds)")
         return path

@@ -140,6 +140,13 @@ class PretrainConfig:
     save_every: int = 50
     """Write the resumable training state every this many steps (0 = only at the checks): a stopped
     run started again with the same ``out`` and config goes on from there."""
+    service_share: float = 0.0
+    """Share of the pretraining worlds that are service-family batches (``mosaic.envs.service``): the
+    revalidating expert's successful episodes of ``tasks_per_world`` generated training-partition users,
+    through the harness of ``service_preset``. 0: deep search only (the recipe of the shipped ``tiny-base``)."""
+    service_preset: str = "cpu-service"
+    """The preset whose ``data`` and ``harness`` sections the service episodes are generated and played under
+    (and checked on, on its validation split)."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "lr", "vocab_size", "tokenizer_worlds", "tasks_per_world"):
@@ -153,20 +160,67 @@ class PretrainConfig:
             raise ValueError("PretrainConfig.modes: at least one harness mode")
         if self.save_every < 0 or self.eval_every < 0:
             raise ValueError("PretrainConfig.save_every / eval_every: must be >= 0")
+        if not 0.0 <= self.service_share < 1.0:
+            raise ValueError(f"PretrainConfig.service_share: must be in [0, 1), got {self.service_share}")
+        from mosaic.config.harness import MODES
+
+        bad = [m for m in self.modes if m not in MODES]
+        if bad:
+            raise ValueError(f"PretrainConfig.modes: unknown harness mode(s) {bad}; known: {', '.join(MODES)}")
+
+    def is_service(self, k: int) -> bool:
+        """World ``k`` is a service-family batch (spread evenly: ``service_share`` of every run of worlds)."""
+        return int((k + 1) * self.service_share) > int(k * self.service_share)
+
+    def mode(self, k: int) -> str:
+        """The harness mode of deep-search world ``k``: ``modes`` cycled over the deep-search worlds."""
+        return self.modes[(k - int(k * self.service_share)) % len(self.modes)]
+
+
+def service_config(cfg: Config, pc: PretrainConfig) -> Config:
+    """``cfg`` with the data and harness sections of ``pc.service_preset`` (the service family's budget)."""
+    from mosaic.config.loader import preset_config
+
+    svc = preset_config(pc.service_preset)
+    if svc.data.family != "service":
+        raise PretrainError(f"PretrainConfig.service_preset: {pc.service_preset!r} is not a service-family preset")
+    return cfg.replace(data=replace(svc.data, cache_dir=cfg.data.cache_dir), harness=svc.harness)
 
 
 def _world_rows(cfg: Config, pc: PretrainConfig, k: int, tok, chat, cache_dir: Path) -> tuple[list, dict]:
-    """Packed training rows of expert rollouts over pretraining world ``k``."""
-
+    """Packed training rows of expert rollouts over pretraining world ``k`` (of either family)."""
+    if pc.is_service(k):
+        return _service_rows(cfg, pc, k, tok, chat)
     sc = replace(split_config("train", cfg.data.preset, seed=pc.world_seed_base + k), n_tasks=pc.tasks_per_world)
     split = load_split("train", sc, cache_dir=cache_dir)
-    hcfg = cfg.harness.replace(mode=pc.modes[k % len(pc.modes)])
+    hcfg = cfg.harness.replace(mode=pc.mode(k))
     policy = ExpertPolicy(tok, split.tasks, expert_noise(pc.expert_noise), seed=pc.seed + k)
     trajs = Harness(policy, chat, DeepSearchEnv(split), hcfg).run(
         split.tasks, group_size=1, seed=pc.seed + k, progress=False, step="pretrain")
     rows = pack_rows([r for r in to_rows(trajs) if r.num_trainable > 0])
     info = {"names": sorted(split.world.names()), "world_seed": sc.world.seed, "mode": hcfg.mode, "trajectories": len(trajs),
             "expert_accuracy": sum(t.success for t in trajs) / max(1, len(trajs))}
+    return rows, info
+
+
+def _service_rows(cfg: Config, pc: PretrainConfig, k: int, tok, chat) -> tuple[list, dict]:
+    """Packed rows of the revalidating expert's *successful* episodes over ``tasks_per_world`` service users
+    generated under data seed ``world_seed_base + k`` (compaction mode, ``service_preset``'s harness). Its
+    failures through the harness (a cap reached, a summary that cut a visit short) are left out: unlike deep
+    search's noisy expert, they are not recoveries worth imitating."""
+    from mosaic.agent.episode import make_env
+    from mosaic.agent.service_expert import ServiceExpertPolicy
+
+    scfg = service_config(cfg, pc)
+    scfg = scfg.replace(data=replace(scfg.data, seed=pc.world_seed_base + k, n_train_tasks=pc.tasks_per_world))
+    split = setup.load_split(scfg, "train")
+    hcfg = scfg.harness.replace(mode="compaction")
+    trajs = Harness(ServiceExpertPolicy(tok, split.tasks), chat, make_env(split), hcfg).run(
+        split.tasks, group_size=1, seed=pc.seed + k, progress=False, step="pretrain")
+    rows = pack_rows([r for r in to_rows([t for t in trajs if t.success]) if r.num_trainable > 0])
+    names = sorted({n for e in split.tasks for n in (e.user, e.initial["address"], *(o["item"] for o in e.initial["orders"].values()))})
+    info = {"family": "service", "names": names, "world_seed": scfg.data.seed, "mode": hcfg.mode,
+            "trajectories": len(trajs), "expert_accuracy": sum(t.success for t in trajs) / max(1, len(trajs))}
     return rows, info
 
 
@@ -297,17 +351,18 @@ class _Run:
         self.losses.append(loss)
         return loss, ctx_loss
 
-    def check(self, step: int, val) -> str:
-        """Greedy validation accuracy now (the latest weights saved, loadable while the run goes on)."""
+    def check(self, step: int, vals: dict) -> str:
+        """Greedy validation accuracy now on each family's validation split (``vals``: key -> (config,
+        split)); the latest weights saved, loadable while the run goes on."""
         self.model.eval()
-        r = evaluate(self.cfg, self.model, self.tok, self.chat, val, n_tasks=self.pc.eval_tasks, score_gains=False,
-                     progress=False)
+        acc = {key: evaluate(c, self.model, self.tok, self.chat, split, n_tasks=self.pc.eval_tasks,
+                             score_gains=False, progress=False).accuracy for key, (c, split) in vals.items()}
         self.model.train()
-        self.checks.append({"step": step, "loss": sum(self.losses[-50:]) / len(self.losses[-50:]),
-                            "validation_accuracy": r.accuracy, "seconds": self.elapsed()})
+        self.checks.append({"step": step, "loss": sum(self.losses[-50:]) / len(self.losses[-50:]), **acc,
+                            "seconds": self.elapsed()})
         save_model(self.model, self.tok, self.out)
-        return (f"pretrain step {step}: loss {self.checks[-1]['loss']:.3f}, "
-                f"validation greedy accuracy {100 * r.accuracy:.1f} % ({len(self.worlds)} worlds)")
+        shown = ", ".join(f"{k.replace('_', ' ')} {100 * v:.1f} %" for k, v in acc.items())
+        return f"pretrain step {step}: loss {self.checks[-1]['loss']:.3f}, greedy {shown} ({len(self.worlds)} worlds)"
 
     def meta(self) -> dict:
         cfg, pc, worlds = self.cfg, self.pc, self.worlds
@@ -317,6 +372,7 @@ class _Run:
                 "harness": {k: getattr(cfg.harness, k) for k in ("context_budget", "max_new_tokens",
                                                                   "summary_max_new_tokens")},
                 "worlds": len(worlds), "trajectories": n_traj,
+                "service_worlds": sum(w.get("family") == "service" for w in worlds),
                 "expert_accuracy": sum(w["expert_accuracy"] * w["trajectories"] for w in worlds) / max(1, n_traj),
                 "final_loss": sum(self.losses[-50:]) / len(self.losses[-50:]), "checks": self.checks,
                 "seconds": self.elapsed(), "torch_threads": torch.get_num_threads(),
@@ -345,10 +401,16 @@ def pretrain(cfg: Config, pc: PretrainConfig, out: str | Path, *, progress: bool
     unfinished run of the same config there; refuses an unfinished run of another config, or a finished
     run unless ``overwrite``."""
     out = Path(out)
+    if cfg.data.family != "deepsearch":
+        raise PretrainError(f"data.family={cfg.data.family}: pretraining runs on deep search worlds and mixes "
+                            f"the service family in with service_share (--service-share)")
     state = _saved_state(out, _fingerprint(cfg, pc), overwrite)
     torch.manual_seed(pc.seed)
     run = _Run(cfg, pc, out, setup.resolve_device(cfg))
-    val = setup.load_split(cfg, "validation")
+    vals = {"validation_accuracy": (cfg, setup.load_split(cfg, "validation"))}
+    if pc.service_share > 0:  # the second family is checked on its own validation episodes
+        scfg = service_config(cfg, pc)
+        vals["service_validation_accuracy"] = (scfg, setup.load_split(scfg, "validation"))
     if state is not None:
         run.restore(state)
         log.warning("pretrain: resumed from step %d of %d (%s)", run.start, pc.steps, run.state_path)
@@ -362,7 +424,7 @@ def pretrain(cfg: Config, pc: PretrainConfig, out: str | Path, *, progress: bool
             bar.set_postfix(loss=f"{loss:.3f}", ctx=f"{ctx_loss:.3f}", worlds=len(run.worlds))
             n = step + 1
             if pc.eval_every and (n % pc.eval_every == 0 or n == pc.steps):
-                bar.write(run.check(n, val))
+                bar.write(run.check(n, vals))
             if n < pc.steps and ((pc.save_every and n % pc.save_every == 0) or (pc.eval_every and n % pc.eval_every == 0)):
                 run.save(n)
     bar.close()

@@ -53,12 +53,15 @@ def load_split(cfg: Config, split: str):
     return _load_split(split, split_config_for(cfg, split), cache_dir=resolve_cache_dir(cfg.data.cache_dir))
 
 
-def base_model_dir(preset: str) -> Path:
-    """The shipped base model for embedded preset ``preset`` (raises if it was never built)."""
-    path = BASE_MODELS_DIR / f"{preset}-base"
+def base_model_dir(preset: str, name: str = "") -> Path:
+    """The shipped base model ``name`` (default: the one of embedded preset ``preset``, ``<preset>-base``);
+    raises if it was never built."""
+    path = BASE_MODELS_DIR / (name or f"{preset}-base")
     if not (path / "config.json").exists():
+        known = sorted(p.name for p in BASE_MODELS_DIR.iterdir() if (p / "config.json").exists()) \
+            if BASE_MODELS_DIR.is_dir() else []
         raise FileNotFoundError(
-            f"no shipped base model for embedded preset {preset!r} at {path}; build it with "
+            f"no shipped base model {path.name!r} at {path} (shipped: {', '.join(known) or 'none'}); build it with "
             f"`mosaic pretrain model.embedded_preset={preset}` or use model.source=embedded")
     return path
 
@@ -69,7 +72,7 @@ def build_base_model(cfg: Config, device: torch.device, dtype: torch.dtype):
     no held-out world shapes the vocabulary), or a saved / SmolLM2 model."""
     src = cfg.model.source
     if src == "base":
-        model, tok = load_policy(base_model_dir(cfg.model.embedded_preset), device=device, dtype=dtype)
+        model, tok = load_policy(base_model_dir(cfg.model.embedded_preset, cfg.model.base), device=device, dtype=dtype)
     elif src == "embedded":
         tok = build_generator_tokenizer(harness_config=cfg.harness)
         mcfg = EmbeddedModelConfig.preset(cfg.model.embedded_preset)

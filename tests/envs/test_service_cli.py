@@ -28,7 +28,7 @@ def test_generate_and_show_a_service_split(capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["data", "show", "data.family=service", "--index", "9999"], "--index must be in"),
-    (["data", "search", "data.family=service", "x"], "only generate and show"),
+    (["data", "search", "data.family=service", "x"], "only generate, show and export"),
     (["data", "generate", "data.family=service", "--set", "n_tasks=3"], "--set applies to deep-search"),
     (["data", "generate", "data.family=service", "data.unannounced_share=1.5"], "unannounced_share"),
     (["data", "generate", "data.family=shop"], "data.family"),
@@ -37,3 +37,49 @@ def test_bad_service_arguments_are_one_line_and_status_2(argv, message, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_export_and_import_a_service_split_round_trip(tmp_path, capsys):
+    from mosaic.envs.export import export_parquet, load_parquet, read_rows
+    from mosaic.envs.service.splits import load_service_split, service_config
+
+    out = tmp_path / "svc.parquet"
+    assert main(["data", "export", "data.family=service", "data.n_eval_tasks=64", "--split", "validation",
+                 "--out", str(out)]) == 0
+    assert "wrote 64 validation service episodes" in capsys.readouterr().out
+    assert main(["data", "import", str(out), "--head", "1"]) == 0
+    text = capsys.readouterr().out
+    assert "64 service episodes, splits={'validation': 64}, visits={2: 64}" in text and "traps=" in text
+    cfg = service_config("validation", "cpu")
+    episodes = load_service_split("validation", cfg)
+    assert [e.to_json() for e in load_parquet(out)] == [e.to_json() for e in episodes]  # regenerated, whole
+    row = read_rows(out)[5]
+    assert row["data_source"] == "mosaic/service" and row["agent_name"] == "mosaic_agent"
+    assert row["prompt"][1]["content"] == episodes[5].question and row["reward_model"]["ground_truth"] == episodes[5].answer
+    with pytest.raises(ValueError, match="ServiceConfig"):
+        export_parquet(episodes[:2], tmp_path / "x.parquet")
+    from mosaic.envs.splits import load_split, split_config
+
+    task = load_split("validation", split_config("validation", "cpu"), tmp_path / "c").tasks[0]
+    with pytest.raises(ValueError, match="one family per file"):
+        export_parquet([episodes[0], task], tmp_path / "x.parquet", split_config=cfg)
+
+
+def test_a_service_row_from_another_generator_is_refused(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from mosaic.envs.export import export_parquet, load_parquet, read_rows
+    from mosaic.envs.service.export import service_config_from_json
+    from mosaic.envs.service.splits import load_service_split, service_config
+
+    cfg = service_config("test", "cpu")
+    rows = read_rows(export_parquet(load_service_split("test", cfg)[:2], tmp_path / "a.parquet", split_config=cfg))
+    rows[1]["extra_info"]["question"] = "Visit 1 of 2, day 1. Someone else says: hello"
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "b.parquet")
+    with pytest.raises(ValueError, match="another first visit or answer"):
+        load_parquet(tmp_path / "b.parquet")
+    for bad, msg in (("", "is empty"), ("{", "not JSON"), ('{"bogus": 1}', "not a ServiceConfig"),
+                     ('{"n_users": 0}', "n_users")):
+        with pytest.raises(ValueError, match=msg):
+            service_config_from_json(bad)

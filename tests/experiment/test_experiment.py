@@ -379,3 +379,34 @@ def test_the_report_tests_seeds_and_prints_an_aa_calibration():
     md = "\n".join(_md_table(t))
     assert "**The unit is the training seed**" in md and "conditional on the trained models" in md
     assert "| broadcast/base | 4 | 3 (2 v 2) |" in md and "A/A calibration" in md
+
+
+def test_service_arms_get_a_stale_action_column_deep_search_arms_none():
+    """Evaluations that log the service family's outcome (``env/*``) put the stale-action rate and the visits
+    handled right in the arm table; a deep-search grid's table keeps its columns."""
+    import numpy as np
+
+    from mosaic.experiment.report import _md_table, _table
+
+    grid = parse_grid({**QUICK_GRID})
+    rng = np.random.default_rng(2)
+    qs = [f"q{i}" for i in range(20)]
+
+    def seed(p, stale):
+        metrics = {"env/stale_rate": stale, "env/visits_correct": 0.5} if stale is not None else {}
+        return {"evals": {"val": ({q: float(rng.random() < p) for q in qs}, {"metrics": metrics})}, "step_s": 1.0}
+
+    def data(stale_b, stale_m):
+        return {"groups": {"broadcast/base": {"arm": "broadcast", "setting": "base",
+                                              "seeds": {k: seed(0.3, stale_b[k]) for k in range(2)}},
+                           "mosaic/base": {"arm": "mosaic", "setting": "base",
+                                           "seeds": {k: seed(0.3, stale_m[k]) for k in range(2)}}},
+                "warm": {}}
+
+    t = _table(grid, data([0.1, 0.3], [0.05, 0.05]), ["val"], "val")
+    assert t["arms"]["broadcast/base"]["env"]["stale_rate"] == pytest.approx(0.2)
+    md = "\n".join(_md_table(t))
+    assert "stale-action rate % (visits handled right %)" in md
+    assert "| 20.0 (50.0) |" in md and "| 5.0 (50.0) |" in md
+    plain = "\n".join(_md_table(_table(grid, data([None, None], [None, None]), ["val"], "val")))
+    assert "stale-action" not in plain

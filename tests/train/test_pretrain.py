@@ -154,3 +154,65 @@ def test_pretraining_refuses_an_unreadable_state_and_a_finished_run(tmp_path):
     with pytest.raises(pt.PretrainError, match="holds a finished pretraining run"):
         pt.pretrain(cfg, pc, out, progress=False)
     assert pt.pretrain(cfg, pc, out, progress=False, overwrite=True)["config"]["steps"] == 2
+
+
+def test_service_share_mixes_both_families_and_cycles_modes_over_deep_search_worlds(tmp_path):
+    """``service_share`` spreads service batches evenly over the worlds; the harness modes cycle over the
+    deep-search worlds only; a service world's rows are the revalidating expert's successful episodes of
+    training-partition users, disjoint from the service validation and test users."""
+    from mosaic.agent.models.corpus import build_generator_tokenizer
+    from mosaic.envs.service.splits import check_disjoint, episode_names
+
+    pc = pt.PretrainConfig(service_share=0.5, modes=("compaction", "fork", "reset"), tasks_per_world=6)
+    assert [pc.is_service(k) for k in range(6)] == [False, True] * 3
+    assert [pc.mode(k) for k in (0, 2, 4, 6)] == ["compaction", "fork", "reset", "compaction"]
+    third = pt.PretrainConfig(service_share=1 / 3)
+    assert sum(third.is_service(k) for k in range(30)) == 10
+    assert not any(pt.PretrainConfig().is_service(k) for k in range(20))
+
+    cfg = load_config("cpu", overrides=SMALL + [f"data.cache_dir={tmp_path / 'cache'}"])
+    tok = build_generator_tokenizer(n_worlds=2)
+    rows, info = pt._world_rows(cfg, pc, 1, tok, setup.chat_format(tok), tmp_path / "gen")
+    assert info["family"] == "service" and info["trajectories"] == 6 and info["mode"] == "compaction"
+    assert rows and info["names"] and info["expert_accuracy"] > 0  # (a 2-world tokenizer: long texts, many compactions)
+    svc = pt.service_config(cfg, pc)
+    assert svc.data.family == "service" and svc.harness.context_budget == 1792  # the cpu-service budget
+    assert all(len(r.prompt_ids) + len(r.completion_ids) <= 2048 for r in rows)
+    from dataclasses import replace
+
+    pre = setup.load_split(svc.replace(data=replace(svc.data, seed=pc.world_seed_base + 1, n_train_tasks=6)), "train")
+    check_disjoint({"pretrain": pre.tasks, "validation": setup.load_split(svc, "validation").tasks,
+                    "test": setup.load_split(svc, "test").tasks})
+    assert {e.user for e in pre.tasks} <= set(info["names"])
+    assert episode_names(pre.tasks[0])
+
+
+def test_service_pretraining_checks_both_families_and_refuses_bad_settings(tmp_path):
+    cfg = load_config("cpu", overrides=SMALL + [f"data.cache_dir={tmp_path / 'cache'}"])
+    pc = pt.PretrainConfig(steps=4, batch_size=4, lr=3e-3, warmup_steps=1, eval_every=4, eval_tasks=2,
+                           tokenizer_worlds=4, tasks_per_world=4, pool_rows=8, service_share=0.5)
+    meta = pt.pretrain(cfg, pc, tmp_path / "base", progress=False)
+    assert meta["service_worlds"] >= 1 and meta["worlds"] > meta["service_worlds"]
+    check = meta["checks"][-1]
+    assert 0.0 <= check["validation_accuracy"] <= 1.0 and 0.0 <= check["service_validation_accuracy"] <= 1.0
+    with pytest.raises(ValueError, match="service_share"):
+        pt.PretrainConfig(service_share=1.0)
+    with pytest.raises(ValueError, match="unknown harness mode"):
+        pt.PretrainConfig(modes=("compaction", "resett"))
+    with pytest.raises(pt.PretrainError, match="not a service-family preset"):
+        pt.service_config(cfg, pt.PretrainConfig(service_preset="cpu"))
+    svc = load_config("cpu-service")
+    with pytest.raises(pt.PretrainError, match="data.family=service"):
+        pt.pretrain(svc, pc, tmp_path / "svc", progress=False)
+
+
+def test_model_base_names_a_shipped_base_model(tmp_path, monkeypatch):
+    from mosaic.config.values import ConfigError
+
+    assert setup.base_model_dir("tiny", "tiny-base") == setup.base_model_dir("tiny")
+    with pytest.raises(FileNotFoundError, match="no shipped base model 'nope'.*shipped: .*tiny-base"):
+        setup.base_model_dir("tiny", "nope")
+    with pytest.raises(ConfigError, match="model.base"):
+        load_config("cpu", overrides=["model.base=../x"])
+    with pytest.raises(ConfigError, match="model.base.*model.source=base"):
+        load_config("cpu", overrides=["model.source=embedded", "model.base=tiny-base"])

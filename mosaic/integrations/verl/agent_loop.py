@@ -30,7 +30,10 @@ Configuration: a top-level ``mosaic`` block in verl's config (Hydra ``+mosaic.ha
 the final state and one ablation per session whose output it holds), which ``mosaic-dag`` reads.
 ``algo.gain_reference=group`` has no verl form: one agent-loop run sees one trajectory, not its group.
 Each row needs ``extra_info.tools_kwargs.split_config`` (written by ``mosaic data export``) to rebuild
-its world and search index; the split is built once per process and cached.
+its world and search index (the split is built once per process and cached), or, for a service-family row
+(``mosaic data export data.family=service``), ``tools_kwargs.service_config``: the episode is regenerated
+from it and played on a fresh account backend; its stale actions and visits land in the final row's
+``reward_extra_info`` (``env_stale_actions``, ``env_actions``, ``env_visits_correct``, ...).
 """
 
 from __future__ import annotations
@@ -187,6 +190,12 @@ def session_outputs(traj: Trajectory, gains: Sequence[float] | None, *, with_log
         if s.is_final:
             fields["reward_extra_info"] = {"acc": float(traj.reward), "mosaic_sessions": float(n),
                                            "answered": float(traj.answer is not None)}  # fmt: skip
+            env = traj.meta.get("env")
+            if isinstance(env, dict):  # the service family's outcome: stale actions and visits, per trajectory
+                fields["reward_extra_info"].update(
+                    {f"env_{k}": float(env[k]) for k in ("stale_actions", "actions", "visits_correct", "visits",
+                                                          "state_match", "answer_correct", "tool_errors")
+                     if isinstance(env.get(k), (int, float))})
         outs.append(AgentLoopOutput(
             prompt_ids=list(s.prompt_ids), response_ids=list(s.completion_ids),
             response_mask=[int(bool(m)) for m in s.loss_mask],
@@ -228,17 +237,28 @@ class MosaicAgentLoop(AgentLoopBase):
                 self._splits[config_json] = load_split(cfg.split, cfg)
             return self._splits[config_json]
 
+    def _task_env(self, row: dict, tools_kwargs: dict):
+        """The row's task and a fresh environment for it: a service episode (regenerated from the row's
+        ``service_config``) and its account backend, or a deep-search question and its split's index."""
+        if tools_kwargs.get("service_config"):
+            from mosaic.envs.service import ServiceEnv
+            from mosaic.envs.service.export import row_episode
+
+            episode, _ = row_episode({**row, "extra_info": {**row["extra_info"], "tools_kwargs": tools_kwargs}})
+            return episode, ServiceEnv([episode])  # one backend per rollout: no state shared across threads
+        return row_to_task(row), DeepSearchEnv(self._split(tools_kwargs.get("split_config", "")))
+
     async def run(self, sampling_params: dict[str, Any], **kwargs) -> list[AgentLoopOutput]:
         extra_info = kwargs["extra_info"]
-        task = row_to_task({"reward_model": kwargs["reward_model"], "extra_info": extra_info})
         tools_kwargs = kwargs.get("tools_kwargs") or extra_info.get("tools_kwargs") or {}
-        split = await asyncio.to_thread(self._split, tools_kwargs.get("split_config", ""))
+        task, env = await asyncio.to_thread(
+            self._task_env, {"reward_model": kwargs["reward_model"], "extra_info": extra_info}, tools_kwargs)
         traj_key = f"{kwargs.get('uid', uuid.uuid4().hex)}_{kwargs.get('session_id', 0)}"
         loop = asyncio.get_running_loop()
         policy = ServerPolicy(self.server_manager, loop, sampling_params, traj_key=traj_key,
                               end_ids=[self.chat.im_end_id, *([self.tokenizer.eos_token_id]
                                                               if self.tokenizer.eos_token_id is not None else [])])  # fmt: skip
-        harness = Harness(policy, self.chat, DeepSearchEnv(split), self.harness_config)
+        harness = Harness(policy, self.chat, env, self.harness_config)
         (traj,) = await asyncio.to_thread(harness.run, [task], 1)
         traj.id = traj_key  # verl's own trajectory key, so our rows and its keys agree
         t0 = time.perf_counter()

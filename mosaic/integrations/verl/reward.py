@@ -27,6 +27,9 @@ def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_
     ``reward.custom_reward_function.reward_kwargs.metric``. Raises ValueError for rows of another
     data source (a misrouted reward is an error, not a 0).
     """
+    if data_source == "mosaic/service":
+        raise ValueError("mosaic compute_score got a service-family row: its reward needs the account backend's final "
+                         "state, which only the mosaic_agent loop has (set the rows' agent_name to mosaic_agent)")
     if data_source != DATA_SOURCE:
         raise ValueError(f"mosaic compute_score got a row of data_source {data_source!r}, expected {DATA_SOURCE!r}")
     s = score_answer(solution_str, ground_truth, metric=metric)  # type: ignore[arg-type]

@@ -225,3 +225,70 @@ def test_exported_parquet_loads_with_verls_dataset_and_chat_template(split, toke
     ids = tokenizer.apply_chat_template(list(item["raw_prompt"]), add_generation_prompt=True, tokenize=True)
     ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
     assert split.tasks[2].question in tokenizer.decode(ids)
+
+
+class ServiceExpertServer(ScriptedServer):
+    """The revalidating service expert behind verl's server interface: a compaction request (the harness's
+    compaction prompt is the last user message) gets the expert's progress summary."""
+
+    def __init__(self, tokenizer, episode):
+        from mosaic.agent.service_expert import ServiceExpertPolicy
+
+        super().__init__(tokenizer, episode.answer)
+        self.expert = ServiceExpertPolicy(tokenizer, [episode])
+        self.episode = episode
+
+    def sample(self, prompt_ids: list[int], max_tokens: int) -> list[int]:
+        from mosaic.agent.policy import GenRequest
+
+        text = self.tok.decode(prompt_ids, skip_special_tokens=False)
+        last_user = text.rsplit("<|im_start|>user\n", 1)[-1]
+        kind = "compaction" if last_user.startswith(HarnessConfig().compaction_prompt[:40]) else "main"
+        req = GenRequest("s", list(prompt_ids), max_tokens, meta={"task_id": self.episode.id, "kind": kind})
+        return self.expert.generate([req])[0].token_ids
+
+
+def test_a_service_row_plays_its_episode_on_a_fresh_backend_with_the_harness_tokens(tmp_path, tokenizer):
+    """A row of ``mosaic data export data.family=service`` through the loop: the episode regenerated from the
+    row's config, played on its own account backend; the outputs carry the reference harness run's sessions
+    token for token, the success reward and the family's outcome (stale actions, visits) on the final row."""
+    from mosaic.agent.service_expert import ServiceExpertPolicy
+    from mosaic.envs.export import export_parquet, read_rows
+    from mosaic.envs.service import ServiceEnv
+    from mosaic.envs.service.splits import load_service_split, service_config
+
+    cfg = service_config("validation", "cpu")
+    episodes = load_service_split("validation", cfg)[:3]
+    rows = read_rows(export_parquet(episodes, tmp_path / "svc.parquet", split_config=cfg))
+    harness = {"mode": "compaction", "context_budget": 1792, "max_new_tokens": 256, "summary_max_new_tokens": 128,
+               "max_turns": 40, "max_sessions": 8, "max_total_turns": 60}
+    for row, episode in zip(rows, episodes):
+        server = ServiceExpertServer(tokenizer, episode)
+        loop = _loop(tokenizer, server)
+        loop.harness_config = HarnessConfig(**harness)
+        kwargs = {"raw_prompt": row["prompt"], "extra_info": row["extra_info"], "reward_model": row["reward_model"],
+                  "tools_kwargs": row["extra_info"]["tools_kwargs"], "agent_name": "mosaic_agent", "uid": "u",
+                  "session_id": 0, "data_source": row["data_source"]}  # fmt: skip
+        outs = asyncio.run(loop.run({"temperature": 1.0}, **kwargs))
+        ref = Harness(ServiceExpertPolicy(tokenizer, [episode]), ChatFormat(tokenizer), ServiceEnv([episode]),
+                      HarnessConfig(**harness)).run([episode], 1)[0]  # fmt: skip
+        assert ref.reward == 1.0 and outs[-1].reward_score == 1.0
+        assert [(o.prompt_ids, o.response_ids) for o in outs] == [
+            (s.prompt_ids, s.completion_ids) for s in [*[s for s in ref.sessions if not s.is_final],
+                                                         *[s for s in ref.sessions if s.is_final]]]
+        info = outs[-1].extra_fields["reward_extra_info"]
+        assert info["env_stale_actions"] == 0.0 and info["env_visits_correct"] == info["env_visits"] == len(episode.visits)
+        assert info["env_actions"] >= len(episode.visits) and info["env_state_match"] == 1.0
+
+
+def test_a_service_row_whose_config_does_not_generate_it_is_refused(tmp_path, tokenizer):
+    from mosaic.envs.export import export_parquet, read_rows
+    from mosaic.envs.service.splits import load_service_split, service_config
+
+    cfg = service_config("validation", "cpu")
+    row = read_rows(export_parquet(load_service_split("validation", cfg)[:1], tmp_path / "s.parquet", split_config=cfg))[0]
+    row["reward_model"]["ground_truth"] = "something else"
+    kwargs = {"extra_info": row["extra_info"], "reward_model": row["reward_model"], "uid": "u", "session_id": 0,
+              "tools_kwargs": row["extra_info"]["tools_kwargs"]}
+    with pytest.raises(ValueError, match="regenerates with another first visit or answer"):
+        asyncio.run(_loop(tokenizer, ScriptedServer(tokenizer, "x")).run({}, **kwargs))
