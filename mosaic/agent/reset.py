@@ -50,7 +50,7 @@ class ResetSessions:
         if final.kind != "reset" or final.meta.get("role") is None or final.parent is None:
             return
         ids, boundary = self.chat.initial_prompt(self._reset_system(final.meta["role"]),
-                                                 self.config.reset_text(run.question, []))
+                                                 self.config.reset_text(final.meta.get("question", run.question), []))
         run.traj.states.append(ids[:boundary])
         final.meta["bare_state"] = len(run.traj.states) - 1
 
@@ -58,9 +58,11 @@ class ResetSessions:
         cfg = self.config
         role = cfg.role_of(sum(1 for s in run.traj.sessions if s.kind == "reset"))
         system = self._reset_system(role)
-        prompt, boundary = self.chat.initial_prompt(system, self.config.reset_text(run.question, run.notes))
-        live = self._new_session(run, "reset", prompt, parent, None if parent is None else "continues", 0,
-                                 run.question)
+        question = self._safe(run, self.hooks.question(run.traj.id, run.question))  # a service episode: its visit now
+        prompt, boundary = self.chat.initial_prompt(system, self.config.reset_text(question, run.notes))
+        live = self._new_session(run, "reset", prompt, parent, None if parent is None else "continues", 0, question)
+        if question != run.question:  # (a later visit of a service episode: what the bare prompt restates)
+            live.session.meta["question"] = question
         live.session.state_before = StateRef(session=live.session.id, upto=boundary)
         live.session.meta["notes_before"] = list(run.notes)
         if role is not None:

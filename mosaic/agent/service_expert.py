@@ -3,7 +3,7 @@
 Wraps :class:`mosaic.envs.service.ServiceExpert` (revalidating or trusting): each request's prompt is
 decoded into the transcript the expert reads (the first user message, its own turns, the tool
 responses), its next message is tokenised (log-probs 0.0). A compaction session writes the actions done
-in the current visit as tool calls (:func:`mosaic.envs.service.expert.progress_summary`); the resumed
+in the current visit as tool calls and the visit's plan (:meth:`mosaic.envs.service.ServiceExpert.summary`); the resumed
 session's message restates the current visit (the env's ``current_question``) with that summary, and
 the expert reads the carried actions back, so it neither redoes nor skips them.
 """
@@ -17,6 +17,10 @@ from mosaic.envs.service import ServiceExpert
 from mosaic.envs.service.expert import progress_summary
 
 _TOOL_OPEN, _TOOL_CLOSE = "<tool_response>\n", "\n</tool_response>"
+_TURN_ROOM = 160
+"""Tokens a reset-mode turn and its tool response take at most (a call with JSON arguments, an order list):
+when less than this plus ``max_new_tokens`` is left of the context, the expert treats the turn as the
+session's last."""
 
 
 def transcript_of(text: str) -> list[tuple[str, str]]:
@@ -67,7 +71,15 @@ class ServiceExpertPolicy:
             decoded = self.tok.decode(list(req.prompt_ids), skip_special_tokens=False,
                                       clean_up_tokenization_spaces=False)
             if req.meta.get("kind") == "compaction":  # what this visit has done, as tool calls to read back
-                text = progress_summary(transcript_of(decoded))
+                transcript = transcript_of(decoded)
+                text = self.expert.summary(episode, transcript)
+                if len(self.tok(text, add_special_tokens=False)["input_ids"]) >= req.max_new_tokens:
+                    text = progress_summary(transcript)  # the plan does not fit the summary's cap: calls only
+            elif req.meta.get("kind") == "reset":  # a fresh context each session: notes carry the actions
+                left = int(req.meta.get("calls_left", 1))
+                if req.context_budget and req.context_budget - len(req.prompt_ids) < req.max_new_tokens + _TURN_ROOM:
+                    left = 1  # the context resets after this turn: its last chance to note
+                text = self.expert.act_reset(episode, transcript_of(decoded), left)
             else:
                 text = self.expert.act(episode, transcript_of(decoded))
         ids = list(self.tok(text, add_special_tokens=False)["input_ids"]) + [self.im_end_id]

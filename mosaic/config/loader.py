@@ -146,13 +146,15 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
 # are tool calls with JSON arguments (up to ~200 tokens: max_new_tokens 256) and a two-visit episode takes
 # the scripted expert about 1,300 tokens (at most 1,382 on 32 episodes); the budget leaves a compaction turn
 # (instruction + 128-token summary) inside the model's 2,048 positions; caps leave the expert room (9-19
-# turns). The shipped base model has never seen this family: its warm start is near zero until
-# `mosaic pretrain` covers both families (docs/service.md).
+# turns); a context-reset session (harness.mode=reset) has no compaction turn to leave room for, and its
+# fresh prompt (rules, tools, the visit, the notes) is ~1,200 tokens: it gets the model's whole 2,048. The
+# shipped base model has never seen this family: its warm start is near zero until `mosaic pretrain` covers
+# both families (docs/service.md).
 PRESETS["cpu-service"] = {
     **PRESETS["cpu"],
     "data": {**PRESETS["cpu"]["data"], "family": "service"},
     "harness": {"context_budget": 1792, "max_new_tokens": 256, "summary_max_new_tokens": 128, "max_turns": 40,
-                "max_sessions": 8, "max_total_turns": 60},
+                "max_sessions": 8, "max_total_turns": 60, "reset_context_budget": 2048},
     "train": {**PRESETS["cpu"]["train"], "run_dir": "runs/cpu-service"},
 }
 

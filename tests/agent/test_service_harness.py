@@ -104,9 +104,10 @@ def test_the_family_plugs_into_the_trainers_split_and_env(tmp_path):
 
 @pytest.mark.parametrize("budget", [2400, 2800])
 def test_the_expert_carries_its_visit_through_a_compaction(tmp_path, budget):
-    """The expert's compaction summary lists what the current visit has done as tool calls, which it reads
-    back after the compaction: it neither redoes an action (forbidden) nor skips one. With a placeholder
-    summary, 3 of these 8 episodes failed at a budget of 2,800."""
+    """The expert's compaction summary carries the visit's plan and how much of it is done (or, before the
+    plan is made, the calls done as tool calls), which it reads back after the compaction: it neither redoes
+    an action (forbidden) nor skips one. With a placeholder summary, 3 of these 8 episodes failed at a budget
+    of 2,800."""
     from mosaic.agent.episode import make_env
     from mosaic.config.loader import load_config
     from mosaic.train.setup import load_split
@@ -121,4 +122,53 @@ def test_the_expert_carries_its_visit_through_a_compaction(tmp_path, budget):
     assert sum(t.meta["compactions"] for t in trajs) >= 5
     assert all(t.success and t.meta["env"]["forbidden"] == 0 for t in trajs), [t.meta["env"] for t in trajs]
     summaries = [chat.decode(s.completion_ids) for t in trajs for s in t.sessions if s.kind == "compaction"]
-    assert any("Done in this visit: <tool_call>" in x for x in summaries)
+    assert any(x.startswith("Visit ") and " plan: {" in x and " done: " in x for x in summaries), summaries
+
+
+@pytest.fixture(scope="module")
+def base_tok():
+    import torch
+
+    from mosaic.train import setup
+
+    return setup.load_policy(setup.base_model_dir("tiny"), device=torch.device("cpu"), dtype=torch.float32)[1]
+
+
+@pytest.mark.parametrize("k", [3, 4, 8])
+def test_the_expert_solves_service_episodes_in_context_reset_mode(tmp_path, base_tok, k):
+    """Issue 30 item 4: ``harness.mode=reset`` on the service family. Every session starts from the *current*
+    visit and the notes; the expert notes the visit's plan and its progress and goes on from them, never
+    redoing an action; >= 99 % of 64 validation episodes at the cpu-service preset's reset budget."""
+    from mosaic.agent.episode import make_env
+    from mosaic.config.loader import load_config
+    from mosaic.train.setup import load_split
+
+    cfg = load_config("cpu-service", overrides=[f"data.cache_dir={tmp_path}", "data.n_eval_tasks=64", "harness.mode=reset",
+                                                f"harness.reset_k={k}", "harness.max_sessions=30", "harness.max_total_turns=120"])
+    split = load_split(cfg, "validation")
+    chat = ChatFormat(base_tok)
+    trajs = Harness(ServiceExpertPolicy(base_tok, split.tasks), chat, make_env(split), cfg.harness).run(
+        split.tasks, 1, seed=0, progress=False)
+    assert sum(t.success for t in trajs) >= 0.99 * len(trajs), [t.meta["env"] for t in trajs if not t.success][:2]
+    assert all(t.meta["env"]["forbidden"] == 0 and t.meta["env"]["stale_actions"] == 0 for t in trajs)
+    assert all(s.kind == "reset" for t in trajs for s in t.sessions)
+    assert sum(t.meta["resets"] for t in trajs) > len(trajs)  # several sessions per episode
+    later = [chat.decode(s.prompt_ids) for t in trajs for s in t.sessions if s.meta.get("question")]
+    assert later and all("Visit 2 of 2" in x for x in later)  # a session after end_visit restates visit 2
+    assert any(" plan: {" in n for t in trajs for n in t.meta["notes"])
+
+
+def test_reset_mode_plans_and_counts_round_trip_and_a_cut_plan_is_ignored(episodes):
+    from mosaic.envs.service import ServiceExpert
+    from mosaic.envs.service.expert import carried_plan, done_count, done_text, plan_text
+
+    plan = [("cancel_order", {"order_id": "o2"}), ("create_order", {"item": "a b", "address": "1 X Road, Y", "card": "1234"})]
+    text = "Visit 2 of 3, day 5. Hi\n\nNotes:\n- " + plan_text(0, plan[:1]) + "\n- " + plan_text(1, plan, "shipped")
+    assert carried_plan(text, 1) == (plan, "shipped") and carried_plan(text, 0) == (plan[:1], "")
+    assert carried_plan(text, 2) is None
+    cut = plan_text(1, plan)[:-12]
+    assert carried_plan(cut, 1) is None  # a summary cut at its token cap: re-planned from lookups instead
+    assert carried_plan(plan_text(1, [("get_account", {})]), 1) is None  # only mutating calls are planned
+    assert done_count(f"{done_text(1, 1)} {done_text(1, 2)} {done_text(0, 5)}", 1) == 2
+    with pytest.raises(ValueError, match="trusting expert is not defined in context-reset mode"):
+        ServiceExpert(revalidate=False).act_reset(episodes[0], [("user", episodes[0].question)], 4)

@@ -12,7 +12,21 @@ through the tools.
 
 Progress comes from the transcript: the visit is the last ``Visit k of n`` message; the actions done
 in it are the mutating calls made since that message (rejected ones included: the experts never retry),
-plus those a compaction summary carried in that message (:func:`progress_summary` writes them as tool calls).
+plus those a compaction summary carried in that message (:func:`progress_summary` writes them as tool calls)
+and, in context-reset mode, those the workspace's notes record for that visit (:func:`done_note`).
+
+**Carried plans.** Once a visit's plan is made (from the lookups at its start), a summary or a note carries it
+(:func:`plan_text`: the mutating calls in order, and the last visit's answer), and a later context goes on
+with it: re-planning from a fresh lookup would read an account the expert's own actions have already
+changed (a redirected order no longer needs redirecting, a cancelled item's next order looks like the one to
+cancel) and redo or add actions.
+
+**Context resets** (``harness.mode=reset``, :meth:`ServiceExpert.act_reset`): every session starts from the
+current visit and the notes. The revalidating expert looks the account up at the visit's start, notes the
+visit's plan, then after each mutating action notes how many planned calls are done (``Visit K done: N``),
+handing off when the session's action cap (or its context) would otherwise cut off a note; it needs
+``harness.reset_k >= 4`` (two lookups, the plan's note, an action). The trusting expert has nothing to
+trust after a reset and is not defined there.
 """
 
 from __future__ import annotations
@@ -70,10 +84,48 @@ def _belief(calls: list[tuple[str, dict, str]], latest: bool) -> dict | None:
     return {**accounts[pick], "orders": orders[pick]}
 
 
+_PLAN = re.compile(r"Visit (\d+) plan: ")
+_DONE_COUNT = re.compile(r"Visit (\d+) done: (\d+)\b")
+
+
+def plan_text(k: int, plan: list[tuple[str, dict]], answer: str = "") -> str:
+    """The expert's note of visit ``k``'s (0-based) plan — its mutating calls in order, and for the last visit
+    the answer, as one JSON object — carried through a compaction summary or a reset's notes, so a later
+    context goes on with it instead of re-planning from an account its own actions have already changed. A
+    note cut short (a summary's token cap) no longer parses and is ignored. Not ``<tool_call>`` texts: a note
+    travels inside a ``note_write`` call, and a tool call inside a tool call would not parse."""
+    return f"Visit {k + 1} plan: " + json.dumps({"calls": [[n, a] for n, a in plan], "answer": answer})
+
+
+def done_text(k: int, n: int) -> str:
+    """The reset-mode note that ``n`` calls of visit ``k``'s plan are done."""
+    return f"Visit {k + 1} done: {n}"
+
+
+def carried_plan(text: str, k: int) -> tuple[list[tuple[str, dict]], str] | None:
+    """The plan (calls, answer) of visit ``k`` that ``text`` (a resumed visit's message) carries; None when it
+    carries none that parses whole."""
+    found = None
+    for m in _PLAN.finditer(text):
+        if int(m.group(1)) != k + 1:
+            continue
+        try:
+            data, _end = json.JSONDecoder().raw_decode(text, m.end())
+        except ValueError:
+            continue
+        calls = data.get("calls") if isinstance(data, dict) else None
+        if not isinstance(calls, list) or not isinstance(data.get("answer"), str) or not all(
+                isinstance(c, list) and len(c) == 2 and c[0] in MUTATIONS and isinstance(c[1], dict) for c in calls):
+            continue
+        found = ([(c[0], c[1]) for c in calls], data["answer"])
+    return found
+
+
 def visit_progress(transcript: list[tuple[str, str]]) -> tuple[int | None, int | None, list[tuple[str, dict]]]:
     """``(index of the current visit's message, visit number k (0-based), the mutating calls done in it)``;
     the calls include those a compaction summary carries in that message (canonical tool-call texts, see
-    :func:`progress_summary`), so a resumed session does not redo them. ``(None, None, [])`` before any visit."""
+    :func:`progress_summary`), so a resumed session does not redo them. ``(None, None, [])`` before any visit.
+    (A reset session's notes carry a count instead: :func:`done_count`.)"""
     starts = [(i, int(m.group(1)) - 1) for i, (role, text) in enumerate(transcript)
               if role != "assistant" and (m := VISIT_RE.match(text))]
     if not starts:
@@ -87,9 +139,14 @@ def visit_progress(transcript: list[tuple[str, str]]) -> tuple[int | None, int |
     return start, k, carried + [(n, a) for n, a, _r in _calls(transcript, start) if n in MUTATIONS]
 
 
+def done_count(text: str, k: int) -> int:
+    """How many of visit ``k``'s planned calls the notes in ``text`` say are done (0 when none say)."""
+    return max((int(m.group(2)) for m in _DONE_COUNT.finditer(text) if int(m.group(1)) == k + 1), default=0)
+
+
 def progress_summary(transcript: list[tuple[str, str]]) -> str:
-    """The expert's compaction summary: the actions already done in the current visit, as tool calls (what
-    :func:`visit_progress` reads back after the compaction; lookups are not kept: the expert re-validates)."""
+    """A compaction summary without a plan: the actions already done in the current visit, as tool calls (what
+    :func:`visit_progress` reads back after the compaction); lookups are not kept."""
     _start, _k, done = visit_progress(transcript)
     if not done:
         return "Nothing done yet in this visit."
@@ -102,31 +159,85 @@ class ServiceExpert:
     def __init__(self, revalidate: bool = True):
         self.revalidate = revalidate
 
-    def act(self, episode, transcript: list[tuple[str, str]]) -> str:
-        """The next assistant message (a tool call or the answer) given the transcript so far."""
-        start, k, done_calls = visit_progress(transcript)
-        if start is None:
-            return "<answer>unknown</answer>"
+    def plan(self, episode, transcript: list[tuple[str, str]], start: int, k: int):
+        """``(calls, answer)`` of visit ``k``: the plan its message carries (a summary's or the notes'), else
+        the one the lookups show (the answer only for the last visit); a lookup's name when one is missing."""
+        carried = carried_plan(transcript[start][1], k)
+        if carried is not None:
+            return carried
         here = _calls(transcript, start)
         looked = {n for n, _a, _r in (here if self.revalidate else _calls(transcript, 0))}
         for lookup in ("get_account", "list_orders"):
             if lookup not in looked:
-                return tool_call_text(lookup, {})
+                return lookup
         state = _belief(here, latest=True) if self.revalidate else _belief(_calls(transcript, 0), latest=False)
         if state is None:
-            return "<answer>unknown</answer>"
+            return None
         if self.revalidate:
             plan = visit_plan(state, episode.events_before(k), episode.visits[k].request, believe=False)
         else:  # replay what it remembers: every earlier visit's announcements and its own actions
             for j in range(k + 1):
                 plan = visit_plan(state, episode.events_before(j), episode.visits[j].request, believe=True)
-        done = len(done_calls)  # (those a compaction summary carried included)
+        visit = episode.visits[k]
+        answer = answer_for(state, visit.question, visit.question_item) if k + 1 == len(episode.visits) else ""
+        return [(c.name, dict(c.kw)) for c in plan], answer
+
+    def act(self, episode, transcript: list[tuple[str, str]], done: int | None = None) -> str:
+        """The next assistant message (a tool call or the answer) given the transcript so far; ``done``: how
+        many planned calls are done (default: those :func:`visit_progress` finds)."""
+        start, k, done_calls = visit_progress(transcript)
+        if start is None:
+            return "<answer>unknown</answer>"
+        got = self.plan(episode, transcript, start, k)
+        if got is None:
+            return "<answer>unknown</answer>"
+        if isinstance(got, str):
+            return tool_call_text(got, {})
+        plan, answer = got
+        if done is None:  # those a summary or a note carried (as calls or as a count), and this context's
+            done = done_count(transcript[start][1], k) + len(done_calls)
         if done < len(plan):
-            return tool_call_text(plan[done].name, plan[done].kw)
+            return tool_call_text(*plan[done])
         if k + 1 < len(episode.visits):
             return tool_call_text("end_visit", {})
-        visit = episode.visits[k]
-        return f"<answer>{answer_for(state, visit.question, visit.question_item)}</answer>"
+        return f"<answer>{answer}</answer>"
+
+    def summary(self, episode, transcript: list[tuple[str, str]]) -> str:
+        """The compaction summary: once the visit's plan is known, the plan and how much of it is done
+        (:func:`plan_text`, :func:`done_text`; the resumed context needs no lookup), else the calls done so far
+        (:func:`progress_summary`)."""
+        start, k, done_calls = visit_progress(transcript)
+        got = self.plan(episode, transcript, start, k) if start is not None else None
+        if not isinstance(got, tuple):
+            return progress_summary(transcript)
+        return plan_text(k, *got) + "\n" + done_text(k, done_count(transcript[start][1], k) + len(done_calls))
+
+    def act_reset(self, episode, transcript: list[tuple[str, str]], calls_left: int) -> str:
+        """The next message of a context-reset session (see the module docstring); ``calls_left``: the actions
+        the session may still take before the harness resets it (1: this one is its last)."""
+        if not self.revalidate:
+            raise ValueError("the trusting expert is not defined in context-reset mode (nothing survives a reset "
+                             "but the notes)")
+        start, k, _done = visit_progress(transcript)
+        if start is None:
+            return "<answer>unknown</answer>"
+        message = transcript[start][1]
+        here = _calls(transcript, start)
+        notes = " ".join(str(a.get("text", a.get("note", ""))) for n, a, _r in here if n in ("note_write", "handoff"))
+        done = done_count(message, k) + sum(n in MUTATIONS for n, _a, _r in here)  # earlier sessions' + this one's
+        noted_done = done_count(message + " " + notes, k)
+        got = self.plan(episode, transcript, start, k)
+        write = "handoff" if calls_left <= 1 else "note_write"
+        key = "note" if write == "handoff" else "text"
+        if isinstance(got, tuple) and carried_plan(message + " " + notes, k) is None:
+            return tool_call_text(write, {key: plan_text(k, *got)})  # the plan first: it must outlive the context
+        if done > noted_done:  # an action of this session not noted yet
+            return tool_call_text(write, {key: done_text(k, done)})
+        text = self.act(episode, transcript, done=done)
+        parsed = parse_call(text)
+        if parsed is not None and parsed[0] in MUTATIONS and calls_left <= 1:  # no room left to note it
+            return tool_call_text("handoff", {"note": f"Visit {k + 1}: next {parsed[0]}"})
+        return text
 
 
 def run_episode(env: ServiceEnv, episode, agent, *, key: str | None = None, max_turns: int = 100):
