@@ -144,6 +144,9 @@ class PretrainConfig:
     """Share of the pretraining worlds that are service-family batches (``mosaic.envs.service``): the
     revalidating expert's successful episodes of ``tasks_per_world`` generated training-partition users,
     through the harness of ``service_preset``. 0: deep search only (the recipe of the shipped ``tiny-base``)."""
+    service_modes: tuple[str, ...] = ("compaction", "compaction", "reset")
+    """Harness modes cycled over the service worlds (the service expert plays ``single``, ``compaction`` and
+    ``reset``)."""
     service_preset: str = "cpu-service"
     """The preset whose ``data`` and ``harness`` sections the service episodes are generated and played under
     (and checked on, on its validation split)."""
@@ -164,16 +167,21 @@ class PretrainConfig:
             raise ValueError(f"PretrainConfig.service_share: must be in [0, 1), got {self.service_share}")
         from mosaic.config.harness import MODES
 
-        bad = [m for m in self.modes if m not in MODES]
-        if bad:
-            raise ValueError(f"PretrainConfig.modes: unknown harness mode(s) {bad}; known: {', '.join(MODES)}")
+        bad = [m for m in self.modes if m not in MODES] + [m for m in self.service_modes
+                                                            if m not in ("single", "compaction", "reset")]
+        if bad or not self.service_modes:
+            raise ValueError(f"PretrainConfig.modes / service_modes: unknown harness mode(s) {bad} (modes: {', '.join(MODES)}; "
+                             "service_modes: single, compaction, reset)")
 
     def is_service(self, k: int) -> bool:
         """World ``k`` is a service-family batch (spread evenly: ``service_share`` of every run of worlds)."""
         return int((k + 1) * self.service_share) > int(k * self.service_share)
 
     def mode(self, k: int) -> str:
-        """The harness mode of deep-search world ``k``: ``modes`` cycled over the deep-search worlds."""
+        """The harness mode of world ``k``: ``modes`` cycled over the deep-search worlds, ``service_modes`` over
+        the service worlds."""
+        if self.is_service(k):
+            return self.service_modes[int(k * self.service_share) % len(self.service_modes)]
         return self.modes[(k - int(k * self.service_share)) % len(self.modes)]
 
 
@@ -205,7 +213,7 @@ def _world_rows(cfg: Config, pc: PretrainConfig, k: int, tok, chat, cache_dir: P
 
 def _service_rows(cfg: Config, pc: PretrainConfig, k: int, tok, chat) -> tuple[list, dict]:
     """Packed rows of the revalidating expert's *successful* episodes over ``tasks_per_world`` service users
-    generated under data seed ``world_seed_base + k`` (compaction mode, ``service_preset``'s harness). Its
+    generated under data seed ``world_seed_base + k`` (``service_modes``, ``service_preset``'s harness). Its
     failures through the harness (a cap reached, a summary that cut a visit short) are left out: unlike deep
     search's noisy expert, they are not recoveries worth imitating."""
     from mosaic.agent.episode import make_env
@@ -214,7 +222,7 @@ def _service_rows(cfg: Config, pc: PretrainConfig, k: int, tok, chat) -> tuple[l
     scfg = service_config(cfg, pc)
     scfg = scfg.replace(data=replace(scfg.data, seed=pc.world_seed_base + k, n_train_tasks=pc.tasks_per_world))
     split = setup.load_split(scfg, "train")
-    hcfg = scfg.harness.replace(mode="compaction")
+    hcfg = scfg.harness.replace(mode=pc.mode(k))
     trajs = Harness(ServiceExpertPolicy(tok, split.tasks), chat, make_env(split), hcfg).run(
         split.tasks, group_size=1, seed=pc.seed + k, progress=False, step="pretrain")
     rows = pack_rows([r for r in to_rows([t for t in trajs if t.success]) if r.num_trainable > 0])

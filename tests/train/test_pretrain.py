@@ -174,6 +174,7 @@ def test_service_share_mixes_both_families_and_cycles_modes_over_deep_search_wor
     tok = build_generator_tokenizer(n_worlds=2)
     rows, info = pt._world_rows(cfg, pc, 1, tok, setup.chat_format(tok), tmp_path / "gen")
     assert info["family"] == "service" and info["trajectories"] == 6 and info["mode"] == "compaction"
+    assert [pc.mode(k) for k in (1, 3, 5, 7)] == ["compaction", "compaction", "reset", "compaction"]
     assert rows and info["names"] and info["expert_accuracy"] > 0  # (a 2-world tokenizer: long texts, many compactions)
     svc = pt.service_config(cfg, pc)
     assert svc.data.family == "service" and svc.harness.context_budget == 1792  # the cpu-service budget
@@ -199,6 +200,8 @@ def test_service_pretraining_checks_both_families_and_refuses_bad_settings(tmp_p
         pt.PretrainConfig(service_share=1.0)
     with pytest.raises(ValueError, match="unknown harness mode"):
         pt.PretrainConfig(modes=("compaction", "resett"))
+    with pytest.raises(ValueError, match="unknown harness mode"):
+        pt.PretrainConfig(service_modes=("fork",))  # the service expert does not delegate
     with pytest.raises(pt.PretrainError, match="not a service-family preset"):
         pt.service_config(cfg, pt.PretrainConfig(service_preset="cpu"))
     svc = load_config("cpu-service")
