@@ -15,6 +15,7 @@ import math
 import hydra
 import numpy as np
 import pytest
+import torch
 from omegaconf import OmegaConf
 
 import verl  # noqa: F401
@@ -292,3 +293,51 @@ def test_a_service_row_whose_config_does_not_generate_it_is_refused(tmp_path, to
               "tools_kwargs": row["extra_info"]["tools_kwargs"]}
     with pytest.raises(ValueError, match="regenerates with another first visit or answer"):
         asyncio.run(_loop(tokenizer, ScriptedServer(tokenizer, "x")).run({}, **kwargs))
+
+
+class ResetServer(ScriptedServer):
+    """Reset mode: the first session searches once and hands off a note with the answer; a session that
+    starts from non-empty notes answers."""
+
+    def reply(self, prompt_ids: list[int]) -> str:
+        text = self.tok.decode(prompt_ids)
+        first_user = text.split("<|im_start|>user", 1)[-1]
+        if "(empty)" not in first_user.split("<|im_end|>")[0]:
+            return f"<answer>{self.answer}</answer>"
+        if "<tool_call>" in text.split("<|im_start|>user", 1)[-1]:
+            return '<tool_call>{"name": "handoff", "arguments": {"note": "answer: %s"}}</tool_call>' % self.answer
+        return '<tool_call>{"name": "search", "arguments": {"query": "q0"}}</tool_call>'
+
+
+def test_context_reset_sessions_through_the_loop_and_the_estimator(split, tokenizer):
+    """Issue 30 item 3: ``+mosaic.harness.mode=reset`` in verl: one output per reset session (kind ``reset``,
+    chained by ``continues``), the harness's tokens exactly, the reset states' gains scored on the server
+    (the shared state probed once), and Mosaic's advantages computed from the rows by the estimator hook."""
+    from mosaic.integrations.verl.rows import advantage_batch_from_rows
+
+    harness = {"mode": "reset", "context_budget": 260, "reset_context_budget": 600, "max_new_tokens": 40,
+               "reset_k": 4, "max_sessions": 4}
+    task = split.tasks[2]
+    server = ResetServer(tokenizer, task.answer)
+    loop = _loop(tokenizer, server)
+    loop.harness_config = HarnessConfig(**harness)
+    outs = asyncio.run(loop.run({"temperature": 1.0}, **_kwargs(split, task)))
+    ref = Harness(ScriptPolicy(ResetServer(tokenizer, task.answer)), ChatFormat(tokenizer), DeepSearchEnv(split),
+                  HarnessConfig(**harness)).run([task], 1)[0]  # fmt: skip
+    assert [s.kind for s in ref.sessions] == ["reset", "reset"] and ref.reward == 1.0
+    assert [(o.prompt_ids, o.response_ids) for o in outs] == [(s.prompt_ids, s.completion_ids) for s in ref.sessions]
+    assert [o.extra_fields["mosaic_kind"] for o in outs] == ["reset", "reset"]
+    assert [o.extra_fields["mosaic_edge"] for o in outs] == ["", "continues"]
+    assert math.isfinite(outs[0].extra_fields["mosaic_gain"]) and math.isnan(outs[1].extra_fields["mosaic_gain"])
+    assert sum("prompt_logprobs" in r[2] for r in server.requests) == 2  # before (its prompt), after (the next prompt)
+    cols = {k: [o.extra_fields[k] for o in outs] for k in ("mosaic_traj", "mosaic_kind", "mosaic_final",
+                                                            "mosaic_sessions", "mosaic_gain")}
+    batch = advantage_batch_from_rows(np.array([o.reward_score or 0.0 for o in outs]), ["u1"] * len(outs), cols)
+    from mosaic.core.estimators import get_estimator
+    from mosaic.train.batch import advantage_batch
+
+    ours = advantage_batch([ref], None)
+    assert batch.kinds.tolist() == ours.kinds.tolist() == [3, 3]  # KIND_CODES["reset"]
+    assert batch.session_counts.tolist() == ours.session_counts.tolist() and batch.is_final.tolist() == [False, True]
+    advantages, _ = get_estimator("mosaic")(batch)
+    assert torch.isfinite(advantages).all() and advantages.shape == (2,)
