@@ -13,6 +13,9 @@ Per RL step the trainer
 3. takes the reward the harness posted (``rollout.reward=harness``) or scores the answer it
    returned (a callable's return value, a command's last stdout line, or a posted ``answer``)
    with the deep-search reward (``deepsearch``, the default) or ``module:function(task, answer)``;
+   on the service family (``data.family=service``) the tool endpoint serves the account tools of a backend
+   opened per rollout, and the default reward is the family's (the backend's final state and the answer;
+   its stale actions and visits land in ``traj.meta["env"]``);
 4. when every rollout has ended or passed its deadline, rebuilds each rollout's session graph from
    the proxy's records (:func:`mosaic.capture.reconstruct.reconstruct_rollout`) and drops — and
    counts, as ``rollout/dropped/<reason>`` — rollouts that crashed, timed out, posted no reward
@@ -47,7 +50,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Sequence
 
-from mosaic.agent.harness import DeepSearchEnv
+from mosaic.agent.episode import make_env
 from mosaic.agent.tools import TOOL_ARGS
 from mosaic.capture.reconstruct import reconstruct_rollout
 from mosaic.capture.records import RECORDS_FILE, CallRecord, RecordError, RewardRecord, parse_record
@@ -109,7 +112,8 @@ class ExternalRollouts:
         self.cfg = cfg
         self.rc = cfg.rollout
         self.hcfg: HarnessConfig = cfg.harness
-        self.env = DeepSearchEnv(split)
+        self.env = make_env(split)
+        self.service = hasattr(self.env, "finish")  # the service family: a backend per rollout, its own reward
         self.model_name = model_name
         self.live: set[str] = set()  # rollout ids of the step in progress (tools and calls accepted)
         self.foreign = Counter()  # calls / tool calls / rewards with a rollout id the trainer did not give
@@ -146,6 +150,10 @@ class ExternalRollouts:
         return ok
 
     def _tool(self, rollout_id: str, name: str, arguments: Any) -> str:
+        if self.service:  # the account tools of this rollout's backend (a ToolError is a ValueError: a 400)
+            if not isinstance(name, str):
+                raise ValueError(f"no tool named {name!r}; this environment has: {', '.join(self.env.tool_names)}")
+            return self.env.call(rollout_id, name, arguments)
         if name != "search":
             raise ValueError(f"no tool named {name!r}; this environment has: search")
         key = TOOL_ARGS[name]
@@ -217,11 +225,16 @@ class ExternalRollouts:
             (calls if isinstance(rec, CallRecord) else rewards).append(rec)
         return calls, rewards, offset + end, bad
 
-    def _reward(self, task, out: Outcome, posted: list[RewardRecord]) -> tuple[float | None, str | None]:
+    def _reward(self, task, out: Outcome, posted: list[RewardRecord], rollout_id: str = "") -> tuple[float | None, str | None]:
         """(reward, answer) of a rollout that ended, or (None, reason) when it has none."""
         answer = out.answer
         if answer is None and posted and posted[-1].answer is not None:
             answer = posted[-1].answer
+        if self.service and self.rc.reward == "deepsearch":  # (the default: the family's own reward)
+            text = None if answer is None else answer if "<answer>" in answer else f"<answer>{answer}</answer>"
+            outcome = self.env.finish(rollout_id, text).to_dict()
+            self.outcomes[rollout_id] = outcome
+            return float(outcome["reward"]), outcome.get("answer") or answer
         if self.rc.reward == "harness":
             if posted:
                 return float(posted[-1].reward), answer
@@ -256,7 +269,7 @@ class ExternalRollouts:
         if reason is not None:
             return None, reason, detail
         try:
-            reward, answer = self._reward(task, out, posted)
+            reward, answer = self._reward(task, out, posted, ht.rollout_id)
         except Exception as exc:  # noqa: BLE001 - a reward function that fails drops its rollout
             return None, "no_reward", f"rollout.reward failed: {type(exc).__name__}: {exc}"[:500]
         if reward is None:
@@ -273,6 +286,8 @@ class ExternalRollouts:
             return None, "unbuildable", why
         self.proxy.record(rec)
         traj.meta["harness"] = {"policy_version": version, "sample": ht.sample}
+        if ht.rollout_id in self.outcomes:
+            traj.meta["env"] = self.outcomes.pop(ht.rollout_id)
         return traj, None, ""
 
     def _report_drops(self, drops: list[dict], step: int, launched: int, kept: int) -> Counter:
@@ -298,6 +313,10 @@ class ExternalRollouts:
         self.foreign.clear()
         version = self.policy_version
         self.live = {ht.rollout_id for _, ht in pairs}
+        self.outcomes: dict[str, dict] = {}
+        if self.service:  # a fresh account backend per rollout, before its harness starts
+            for task, ht in pairs:
+                self.env.open(ht.rollout_id, task)
         t0 = time.perf_counter()
         try:
             outcomes = asyncio.run(launch_all([ht for _, ht in pairs], fn=self.harness_fn, command=self.harness_spec,
@@ -325,6 +344,9 @@ class ExternalRollouts:
                               "detail": detail})
             else:
                 trajs.append(traj)
+        if self.service:  # the backends of dropped rollouts (and of rewards the harness posted) are freed
+            for rid in [r for r in self.env.rollouts if r in {ht.rollout_id for _, ht in pairs}]:
+                self.env.finish(rid, None)
         dropped = self._report_drops(drops, step, len(pairs), len(trajs))
         m: dict[str, float] = {f"rollout/dropped/{r}": float(dropped.get(r, 0)) for r in DROP_REASONS}
         m.update({"rollout/dropped": float(sum(dropped.values())), "rollout/launched": float(len(pairs)),

@@ -70,3 +70,31 @@ async def async_ok(task):
         r.raise_for_status()
     await asyncio.sleep(0)
     return "right" if task.sample == 0 else "wrong"
+
+
+EPISODES: dict = {}
+"""Service episodes by id, for :func:`service_expert` (the test fills it from the training split)."""
+
+
+def service_expert(task):
+    """The revalidating service expert played through the trainer's tool endpoint (the account tools of this
+    rollout's backend), after one model call; returns its answer. Sample 1 also makes a bad tool call first."""
+    from mosaic.envs.service import ServiceExpert, parse_call
+    from mosaic.envs.rewards import extract_answer
+
+    episode = EPISODES[task.task_id]
+    _chat(task, [{"role": "user", "content": task.question}])
+    if task.sample == 1:
+        try:
+            task.call_tool("cancel_order", {"order_id": "not an id"})
+        except ValueError:
+            pass
+    expert, transcript = ServiceExpert(True), [("user", task.question)]
+    for _ in range(60):
+        text = expert.act(episode, transcript)
+        transcript.append(("assistant", text))
+        answer, status = extract_answer(text)
+        if status == "ok":
+            return answer
+        transcript.append(("tool", task.call_tool(*parse_call(text))))
+    return None

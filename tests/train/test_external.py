@@ -307,3 +307,25 @@ def test_offline_replay_of_captured_records(base_dir, tmp_path):
     (empty / "records.jsonl").write_text('{"not": "a record"}\n{}\n')
     with pytest.raises(ValueError, match="rollout.records: .*not a Mosaic capture record"):
         RecordsReplay(_cfg(base_dir, tmp_path, "rollout.source=records", f"rollout.records={empty}"))
+
+
+def test_the_service_family_through_an_external_harness(base_dir, tmp_path):
+    """Issue 29 item 6: ``rollout.source=harness`` on the service family. Each rollout gets its own account
+    backend behind the tool endpoint; the default reward is the family's (backend state + answer) and its
+    outcome (stale actions, visits) lands in the trajectory; a bad tool call is the harness's error, not
+    the trainer's; every backend is freed after the step."""
+    from tests.train import _harnesses
+
+    cfg = _cfg(base_dir, tmp_path, "data.family=service", f"rollout.harness={H}:service_expert")
+    src, split = _source(cfg, tmp_path)
+    try:
+        _harnesses.EPISODES.update({e.id: e for e in split.tasks})
+        trajs, m = src.collect(split.tasks[:2], 0)
+        assert m["rollout/kept"] == 4 and all(t.reward == 1.0 for t in trajs), m
+        assert all(t.meta["env"]["success"] and t.meta["env"]["stale_actions"] == 0 for t in trajs)
+        assert all(t.meta["env"]["tool_errors"] == (1 if t.meta["harness"]["sample"] == 1 else 0) for t in trajs)
+        assert src.env.rollouts == {}
+        with pytest.raises(ValueError, match="no open rollout"):
+            src._tool("nobody", "get_account", {})
+    finally:
+        src.close()

@@ -27,7 +27,9 @@ class Backend:
     """One user's account in a fresh in-memory database, loaded from an episode's initial state."""
 
     def __init__(self, initial: dict):
-        self.db = sqlite3.connect(":memory:")
+        # any thread may use it (an external harness's tool calls arrive on server threads); ServiceEnv
+        # serialises the calls
+        self.db = sqlite3.connect(":memory:", check_same_thread=False)
         self.db.executescript(SCHEMA)
         rows = [("name", initial["name"])] + [(f, initial[f]) for f in USER_FIELDS]
         self.db.executemany("INSERT INTO account VALUES (?, ?)", rows)

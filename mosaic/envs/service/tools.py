@@ -20,6 +20,7 @@ reply is the next visit's message (what the user says). The last visit ends with
 from __future__ import annotations
 
 import re
+import threading
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -118,8 +119,24 @@ class ServiceEnv:
     def __init__(self, episodes=()):
         self.episodes = {e.id: e for e in episodes}
         self.rollouts: dict[str, Rollout] = {}
+        self._lock = threading.RLock()  # open / call / finish from several threads (an external harness's server)
 
     def open(self, key: str, episode) -> str:
+        """Start a rollout of ``episode`` under ``key`` (a fresh backend); returns the first visit's text."""
+        with self._lock:
+            return self._open(key, episode)
+
+    def call(self, key: str, name: str, arguments) -> str:
+        """Run tool ``name`` in rollout ``key`` (see :meth:`_call`)."""
+        with self._lock:
+            return self._call(key, name, arguments)
+
+    def finish(self, key: str, answer_text: str | None) -> ServiceOutcome:
+        """Score rollout ``key`` with the agent's final message (None: it never answered) and free it."""
+        with self._lock:
+            return self._finish(key, answer_text)
+
+    def _open(self, key: str, episode) -> str:
         """Start a rollout of ``episode`` under ``key`` (a fresh backend); returns the first visit's text."""
         if not (hasattr(episode, "initial") and hasattr(episode, "visits")):
             raise TypeError(f"ServiceEnv runs service episodes (mosaic.envs.service.Episode), got "
@@ -132,7 +149,7 @@ class ServiceEnv:
     def search(self, query: str, k: int) -> str:
         raise ToolError("the service environment has no search tool")
 
-    def call(self, key: str, name: str, arguments) -> str:
+    def _call(self, key: str, name: str, arguments) -> str:
         """Run tool ``name`` with ``arguments`` (a dict) in rollout ``key``; raises :class:`ToolError`."""
         r = self.rollouts.get(key)
         if r is None:
@@ -200,7 +217,7 @@ class ServiceEnv:
         r.tracker.see(written, r.tick)
         return out
 
-    def finish(self, key: str, answer_text: str | None) -> ServiceOutcome:
+    def _finish(self, key: str, answer_text: str | None) -> ServiceOutcome:
         """Score rollout ``key`` with the agent's final message (None: it never answered) and free it."""
         r = self.rollouts.pop(key, None)
         if r is None:
