@@ -98,8 +98,8 @@ def split_config_from_args(args: argparse.Namespace, verb: str = "data"):
     cfg = getattr(args, "resolved_config", None) or shared_config(args, verb)
     args.resolved_config = cfg
     if cfg.data.family != "deepsearch":
-        raise UsageError(f"data.family={cfg.data.family}: only generate, show and export are available for this "
-                         "family so far")
+        raise UsageError(f"data.family={cfg.data.family}: only generate, show and export (and import of its "
+                         "files) are available for this family so far")
     base = split_config_for(cfg, args.split)
     if args.set_items:
         from mosaic.config.cliargs import deprecated
@@ -206,7 +206,8 @@ def _service(args: argparse.Namespace) -> bool:
     if args.resolved_config.data.family != "service":
         return False
     if args.data_command not in ("generate", "show", "export"):
-        raise UsageError("data.family=service: only generate, show and export are available for this family so far")
+        raise UsageError("data.family=service: only generate, show and export (and import of its files) are available "
+                         "for this family so far")
     if args.set_items:
         raise UsageError("--set applies to deep-search splits; use data.visits=, data.events_between=, "
                          "data.unannounced_share=, data.n_train_tasks= for the service family")

@@ -115,8 +115,10 @@ def load_parquet(path: str | Path) -> list:
     """Read a file written by :func:`export_parquet` back into tasks (same order): deep-search
     :class:`Task` objects, or the service family's episodes (regenerated from the rows' configs)."""
     rows = read_rows(path)
-    missing = {"data_source", "prompt", "ability", "reward_model", "extra_info"} - set(rows[0] if rows else {})
-    if rows and missing:
+    if not rows:
+        raise ValueError(f"{path}: holds no rows")
+    missing = {"data_source", "prompt", "ability", "reward_model", "extra_info"} - set(rows[0])
+    if missing:
         raise ValueError(f"{path}: not a verl-layout file, missing columns {sorted(missing)}")
     from mosaic.envs.service.export import DATA_SOURCE as SERVICE_SOURCE, row_episode
 

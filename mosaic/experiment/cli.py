@@ -52,6 +52,12 @@ def _run(args) -> int:
                   f"(its arms: {', '.join(grid.arms)})", file=sys.stderr)  # fmt: skip
             return EXIT_USAGE
     print_plan(grid, plan(grid, work, arms=arms), work, args.jobs)
+    from mosaic.train.preflight import warm_start_error
+
+    if missing := next((f"run {r.name}: {bad}" for r in grid.runs if (bad := warm_start_error(r.config))), None):
+        # every run of this warm start would fail at its start: say so before any work
+        print(f"mosaic experiment: {missing}", file=sys.stderr)
+        return 0 if args.dry_run else EXIT_USAGE
     if args.dry_run:
         return 0
     failed = run_grid(grid, work, jobs=args.jobs, arms=arms)

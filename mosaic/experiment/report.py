@@ -281,7 +281,7 @@ def _md_table(t: dict) -> list[str]:
     if service:
         out += ["", "Stale-action rate: mutating actions whose arguments rely on a field an event changed after the "
                 "agent last saw it, per mutating action, pooled over each evaluation's trajectories, then averaged "
-                "over the seeds (docs/service.md)."]
+                "over the seeds' evaluations (those that logged it; docs/service.md)."]
     explain = True
     for family, title in ((t["pairs"], "Arms against each other within a setting"),
                           (t.get("ablations") or [], "Each setting against the baseline setting, arm by arm")):

@@ -218,6 +218,9 @@ def _pretrain(args) -> int:
         return EXIT_CONFIG
     if args.into_package:  # the model the package ships (and `mosaic train` starts from): only when asked
         out = str(BASE_MODELS_DIR / (cfg.model.base or f"{cfg.model.embedded_preset}-base"))
+        if bad := output_error("--into-package (model.base)", out, is_dir=True):
+            print(f"mosaic pretrain: {bad}", file=sys.stderr)
+            return EXIT_CONFIG
     else:
         out = args.out or str(Path("runs") / "pretrain" / (cfg.model.base or f"{cfg.model.embedded_preset}-base"))
     from mosaic.train.pretrain import PretrainError

@@ -14,14 +14,24 @@ from pathlib import Path
 
 from mosaic.config.cliargs import output_error
 
-__all__ = ["train_error", "sft_error", "eval_error", "family_error"]
+__all__ = ["train_error", "sft_error", "eval_error", "family_error", "warm_start_error"]
 
 
 def _key(name: str) -> str:
     return f"config key {name!r}:"
 
 
-def _model_error(cfg) -> str | None:
+def warm_start_error(cfg) -> str | None:
+    """The model a run starts from is missing or unreadable (a shipped base model not in the package, a
+    ``model.path`` that is not a model); None when it is there."""
+    if cfg.model.source == "base":  # the shipped base model must be in the package
+        from mosaic.train.setup import base_model_dir
+
+        try:
+            base_model_dir(cfg.model.embedded_preset, cfg.model.base)
+        except FileNotFoundError as exc:
+            return f"{_key('model.base' if cfg.model.base else 'model.embedded_preset')} {exc}"
+        return None
     if cfg.model.source != "dir":
         return None
     from mosaic.agent.models.checkdir import model_dir_error
@@ -73,7 +83,7 @@ def _cache_error(cfg) -> str | None:
 
 def sft_error(cfg) -> str | None:
     """``mosaic sft``: the base model, ``sft.data`` (when given) and ``sft.output_dir``."""
-    return (family_error(cfg) or _model_error(cfg) or _cache_error(cfg)
+    return (family_error(cfg) or warm_start_error(cfg) or _cache_error(cfg)
             or (_input_file_error("sft.data", cfg.sft.data) if cfg.sft.data else None)
             or output_error(_key("sft.output_dir"), cfg.sft.output_dir, is_dir=True))
 
@@ -93,7 +103,7 @@ def _kinds_error(cfg) -> str | None:
 def train_error(cfg) -> str | None:
     """``mosaic train``: ``train.run_dir``, the warm start's model and output, ``rollout.records``."""
     bad = (family_error(cfg) or output_error(_key("train.run_dir"), cfg.train.run_dir, is_dir=True)
-           or _model_error(cfg) or _cache_error(cfg) or _kinds_error(cfg))
+           or warm_start_error(cfg) or _cache_error(cfg) or _kinds_error(cfg))
     if bad:
         return bad
     if cfg.rollout.source == "records":
@@ -114,5 +124,5 @@ def eval_error(cfg, checkpoint: str | None) -> str | None:
 
     if Path(cfg.train.run_dir).is_dir() and find_latest(cfg.train.run_dir) is not None:
         return None
-    return _model_error(cfg) or (output_error(_key("sft.output_dir"), cfg.sft.output_dir, is_dir=True)
+    return warm_start_error(cfg) or (output_error(_key("sft.output_dir"), cfg.sft.output_dir, is_dir=True)
                                  if _sft_output_needed(cfg) else None)

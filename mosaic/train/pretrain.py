@@ -24,7 +24,7 @@ import logging
 import random
 import tempfile
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import torch
@@ -70,8 +70,11 @@ def _fingerprint(cfg: Config, pc: "PretrainConfig") -> dict:
 def _same_run(saved: dict, now: dict) -> list[str]:
     """The knobs that differ between a saved state and this run (those that change what is trained)."""
     out = []
+    defaults = {f.name: f.default for f in fields(PretrainConfig)}
     for k, v in now.items():
         if k in _RESUME_IGNORES or saved.get(k) == v:
+            continue
+        if k not in saved and k in defaults and v == defaults[k]:  # a knob added since, left at its default
             continue
         if isinstance(v, dict) and isinstance(saved.get(k), dict):
             out += [f"{k}.{f}: {saved[k].get(f)!r} -> {x!r}" for f, x in v.items() if saved[k].get(f) != x]

@@ -60,9 +60,11 @@ def base_model_dir(preset: str, name: str = "") -> Path:
     if not (path / "config.json").exists():
         known = sorted(p.name for p in BASE_MODELS_DIR.iterdir() if (p / "config.json").exists()) \
             if BASE_MODELS_DIR.is_dir() else []
+        build = (f"`mosaic pretrain model.base={name} --into-package ...` (docs/models.md)" if name
+                 else f"`mosaic pretrain model.embedded_preset={preset} --into-package`")
         raise FileNotFoundError(
-            f"no shipped base model {path.name!r} at {path} (shipped: {', '.join(known) or 'none'}); build it with "
-            f"`mosaic pretrain model.embedded_preset={preset}` or use model.source=embedded")
+            f"no shipped base model {path.name!r} (shipped: {', '.join(known) or 'none'}); build it with {build}, "
+            f"or use model.source=dir with a saved model")
     return path
 
 

@@ -170,5 +170,11 @@ def test_reset_mode_plans_and_counts_round_trip_and_a_cut_plan_is_ignored(episod
     assert carried_plan(cut, 1) is None  # a summary cut at its token cap: re-planned from lookups instead
     assert carried_plan(plan_text(1, [("get_account", {})]), 1) is None  # only mutating calls are planned
     assert done_count(f"{done_text(1, 1)} {done_text(1, 2)} {done_text(0, 5)}", 1) == 2
+    # hostile notes: deep nesting, huge numbers, non-finite constants, non-dict JSON are ignored, never raised
+    for note in ("Visit 2 plan: " + "[" * 5000, "Visit " + "9" * 5000 + " plan: {}", "Visit 2 plan: null",
+                 'Visit 2 plan: {"calls": [["cancel_order", {"order_id": NaN}]], "answer": ""}',
+                 'Visit 2 plan: {"calls": "x", "answer": ""}', 'Visit 2 plan: {"calls": [], "answer": 3}'):
+        assert carried_plan(note, 1) is None, note[:60]
+    assert done_count("Visit 2 done: " + "9" * 5000, 1) == 0
     with pytest.raises(ValueError, match="trusting expert is not defined in context-reset mode"):
         ServiceExpert(revalidate=False).act_reset(episodes[0], [("user", episodes[0].question)], 4)

@@ -80,6 +80,19 @@ def test_a_service_row_from_another_generator_is_refused(tmp_path):
     with pytest.raises(ValueError, match="another first visit or answer"):
         load_parquet(tmp_path / "b.parquet")
     for bad, msg in (("", "is empty"), ("{", "not JSON"), ('{"bogus": 1}', "not a ServiceConfig"),
-                     ('{"n_users": 0}', "n_users")):
+                     ('{"n_users": 0}', "n_users"), ('{"n_users": 20000000}', "n_users"), ('{"seed": "x"}', "seed"),
+                     ('{"seed": 1.5}', "seed"), ('{"n_users": true}', "n_users"), ('{"unannounced_share": "0.5"}', "share"),
+                     ('{"unannounced_share": null}', "share"), ('{"name_partition": 5}', "name_partition"),
+                     ('{"name_partition": ["a", "b"]}', "name_partition"), ("[1]", "not a ServiceConfig")):
         with pytest.raises(ValueError, match=msg):
             service_config_from_json(bad)
+
+
+def test_an_empty_parquet_file_is_not_an_export(tmp_path, capsys):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "empty.parquet"
+    pq.write_table(pa.table({"x": pa.array([], type=pa.int64())}), path)
+    assert main(["data", "import", str(path)]) == 2
+    assert "holds no rows" in capsys.readouterr().err

@@ -219,3 +219,28 @@ def test_model_base_names_a_shipped_base_model(tmp_path, monkeypatch):
         load_config("cpu", overrides=["model.base=../x"])
     with pytest.raises(ConfigError, match="model.base.*model.source=base"):
         load_config("cpu", overrides=["model.source=embedded", "model.base=tiny-base"])
+
+
+def test_a_run_stopped_before_a_knob_was_added_resumes_when_the_knob_is_at_its_default():
+    now = pt._fingerprint(load_config("cpu"), pt.PretrainConfig())
+    saved = {k: v for k, v in now.items() if k not in ("service_share", "service_modes", "service_preset")}
+    assert pt._same_run(saved, now) == []
+    changed = pt._fingerprint(load_config("cpu"), pt.PretrainConfig(service_share=0.5))
+    assert pt._same_run(saved, changed) == ["service_share: None -> 0.5"]
+
+
+def test_a_missing_base_model_is_one_line_before_any_work(tmp_path, capsys):
+    from mosaic.cli import main
+
+    assert main(["train", "model.base=nope", f"train.run_dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "config key 'model.base': no shipped base model 'nope'" in err
+    assert "mosaic pretrain model.base=nope --into-package" in err and not (tmp_path / "run").exists()
+    grid = tmp_path / "g.yaml"
+    grid.write_text("name: g\npreset: cpu\ncommon: [model.base=nope]\narms: {a: [algo.estimator=broadcast]}\nseeds: [0]\n"
+                    "evals: [{name: v, split: validation, n_tasks: 2}]\n")
+    assert main(["experiment", str(grid), "--work", str(tmp_path / "w"), "--dry-run"]) == 0
+    assert "no shipped base model 'nope'" in capsys.readouterr().err
+    assert main(["experiment", str(grid), "--work", str(tmp_path / "w")]) == 2
+    assert "no shipped base model 'nope'" in capsys.readouterr().err
+    assert main(["pretrain", "--into-package", "model.base=README.md"]) == 2

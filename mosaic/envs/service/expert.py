@@ -25,7 +25,7 @@ cancel) and redo or add actions.
 current visit and the notes. The revalidating expert looks the account up at the visit's start, notes the
 visit's plan, then after each mutating action notes how many planned calls are done (``Visit K done: N``),
 handing off when the session's action cap (or its context) would otherwise cut off a note; it needs
-``harness.reset_k >= 4`` (two lookups, the plan's note, an action). The trusting expert has nothing to
+``harness.reset_k >= 3`` (two lookups and the plan's note; later sessions act and note). The trusting expert has nothing to
 trust after a reset and is not defined there.
 """
 
@@ -84,8 +84,15 @@ def _belief(calls: list[tuple[str, dict, str]], latest: bool) -> dict | None:
     return {**accounts[pick], "orders": orders[pick]}
 
 
-_PLAN = re.compile(r"Visit (\d+) plan: ")
-_DONE_COUNT = re.compile(r"Visit (\d+) done: (\d+)\b")
+_PLAN = re.compile(r"Visit (\d{1,4}) plan: ")
+_DONE_COUNT = re.compile(r"Visit (\d{1,4}) done: (\d{1,4})\b")
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+_DECODER = json.JSONDecoder(parse_constant=_no_constant)
 
 
 def plan_text(k: int, plan: list[tuple[str, dict]], answer: str = "") -> str:
@@ -109,9 +116,9 @@ def carried_plan(text: str, k: int) -> tuple[list[tuple[str, dict]], str] | None
     for m in _PLAN.finditer(text):
         if int(m.group(1)) != k + 1:
             continue
-        try:
-            data, _end = json.JSONDecoder().raw_decode(text, m.end())
-        except ValueError:
+        try:  # (non-finite numbers refused: they would go back out as invalid JSON)
+            data, _end = _DECODER.raw_decode(text, m.end())
+        except (ValueError, RecursionError):
             continue
         calls = data.get("calls") if isinstance(data, dict) else None
         if not isinstance(calls, list) or not isinstance(data.get("answer"), str) or not all(

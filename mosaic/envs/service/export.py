@@ -27,6 +27,8 @@ from mosaic.envs.service.world import Episode, ServiceConfig, generate_episodes
 DATA_SOURCE = "mosaic/service"
 ABILITY = "service"
 AGENT_NAME = "mosaic_agent"
+MAX_USERS = 100_000
+"""The largest split a row's config may regenerate (the paper preset's train split is 1,000 users)."""
 
 
 def episode_to_row(episode: Episode, index: int, config: ServiceConfig) -> dict:
@@ -58,9 +60,24 @@ def service_config_from_json(text: str) -> ServiceConfig:
     known = {f.name for f in dataclasses.fields(ServiceConfig)}
     if not isinstance(d, dict) or set(d) - known:
         raise ValueError(f"tools_kwargs.service_config is not a ServiceConfig (keys {sorted(d) if isinstance(d, dict) else d!r})")
-    if d.get("name_partition") is not None:
-        d["name_partition"] = tuple(d["name_partition"])
-    return ServiceConfig(**d)
+    for key in ("seed", "n_users", "visits", "events_between", "orders_per_user"):
+        if key in d and (isinstance(d[key], bool) or not isinstance(d[key], int)):
+            raise ValueError(f"tools_kwargs.service_config.{key}: must be an integer, got {d[key]!r}")
+    if not 0 < d.get("n_users", 1) <= MAX_USERS:  # (a row's config is regenerated whole: keep it bounded)
+        raise ValueError(f"tools_kwargs.service_config.n_users: must be in [1, {MAX_USERS}], got {d['n_users']}")
+    share = d.get("unannounced_share", 0.0)
+    if isinstance(share, bool) or not isinstance(share, (int, float)):
+        raise ValueError(f"tools_kwargs.service_config.unannounced_share: must be a number, got {share!r}")
+    part = d.get("name_partition")
+    if part is not None:
+        if not (isinstance(part, list) and len(part) == 2 and all(isinstance(x, int) and not isinstance(x, bool)
+                                                                  for x in part)):
+            raise ValueError(f"tools_kwargs.service_config.name_partition: must be [index, modulo], got {part!r}")
+        d["name_partition"] = tuple(part)
+    try:
+        return ServiceConfig(**d)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"tools_kwargs.service_config: {exc}") from None
 
 
 _EPISODES: dict[tuple[str, str], dict[str, Episode]] = {}

@@ -240,7 +240,8 @@ class MosaicAgentLoop(AgentLoopBase):
     def _task_env(self, row: dict, tools_kwargs: dict):
         """The row's task and a fresh environment for it: a service episode (regenerated from the row's
         ``service_config``) and its account backend, or a deep-search question and its split's index."""
-        if tools_kwargs.get("service_config"):
+        if row.get("data_source") == "mosaic/service" or row["extra_info"].get("family") == "service" \
+                or tools_kwargs.get("service_config"):
             from mosaic.envs.service import ServiceEnv
             from mosaic.envs.service.export import row_episode
 
@@ -251,8 +252,8 @@ class MosaicAgentLoop(AgentLoopBase):
     async def run(self, sampling_params: dict[str, Any], **kwargs) -> list[AgentLoopOutput]:
         extra_info = kwargs["extra_info"]
         tools_kwargs = kwargs.get("tools_kwargs") or extra_info.get("tools_kwargs") or {}
-        task, env = await asyncio.to_thread(
-            self._task_env, {"reward_model": kwargs["reward_model"], "extra_info": extra_info}, tools_kwargs)
+        row = {"reward_model": kwargs["reward_model"], "extra_info": extra_info, "data_source": kwargs.get("data_source")}
+        task, env = await asyncio.to_thread(self._task_env, row, tools_kwargs)
         traj_key = f"{kwargs.get('uid', uuid.uuid4().hex)}_{kwargs.get('session_id', 0)}"
         loop = asyncio.get_running_loop()
         policy = ServerPolicy(self.server_manager, loop, sampling_params, traj_key=traj_key,

@@ -293,6 +293,11 @@ def test_a_service_row_whose_config_does_not_generate_it_is_refused(tmp_path, to
               "tools_kwargs": row["extra_info"]["tools_kwargs"]}
     with pytest.raises(ValueError, match="regenerates with another first visit or answer"):
         asyncio.run(_loop(tokenizer, ScriptedServer(tokenizer, "x")).run({}, **kwargs))
+    # a service row whose config went missing says so (it is not taken for a deep-search row)
+    empty = {**kwargs, "data_source": "mosaic/service", "tools_kwargs": {},
+             "extra_info": {**row["extra_info"], "tools_kwargs": {}}}
+    with pytest.raises(ValueError, match="service_config is empty"):
+        asyncio.run(_loop(tokenizer, ScriptedServer(tokenizer, "x")).run({}, **empty))
 
 
 class ResetServer(ScriptedServer):
