@@ -12,8 +12,8 @@ through the tools.
 
 Progress comes from the transcript: the visit is the last ``Visit k of n`` message; the actions done
 in it are the mutating calls made since that message (rejected ones included: the experts never retry),
-plus those a compaction summary carried in that message (:func:`progress_summary` writes them as tool calls)
-and, in context-reset mode, those the workspace's notes record for that visit (:func:`done_note`).
+plus those a compaction summary carried in that message (:func:`progress_summary` writes them as tool calls),
+or the count of planned calls done that a summary or a reset's notes carry (:func:`done_text`).
 
 **Carried plans.** Once a visit's plan is made (from the lookups at its start), a summary or a note carries it
 (:func:`plan_text`: the mutating calls in order, and the last visit's answer), and a later context goes on
@@ -25,8 +25,8 @@ cancel) and redo or add actions.
 current visit and the notes. The revalidating expert looks the account up at the visit's start, notes the
 visit's plan, then after each mutating action notes how many planned calls are done (``Visit K done: N``),
 handing off when the session's action cap (or its context) would otherwise cut off a note; it needs
-``harness.reset_k >= 3`` (two lookups and the plan's note; later sessions act and note). The trusting expert has nothing to
-trust after a reset and is not defined there.
+``harness.reset_k >= 3`` (two lookups and the plan's note; later sessions act and note). The trusting
+expert has nothing to trust after a reset and is not defined there.
 """
 
 from __future__ import annotations
