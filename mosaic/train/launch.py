@@ -35,7 +35,8 @@ class HarnessTask:
         model: the model name to request.
         question / task_id / group_id / sample: the task, its GRPO group and this sample's index.
         deadline: wall-clock time (``time.time()``) by which the harness must have returned.
-        tools_url: ``POST {"name": "search", "arguments": {"query": ...}}`` → ``{"content": ...}``.
+        tools_url: ``POST {"name": "search", "arguments": {"query": ...}}`` → ``{"content": ...}`` (the service
+            family: its account tools, e.g. ``{"name": "get_account", "arguments": {}}``).
         reward_url: ``POST {"reward": r, "answer": ...}`` (when the harness scores itself).
         harness: the trainer's harness settings (prompts, budgets, mode) for harnesses that mirror them.
     """
@@ -52,10 +53,10 @@ class HarnessTask:
     reward_url: str
     harness: HarnessConfig
     tools: Callable[[str, dict], str] | None = field(default=None, repr=False)
-    """The deep-search tools in-process (what ``tools_url`` does over HTTP); use :meth:`call_tool`."""
+    """The environment's tools in-process (what ``tools_url`` does over HTTP); use :meth:`call_tool`."""
 
     def call_tool(self, name: str, arguments: dict) -> str:
-        """Run a deep-search tool in-process (what ``tools_url`` does over HTTP)."""
+        """Run one of the environment's tools in-process (what ``tools_url`` does over HTTP)."""
         if self.tools is None:
             raise RuntimeError("no tools attached to this task")
         return self.tools(name, arguments)
