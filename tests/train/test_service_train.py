@@ -21,3 +21,22 @@ def test_one_step_on_the_service_family_logs_its_outcome(tmp_path):
     first = json.loads((d / "vocab.json").read_text())["pieces"]
     text = "".join(first[i] for i in sample["sessions"][0]["prompt"])
     assert "get_account" in text and "Visit 1 of" in text  # the family's tools and its first visit
+
+
+def test_one_step_on_the_service_family_in_context_reset_mode(tmp_path):
+    """Issue 30 item 4: ``harness.mode=reset`` on the service family through the trainer: every session is a
+    ``reset`` session, the notes are in the samples, and Mosaic's estimator trains on them."""
+    from mosaic.config.loader import load_config
+    from mosaic.train import entrypoints
+
+    d = tmp_path / "run"
+    cfg = load_config("cpu-service", overrides=[
+        f"data.cache_dir={tmp_path / 'cache'}", "data.n_train_tasks=8", "train.steps=1", "train.batch_tasks=2",
+        "train.group_size=2", "train.heldout_split=none", "train.tensorboard=false", f"train.run_dir={d}",
+        "harness.mode=reset", "harness.reset_k=4", "harness.max_turns=12", "algo.estimator=mosaic"])  # fmt: skip
+    assert entrypoints.run_train(cfg) == 0
+    m = json.loads((d / "metrics.jsonl").read_text().splitlines()[-1])
+    assert "env/stale_rate" in m and m.get("session/count/reset", 0) >= 1, sorted(k for k in m if "count" in k)
+    samples = [json.loads(x) for x in (d / "samples.jsonl").read_text().splitlines()]
+    kinds = {s["kind"] for x in samples for s in x["sessions"]}
+    assert kinds == {"reset"}, kinds
