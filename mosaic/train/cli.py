@@ -208,6 +208,7 @@ def _pretrain(args) -> int:
                                                  ("copy_share", args.copy_share), ("save_every", args.save_every),
                                                  ("world_seed_base", args.world_seed_base),
                                                  ("service_share", args.service_share),
+                                                 ("service_drills", args.service_drills),
                                                  ("modes", tuple(m.strip() for m in args.modes.split(",") if m.strip())
                                                   if args.modes is not None else None)) if v is not None})
     except ValueError as exc:
@@ -254,6 +255,8 @@ def register(subparsers) -> None:
                    help="data seed of the first world (default 1000; use fresh seeds when continuing)")
     p.add_argument("--service-share", type=float,
                    help="share of the worlds that are service-family episodes (default 0: deep search only)")
+    p.add_argument("--service-drills", type=float,
+                   help="share of the drills that are service account drills (read a value, write a call; default 0)")
     p.add_argument("--modes", help="harness modes cycled over the deep-search worlds, comma-separated "
                                    "(default compaction,compaction,fork)")
     p.add_argument("--copy-share", type=float, help="share of each batch made of name drills (default 0.25)")

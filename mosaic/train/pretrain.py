@@ -150,6 +150,11 @@ class PretrainConfig:
     service_modes: tuple[str, ...] = ("compaction", "compaction", "reset")
     """Harness modes cycled over the service worlds (the service expert plays ``single``, ``compaction`` and
     ``reset``)."""
+    service_drills: float = 0.0
+    """Share of the drills that are service account drills once service worlds are in the pool: an account
+    and its orders as a lookup shows them, then a question (the card, the address, an order's status, the
+    plan's status) or a request whose one tool call must be written (reorder, cancel, upgrade) — the exact
+    reading and copying of values into JSON arguments the family's actions need. 0: name drills only."""
     service_preset: str = "cpu-service"
     """The preset whose ``data`` and ``harness`` sections the service episodes are generated and played under
     (and checked on, on its validation split)."""
@@ -168,6 +173,8 @@ class PretrainConfig:
             raise ValueError("PretrainConfig.save_every / eval_every: must be >= 0")
         if not 0.0 <= self.service_share < 1.0:
             raise ValueError(f"PretrainConfig.service_share: must be in [0, 1), got {self.service_share}")
+        if not 0.0 <= self.service_drills <= 1.0:
+            raise ValueError(f"PretrainConfig.service_drills: must be in [0, 1], got {self.service_drills}")
         from mosaic.config.harness import MODES
 
         bad = [m for m in self.modes if m not in MODES] + [m for m in self.service_modes
@@ -230,7 +237,8 @@ def _service_rows(cfg: Config, pc: PretrainConfig, k: int, tok, chat) -> tuple[l
         split.tasks, group_size=1, seed=pc.seed + k, progress=False, step="pretrain")
     rows = pack_rows([r for r in to_rows([t for t in trajs if t.success]) if r.num_trainable > 0])
     names = sorted({n for e in split.tasks for n in (e.user, e.initial["address"], *(o["item"] for o in e.initial["orders"].values()))})
-    info = {"family": "service", "names": names, "world_seed": scfg.data.seed, "mode": hcfg.mode,
+    info = {"family": "service", "names": names, "accounts": [e.initial for e in split.tasks],
+            "world_seed": scfg.data.seed, "mode": hcfg.mode,
             "trajectories": len(trajs), "expert_accuracy": sum(t.success for t in trajs) / max(1, len(trajs))}
     return rows, info
 
@@ -250,6 +258,43 @@ def copy_drill(rng: random.Random, tok, names: list[str]):
         prompt = " ".join(f"{a} -> {b}." for a, b in pairs) + f" Which name does {key} point to?"
     p_ids = tok.encode(f"<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n")
     c_ids = tok.encode(f"<answer>{answer}</answer><|im_end|>")
+    n = len(c_ids)
+    return PackedRow(p_ids, c_ids, [True] * n, [0.0] * n, [0.0] * n, [0] * n, 0)
+
+
+def service_drill(rng: random.Random, tok, account: dict):
+    """One service account drill as a training row (loss on the answer): ``account`` (an episode's initial
+    state) with its order and plan statuses redrawn, shown as ``get_account`` + ``list_orders`` show it, then
+    a question or a request whose tool call must be written (:attr:`PretrainConfig.service_drills`)."""
+    from mosaic.envs.service import tool_call_text
+    from mosaic.envs.service.state import PLANS, Request, answer_for, plan_request
+    from mosaic.envs.service.text import format_account, format_orders
+
+    st = {**account, "orders": {k: dict(v) for k, v in account["orders"].items()}}
+    for o in st["orders"].values():
+        if rng.random() < 0.5:
+            o["status"] = rng.choice(("placed", "shipped", "delivered"))
+    if rng.random() < 0.5:
+        st["plan_status"] = rng.choice(("active", "lapsed"))
+    item = rng.choice([o["item"] for o in st["orders"].values()])
+    kind = rng.choice(("card", "city", "status", "plan", "reorder", "cancel", "upgrade"))
+    questions = {"card": "Which card is on file? Give its last four digits.", "city": "In which city does the customer live?",
+                 "status": f"What is the status of the newest {item} order?", "plan": "Is the plan active or lapsed?"}
+    if kind in questions:
+        question, answer = questions[kind], f"<answer>{answer_for(st, kind, item)}</answer>"
+    else:
+        req = Request(kind, item=item if kind != "upgrade" else "", tier=rng.choice(PLANS) if kind == "upgrade" else "")
+        calls = plan_request(st, req)
+        if not calls:  # (nothing of that item can still be cancelled)
+            question, answer = questions["card"], f"<answer>{st['card']}</answer>"
+        else:
+            what = {"reorder": f"order another {item}", "cancel": f"take care of the {item} they no longer want",
+                    "upgrade": f"put them on the {req.tier} plan"}[kind]
+            question = f"Write the one tool call that does this: {what}."
+            answer = tool_call_text(calls[0].name, dict(calls[0].kw))
+    prompt = f"{format_account(st)}\n{format_orders(st['orders'])}\n{question}"
+    p_ids = tok.encode(f"<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n")
+    c_ids = tok.encode(f"{answer}<|im_end|>")
     n = len(c_ids)
     return PackedRow(p_ids, c_ids, [True] * n, [0.0] * n, [0.0] * n, [0] * n, 0)
 
@@ -305,6 +350,7 @@ class _Run:
         self.rng = random.Random(pc.seed)
         self.rows: list = []
         self.names: list[str] = []
+        self.accounts: list[dict] = []  # service episodes' initial accounts, for the account drills
         self.worlds: list[dict] = []
         self.checks: list[dict] = []
         self.losses: list[float] = []
@@ -328,6 +374,7 @@ class _Run:
         torch.set_rng_state(state["torch_rng"])
         self.rows, self.names, self.worlds, self.checks, self.losses = (
             state[k] for k in ("rows", "names", "worlds", "checks", "losses"))
+        self.accounts = state.get("accounts", [])  # (a state saved before account drills existed has none)
         self.start, self.before = state["step"], state["seconds"]
         self.resumed_at = state["step"]
 
@@ -335,7 +382,7 @@ class _Run:
         tmp = self.state_path.with_suffix(".tmp")
         torch.save({"config": self.fingerprint, "step": step, "model": self.model.state_dict(),
                     "opt": self.opt.state_dict(), "sched": self.sched.state_dict(), "rng": self.rng.getstate(),
-                    "torch_rng": torch.get_rng_state(), "rows": self.rows, "names": self.names,
+                    "torch_rng": torch.get_rng_state(), "rows": self.rows, "names": self.names, "accounts": self.accounts,
                     "worlds": self.worlds, "checks": self.checks, "losses": self.losses,
                     "seconds": self.elapsed()}, tmp)
         tmp.replace(self.state_path)  # whole or not at all: a kill while writing keeps the previous state
@@ -349,12 +396,15 @@ class _Run:
                 new, info = _world_rows(self.cfg, pc, len(self.worlds), self.tok, self.chat, cache)
                 self.rows += new
                 self.names = (self.names + info.pop("names"))[-2000:]
+                self.accounts = (self.accounts + info.pop("accounts", []))[-500:]
                 self.worlds.append(info)
             self.rng.shuffle(self.rows)
         n_drills = sum(self.rng.random() < pc.copy_share for _ in range(pc.batch_size))
         n_rows = pc.batch_size - n_drills
-        batch = self.rows[len(self.rows) - n_rows:] + [copy_drill(self.rng, self.tok, self.names)
-                                                        for _ in range(n_drills)]
+        batch = self.rows[len(self.rows) - n_rows:] + [
+            service_drill(self.rng, self.tok, self.rng.choice(self.accounts))
+            if pc.service_drills and self.accounts and self.rng.random() < pc.service_drills
+            else copy_drill(self.rng, self.tok, self.names) for _ in range(n_drills)]
         del self.rows[len(self.rows) - n_rows:]
         loss, ctx_loss = lm_step(self.model, batch, self.opt, pad_id=self.tok.pad_token_id, device=self.device,
                                  context_weight=pc.context_weight)

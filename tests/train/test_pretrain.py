@@ -191,7 +191,8 @@ def test_service_share_mixes_both_families_and_cycles_modes_over_deep_search_wor
 def test_service_pretraining_checks_both_families_and_refuses_bad_settings(tmp_path):
     cfg = load_config("cpu", overrides=SMALL + [f"data.cache_dir={tmp_path / 'cache'}"])
     pc = pt.PretrainConfig(steps=4, batch_size=4, lr=3e-3, warmup_steps=1, eval_every=4, eval_tasks=2,
-                           tokenizer_worlds=4, tasks_per_world=4, pool_rows=8, service_share=0.5)
+                           tokenizer_worlds=4, tasks_per_world=4, pool_rows=8, service_share=0.5, service_drills=0.5,
+                           copy_share=0.5)
     meta = pt.pretrain(cfg, pc, tmp_path / "base", progress=False)
     assert meta["service_worlds"] >= 1 and meta["worlds"] > meta["service_worlds"]
     check = meta["checks"][-1]
@@ -244,3 +245,45 @@ def test_a_missing_base_model_is_one_line_before_any_work(tmp_path, capsys):
     assert main(["experiment", str(grid), "--work", str(tmp_path / "w")]) == 2
     assert "no shipped base model 'nope'" in capsys.readouterr().err
     assert main(["pretrain", "--into-package", "model.base=README.md"]) == 2
+
+
+def test_service_account_drills_read_values_and_write_the_rule_s_call():
+    """``service_drills``: an account and orders as the lookups show them, then a question or a request whose
+    one tool call must be written; the answer is what the family's rules give on the shown state."""
+    import random
+
+    from mosaic.agent.models.corpus import build_generator_tokenizer
+    from mosaic.envs.service import ServiceConfig, generate_episodes, parse_call
+    from mosaic.envs.service.text import parse_account, parse_orders
+
+    tok = build_generator_tokenizer(n_worlds=2)
+    rng = random.Random(0)
+    episodes = generate_episodes(ServiceConfig(seed=3, n_users=20, visits=2))
+    kinds = set()
+    for i in range(200):
+        row = pt.service_drill(rng, tok, episodes[i % 20].initial)
+        prompt = tok.decode(row.prompt_ids)
+        answer = tok.decode(row.completion_ids).replace("<|im_end|>", "")
+        body = prompt.split("<|im_start|>user\n", 1)[1].split("<|im_end|>")[0]
+        lines = body.splitlines()
+        account = parse_account("\n".join(lines[:5]))
+        orders = parse_orders("\n".join(lines[5:-1]))
+        assert account and orders and all(row.loss_mask) and len(row.completion_ids) == len(row.loss_mask)
+        call = parse_call(answer)
+        if call is None:
+            kinds.add("question")
+            assert answer.startswith("<answer>") and answer.endswith("</answer>")
+            if "last four digits" in lines[-1]:
+                assert answer == f"<answer>{account['card']}</answer>"
+        else:
+            kinds.add(call[0])
+            if call[0] == "create_order":
+                assert call[1]["address"] == account["address"] and call[1]["card"] == account["card"]
+            if call[0] in ("cancel_order", "return_order"):
+                o = orders[call[1]["order_id"]]
+                assert (o["status"] == "placed") == (call[0] == "cancel_order")
+            if call[0] in ("change_plan", "renew_plan"):
+                assert (account["plan_status"] == "active") == (call[0] == "change_plan")
+    assert {"question", "create_order", "change_plan", "renew_plan"} <= kinds and kinds & {"cancel_order", "return_order"}
+    with pytest.raises(ValueError, match="service_drills"):
+        pt.PretrainConfig(service_drills=1.5)
