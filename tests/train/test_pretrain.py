@@ -41,7 +41,7 @@ def test_pretraining_worlds_are_training_partition_and_disjoint_from_held_out(tm
     tok = build_generator_tokenizer(n_worlds=2)
     chat = setup.chat_format(tok)
     pc = pt.PretrainConfig()
-    rows, info = pt._world_rows(cfg, pc, 0, tok, chat, tmp_path / "gen")
+    rows, info = pt.world_rows(cfg, pc, 0, tok, chat, tmp_path / "gen")
     assert rows and info["trajectories"] == pc.tasks_per_world and info["mode"] == pc.modes[0]
     from mosaic.envs.splits import load_split, split_config
 
@@ -79,7 +79,7 @@ def test_lm_step_expert_part_equals_the_sft_loss(tmp_path):
 
     cfg = load_config("cpu", overrides=SMALL + [f"data.cache_dir={tmp_path / 'cache'}"])
     tok = build_generator_tokenizer(n_worlds=2)
-    rows, _ = pt._world_rows(cfg, pt.PretrainConfig(tasks_per_world=3), 0, tok, setup.chat_format(tok),
+    rows, _ = pt.world_rows(cfg, pt.PretrainConfig(tasks_per_world=3), 0, tok, setup.chat_format(tok),
                              tmp_path / "gen")
     model = tiny_model(vocab_size=len(tok), seed=1)
     batch = collate(rows, list(range(len(rows))), pad_id=tok.pad_token_id)
@@ -172,7 +172,7 @@ def test_service_share_mixes_both_families_and_cycles_modes_over_deep_search_wor
 
     cfg = load_config("cpu", overrides=SMALL + [f"data.cache_dir={tmp_path / 'cache'}"])
     tok = build_generator_tokenizer(n_worlds=2)
-    rows, info = pt._world_rows(cfg, pc, 1, tok, setup.chat_format(tok), tmp_path / "gen")
+    rows, info = pt.world_rows(cfg, pc, 1, tok, setup.chat_format(tok), tmp_path / "gen")
     assert info["family"] == "service" and info["trajectories"] == 6 and info["mode"] == "compaction"
     assert [pc.mode(k) for k in (1, 3, 5, 7)] == ["compaction", "compaction", "reset", "compaction"]
     assert rows and info["names"] and info["expert_accuracy"] > 0  # (a 2-world tokenizer: long texts, many compactions)
