@@ -312,7 +312,8 @@ class ExternalRollouts:
         offset = self.records_path.stat().st_size if self.records_path.exists() else 0
         self.foreign.clear()
         version = self.policy_version
-        self.live = {ht.rollout_id for _, ht in pairs}
+        step_ids = {ht.rollout_id for _, ht in pairs}
+        self.live = step_ids
         self.outcomes: dict[str, dict] = {}
         if self.service:  # a fresh account backend per rollout, before its harness starts
             for task, ht in pairs:
@@ -345,7 +346,7 @@ class ExternalRollouts:
             else:
                 trajs.append(traj)
         if self.service:  # the backends of dropped rollouts (and of rewards the harness posted) are freed
-            for rid in [r for r in self.env.rollouts if r in {ht.rollout_id for _, ht in pairs}]:
+            for rid in step_ids & set(self.env.rollouts):
                 self.env.finish(rid, None)
         dropped = self._report_drops(drops, step, len(pairs), len(trajs))
         m: dict[str, float] = {f"rollout/dropped/{r}": float(dropped.get(r, 0)) for r in DROP_REASONS}

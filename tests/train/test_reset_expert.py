@@ -46,29 +46,21 @@ def test_the_expert_solves_reset_mode_through_its_notes(world, k):
         assert all(s.num_turns <= k for s in t.sessions)
 
 
-class _HandOff:
+def _hand_off(tok, tasks, keep: bool):
     """Session 0 hands off one note about the last hop (with its entity, or without it); session 1 answers."""
+    from mosaic.agent.tools import format_call
+    from tests.agent._doubles import TextPolicy
 
-    def __init__(self, tok, tasks, keep: bool):
-        self.tok, self.tasks, self.keep = tok, {t.id: t for t in tasks}, keep
-        self.end = tok.convert_tokens_to_ids("<|im_end|>")
+    by_id = {t.id: t for t in tasks}
 
-    def generate(self, reqs):
-        from mosaic.agent.policy import GenResult
-        from mosaic.agent.tools import format_call
+    def text(r) -> str:
+        task = by_id[r.meta["task_id"]]
+        h = task.gold_chain[-1]
+        if r.meta["session"] > 0:
+            return f"<answer>{task.answer}</answer>"
+        return format_call("handoff", f"{h.title} {h.relation}: " + (h.target if keep else "not found yet"))
 
-        out = []
-        for r in reqs:
-            task = self.tasks[r.meta["task_id"]]
-            h = task.gold_chain[-1]
-            text = (format_call("handoff", f"{h.title} {h.relation}: " + (h.target if self.keep else "not found yet"))
-                    if r.meta["session"] == 0 else f"<answer>{task.answer}</answer>")
-            ids = list(self.tok(text, add_special_tokens=False)["input_ids"]) + [self.end]
-            out.append(GenResult(ids, [0.0] * len(ids), "stop"))
-        return out
-
-    def release(self, key):
-        pass
+    return TextPolicy(tok, text)
 
 
 def test_notes_that_keep_the_needed_fact_score_a_higher_gain(world):
@@ -81,7 +73,7 @@ def test_notes_that_keep_the_needed_fact_score_a_higher_gain(world):
     tasks = split.tasks[:N_TASKS]
     gains = {}
     for keep in (True, False):
-        trajs = Harness(_HandOff(tok, tasks, keep), chat, DeepSearchEnv(split), cfg.harness).run(tasks, 1)
+        trajs = Harness(_hand_off(tok, tasks, keep), chat, DeepSearchEnv(split), cfg.harness).run(tasks, 1)
         assert all(len(t.sessions) == 2 and t.success for t in trajs)
         g = score_gains(trajs, model, chat.answer_probe).gains
         gains[keep] = torch.tensor([float(g[2 * i]) for i in range(len(trajs))])  # session 0 of each

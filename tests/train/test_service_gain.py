@@ -29,36 +29,25 @@ def stale_answer(episode) -> str:
     return answer_for(state, last.question, last.question_item)
 
 
-class _HandOff:
+def _hand_off(tok, episodes, keep: bool):
     """Session 0: ``end_visit`` until the last visit, then a hand-off note with the current or the stale
     value; session 1 answers."""
+    from mosaic.envs.service import tool_call_text
+    from tests.agent._doubles import TextPolicy
 
-    def __init__(self, tok, episodes, keep: bool):
-        self.tok, self.episodes, self.keep = tok, {e.id: e for e in episodes}, keep
-        self.end = tok.convert_tokens_to_ids("<|im_end|>")
+    by_id = {e.id: e for e in episodes}
 
-    def generate(self, reqs):
-        from mosaic.agent.policy import GenResult
-        from mosaic.envs.service import tool_call_text
+    def text(r) -> str:
+        e = by_id[r.meta["task_id"]]
+        last = e.visits[-1]
+        if r.meta["session"] > 0:
+            return f"<answer>{e.answer}</answer>"
+        if "Visit 2 of 2" in tok.decode(r.prompt_ids) and r.meta["turn"] > 0:
+            value = e.answer if keep else stale_answer(e)
+            return tool_call_text("handoff", {"note": LABEL[last.question].format(value, item=last.question_item)})
+        return tool_call_text("end_visit", {})
 
-        out = []
-        for r in reqs:
-            e = self.episodes[r.meta["task_id"]]
-            last = e.visits[-1]
-            if r.meta["session"] > 0:
-                text = f"<answer>{e.answer}</answer>"
-            elif "Visit 2 of 2" in self.tok.decode(r.prompt_ids) and r.meta["turn"] > 0:
-                value = e.answer if self.keep else stale_answer(e)
-                note = LABEL[last.question].format(value, item=last.question_item)
-                text = tool_call_text("handoff", {"note": note})
-            else:
-                text = tool_call_text("end_visit", {})
-            ids = list(self.tok(text, add_special_tokens=False)["input_ids"]) + [self.end]
-            out.append(GenResult(ids, [0.0] * len(ids), "stop"))
-        return out
-
-    def release(self, key):
-        pass
+    return TextPolicy(tok, text)
 
 
 @pytest.mark.parametrize("base", ["tiny-base"])
@@ -78,7 +67,7 @@ def test_a_note_with_the_current_value_scores_a_higher_gain_than_the_stale_value
     assert len(episodes) >= 32  # the generator biases the last question toward fields an event changed
     gains = {}
     for keep in (True, False):
-        trajs = Harness(_HandOff(tok, episodes, keep), chat, make_env(split), cfg.harness).run(episodes, 1)
+        trajs = Harness(_hand_off(tok, episodes, keep), chat, make_env(split), cfg.harness).run(episodes, 1)
         assert all(len(t.sessions) == 2 and t.sessions[1].meta.get("question") for t in trajs)
         g = score_gains(trajs, model, chat.answer_probe).gains
         gains[keep] = torch.tensor([float(g[2 * i]) for i in range(len(trajs))])  # session 0 of each

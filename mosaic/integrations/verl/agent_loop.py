@@ -240,7 +240,9 @@ class MosaicAgentLoop(AgentLoopBase):
     def _task_env(self, row: dict, tools_kwargs: dict):
         """The row's task and a fresh environment for it: a service episode (regenerated from the row's
         ``service_config``) and its account backend, or a deep-search question and its split's index."""
-        if row.get("data_source") == "mosaic/service" or row["extra_info"].get("family") == "service" \
+        from mosaic.envs.service.export import DATA_SOURCE as SERVICE_SOURCE
+
+        if row.get("data_source") == SERVICE_SOURCE or row["extra_info"].get("family") == "service" \
                 or tools_kwargs.get("service_config"):
             from mosaic.envs.service import ServiceEnv
             from mosaic.envs.service.export import row_episode

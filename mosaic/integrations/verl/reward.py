@@ -15,6 +15,7 @@ from typing import Any
 
 from mosaic.envs.export import DATA_SOURCE
 from mosaic.envs.rewards import score_answer
+from mosaic.envs.service.export import DATA_SOURCE as SERVICE_SOURCE
 
 __all__ = ["compute_score"]
 
@@ -27,7 +28,7 @@ def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_
     ``reward.custom_reward_function.reward_kwargs.metric``. Raises ValueError for rows of another
     data source (a misrouted reward is an error, not a 0).
     """
-    if data_source == "mosaic/service":
+    if data_source == SERVICE_SOURCE:
         raise ValueError("mosaic compute_score got a service-family row: its reward needs the account backend's final "
                          "state, which only the mosaic_agent loop has (set the rows' agent_name to mosaic_agent)")
     if data_source != DATA_SOURCE:
