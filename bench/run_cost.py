@@ -79,7 +79,11 @@ def unit(args) -> None:
     from mosaic.experiment.spec import load_grid
     from mosaic.train import entrypoints, evaluate as ev, rl, setup
     from mosaic.train.checkpoint import find_latest
-    from mosaic.config.loader import load_config
+
+    try:  # the config module moved (issue 26); the older commit has it under train/
+        from mosaic.config.loader import load_config
+    except ImportError:
+        from mosaic.train.config import load_config
 
     torch.set_num_threads(args.threads)
     grid = load_grid(Path(args.grid))
@@ -90,7 +94,12 @@ def unit(args) -> None:
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, run_dir=args.work, steps=args.steps or cfg.train.steps),
                               data=dataclasses.replace(cfg.data, cache_dir=args.cache))  # fmt: skip
     clocks = Clocks()
-    clocks.wrap(rl, "_rollout", "generation")  # (live gain probes run inside it)
+    try:  # the rollouts (live gain probes run inside them): the rollout source's, or older code's helper
+        from mosaic.train.sources import HarnessRollouts
+
+        clocks.wrap(HarnessRollouts, "collect", "generation")
+    except ImportError:
+        clocks.wrap(rl, "_rollout", "generation")
     clocks.wrap(rl, "score_for", "gain scoring")
     clocks.wrap(rl, "update", "update")
     clocks.wrap(ev, "evaluate", "evaluation")
@@ -143,8 +152,9 @@ def _run(tree: Path, label: str, args, tmp: Path, k: int) -> dict:
     t = time.perf_counter()
     with open(tmp / f"{label}-{k}.log", "w") as log:
         rc = subprocess.call(cmd, cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT)
-    if rc != 0:
-        sys.exit(f"run_cost: the {label} run failed (exit {rc}); see {tmp / f'{label}-{k}.log'}")
+    if rc != 0:  # (the temp dir and its log go when we exit: show the log's end)
+        tail = (tmp / f"{label}-{k}.log").read_text().splitlines()[-25:]
+        sys.exit("\n".join([*tail, f"run_cost: the {label} run failed (exit {rc}) in {tree}"]))
     res = json.loads(out.read_text())
     res["wall_s"] = time.perf_counter() - t
     print(f"  {label} run {k + 1}: {res['wall_s']:.0f} s wall", flush=True)

@@ -324,6 +324,10 @@ class OptimConfig(_Section):
     """Optimizer steps per epoch (the batch split by trajectories)."""
     micro_batch_size: int = 8
     """Rows (sessions) per forward/backward; never changes the update (whole-batch normalisers)."""
+    shared_prefix: bool = True
+    """Run each token prefix that a micro-batch's rows share once (a radix tree over their ids; the same
+    log-probs and gradient as one padded forward per row, to float rounding) in the update and the KL
+    reference pass. Needs logits = head(decoder(...)) (Llama, Qwen2/3, Mistral) and no CAPO; else padded."""
 
     def _validate(self) -> None:
         self._positive("lr", "ppo_epochs", "mini_batches", "micro_batch_size")

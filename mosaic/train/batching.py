@@ -101,7 +101,7 @@ def pack_rows(rows: Sequence[TrainingRow], indices: Sequence[int] | None = None)
             if not any(p.absorb(rows[i], i) for p in packed):
                 packed.append(PackedRow.of(rows[i], i))
         out += packed
-    return [_trim(p) for p in out]
+    return [trim(p) for p in out]
 
 
 @dataclass
@@ -138,7 +138,7 @@ class RowBatch:
         return torch.where(self.token_rows >= 0, w, torch.zeros_like(w))
 
 
-def _trim(r: PackedRow) -> PackedRow:
+def trim(r: PackedRow) -> PackedRow:
     """``r`` without the tokens after its last trained one (a tool response appended before a session ended,
     say): with causal attention they change no trained token's log-prob, so the forward skips them."""
     last = max((k for k, m in enumerate(r.loss_mask) if m), default=-1) + 1
@@ -150,7 +150,7 @@ def _trim(r: PackedRow) -> PackedRow:
 
 def collate(rows: Sequence[TrainingRow | PackedRow], indices: Sequence[int], *, pad_id: int) -> RowBatch:
     """Pad rows ``indices`` of ``rows`` (plain session rows or packed rows) into a :class:`RowBatch`."""
-    sel = [_trim(r if isinstance(r, PackedRow) else PackedRow.of(r, i)) for i, r in ((i, rows[i]) for i in indices)]
+    sel = [trim(r if isinstance(r, PackedRow) else PackedRow.of(r, i)) for i, r in ((i, rows[i]) for i in indices)]
     lmax = max(len(r.prompt_ids) + len(r.completion_ids) for r in sel)
     lc = max(max(len(r.completion_ids) for r in sel), 1)
     n = len(sel)
@@ -215,12 +215,17 @@ def completion_logprobs(
     offs = torch.arange(lc, device=dev)
     pos = (batch.prompt_lens.unsqueeze(1) - 1 + offs).clamp(max=batch.input_ids.shape[1] - 1)  # (R, Lc)
     head = plain_head(model)
+    # Right padding needs no mask: under causal attention no real token sees a later pad, and without a mask
+    # the attention kernel skips the masked-out half (exactly the same log-probs; ~20 % less time on CPU).
+    lens = batch.attention_mask.sum(1, keepdim=True)
+    right = bool((batch.attention_mask == (torch.arange(batch.attention_mask.shape[1], device=dev) < lens)).all())
+    mask = None if right else batch.attention_mask
     if head is not None:  # the output layer only where a completion token is predicted (not the prompt's rows)
-        hid = model.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+        hid = model.get_decoder()(input_ids=batch.input_ids, attention_mask=mask,
                                   use_cache=False).last_hidden_state  # (R, Lmax, H)
         sel = head(hid.gather(1, pos.unsqueeze(-1).expand(r, lc, hid.shape[-1])))  # (R, Lc, V)
     else:
-        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
+        logits = model(input_ids=batch.input_ids, attention_mask=mask, use_cache=False).logits
         sel = logits.gather(1, pos.unsqueeze(-1).expand(r, lc, logits.shape[-1]))  # (R, Lc, V)
     if temperature != 1.0:
         sel = sel / temperature
@@ -236,7 +241,12 @@ def completion_logprobs(
     return lp, ent
 
 
-def micro_batches(rows: Sequence[TrainingRow | PackedRow], indices: Sequence[int], size: int) -> list[list[int]]:
-    """Split ``indices`` into micro-batches of ``size`` rows, similar lengths together (less padding)."""
-    order = sorted(indices, key=lambda i: len(rows[i].prompt_ids) + len(rows[i].completion_ids))
+def micro_batches(rows: Sequence[TrainingRow | PackedRow], indices: Sequence[int], size: int, *,
+                  by_prefix: bool = False) -> list[list[int]]:
+    """Split ``indices`` into micro-batches of ``size`` rows, similar lengths together (less padding), or with
+    ``by_prefix`` in the order of their ids (rows sharing a prefix together: :mod:`mosaic.train.prefix_tree`)."""
+    if by_prefix:
+        order = sorted(indices, key=lambda i: list(rows[i].prompt_ids) + list(rows[i].completion_ids))
+    else:
+        order = sorted(indices, key=lambda i: len(rows[i].prompt_ids) + len(rows[i].completion_ids))
     return [order[k : k + size] for k in range(0, len(order), size)]

@@ -31,7 +31,8 @@ from mosaic.trace import Trajectory
 from mosaic.train.batch import Scores, StepAdvantages, drop_uniform_groups, score_for, step_advantages, training_rows
 from mosaic.train import capo
 from mosaic.train.agreement import Agreement, warn_if_low
-from mosaic.train.batching import collate, completion_logprobs, micro_batches, pack_rows
+from mosaic.train.batching import collate, completion_logprobs, micro_batches, pack_rows, plain_head
+from mosaic.train.prefix_tree import tree_logprobs
 from mosaic.config.loader import Config
 from mosaic.train.metrics import rollout_metrics
 from mosaic.train.samples import sample_records
@@ -108,7 +109,16 @@ def _accumulate_gradients(st: RLState, packed, w_rows: torch.Tensor, *, temperat
     sampler's log-probs of the trained tokens (before any update of this step)."""
     cfg = st.cfg
     out: dict[str, float] = {}
-    for micro in micro_batches(packed, range(len(packed)), cfg.optim.micro_batch_size):
+    # Shared prefixes run once (prefix_tree): same log-probs and gradient; CAPO's meter needs padded positions.
+    tree = cfg.optim.shared_prefix and not cfg.algo.capo and plain_head(st.model) is not None
+
+    def logprobs(model, micro, batch, **kw):
+        if tree:
+            return tree_logprobs(model, [packed[i] for i in micro], temperature=temperature,
+                                 max_batch_tokens=cfg.algo.score_batch_tokens, **kw)  # fmt: skip
+        return completion_logprobs(model, batch, temperature=temperature, **kw)
+
+    for micro in micro_batches(packed, range(len(packed)), cfg.optim.micro_batch_size, by_prefix=tree):
         batch = collate(packed, micro, pad_id=st.tokenizer.pad_token_id).to(st.device)
         meter = None
         if cfg.algo.capo:  # §5.1: token types, and the units each activates more (this forward's activations)
@@ -117,13 +127,13 @@ def _accumulate_gradients(st: RLState, packed, w_rows: torch.Tensor, *, temperat
             meter = capo.ActivationMeter(st.model, capo.positions(batch, act),
                                          capo.positions(batch, batch.loss_mask & ~act))  # fmt: skip
         with meter if meter is not None else contextlib.nullcontext():
-            lp, ent = completion_logprobs(st.model, batch, temperature=temperature, with_entropy=True)
+            lp, ent = logprobs(st.model, micro, batch, with_entropy=True)
         if agree is not None:
             agree.add(lp, batch.old_logprobs, batch.loss_mask)
         ref_lp = None
         if st.ref_model is not None and cfg.algo.kl_coef > 0:
             with torch.no_grad():
-                ref_lp, _ = completion_logprobs(st.ref_model, batch, temperature=temperature)
+                ref_lp, _ = logprobs(st.ref_model, micro, batch)
         w = batch.token_weights(w_rows)  # (R, Lc): each token carries its session's weight
         kw = dict(clip_low=cfg.algo.clip_low, clip_high=cfg.algo.clip_high, clip_ratio_c=cfg.algo.clip_ratio_c,
                   ref_logprobs=ref_lp, kl_coef=cfg.algo.kl_coef)

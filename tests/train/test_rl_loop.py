@@ -91,6 +91,27 @@ def test_update_changes_every_parameter_and_lowers_the_loss(base_dir, tmp_path):
     assert m["actor/grad_norm"] > 0 and "actor/pg_loss" in m and "actor/entropy" in m
 
 
+def test_shared_prefix_update_equals_the_padded_one(base_dir, tmp_path):
+    """optim.shared_prefix (prefix_tree) changes no figure of an update with the KL anchor on: the same
+    loss, KL, gradient norm (float rounding), from the same rows and weights."""
+    from mosaic.trace import to_rows
+
+    outs = []
+    for shared in ("true", "false"):
+        st = _state(_cfg(base_dir, tmp_path, "algo.kl_coef=0.05", f"optim.shared_prefix={shared}"))
+        trajs = rl.rollout(st, rl.tasks_for_step(st.split, 0, 2, 0), step=0)
+        rng = random.Random(0)
+        rows = to_rows(trajs, [rng.uniform(-1, 1) for _ in range(sum(len(t.sessions) for t in trajs))])
+        with torch.no_grad():  # away from the warm start, so the KL term is not zero
+            for p in st.model.parameters():
+                p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+        outs.append(rl.update(st, rows, temperature=1.0))
+    tree, padded = outs
+    for k in ("actor/pg_loss", "actor/grad_norm", "actor/kl_loss", "actor/entropy"):
+        assert k in tree, k
+        assert tree[k] == pytest.approx(padded[k], rel=1e-4, abs=1e-6), k
+
+
 @pytest.mark.parametrize("estimator, mode", [(name, "single" if est.single_session else "compaction")
                                              for name, est in ESTIMATORS.items()]
                          + [("mosaic", "fork"), ("mosaic", "reset"), ("broadcast", "reset")])
