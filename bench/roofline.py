@@ -98,8 +98,8 @@ def phase_wrappers() -> None:
     """Name the phase that runs while ``rl_step`` rolls out, scores and updates."""
     from mosaic.train import rl
 
-    def wrap(name, label):
-        fn = getattr(rl, name)
+    def wrap(name, label, owner=rl):
+        fn = getattr(owner, name)
 
         def inner(*a, **k):
             PHASE["now"] = label
@@ -109,9 +109,14 @@ def phase_wrappers() -> None:
             finally:
                 PHASE["now"] = "other"
                 CPU[label] = CPU.get(label, 0.0) + time.process_time() - t
-        setattr(rl, name, inner)
+        setattr(owner, name, inner)
 
-    wrap("_rollout", "generation")
+    try:  # the rollouts: the run's rollout source (older code: rl._rollout)
+        from mosaic.train.sources import HarnessRollouts
+
+        wrap("collect", "generation", HarnessRollouts)
+    except ImportError:
+        wrap("_rollout", "generation")
     wrap("score_for", "gain scoring")
     wrap("update", "update")
 
