@@ -156,7 +156,7 @@ def tree_logprobs(model, rows: Sequence[PackedRow], *, temperature: float = 1.0,
         target[i, :c] = torch.tensor(r.completion_ids, dtype=torch.long)
         valid[i, :c] = True
     uniq, inv = torch.unique(idx[valid], return_inverse=True)
-    states = torch.cat([h for h in hid if h is not None])[uniq.to(dev)]  # (U, H): each predicting position once
+    states = torch.cat(hid)[uniq.to(dev)]  # (U, H): every node ran (offsets in `base`); each position once
     logits = head(states)
     if temperature != 1.0:
         logits = logits / temperature
