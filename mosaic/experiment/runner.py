@@ -10,7 +10,7 @@ Work directory layout (``runs/experiments/<grid>`` by default)::
 
 A unit of work (one run's training and its evaluations, or one warm-start
 evaluation) runs in its own process (``python -m mosaic.experiment.job``), so
-``--jobs N`` runs N at once with ``cores / N`` threads each. A rerun skips what
+``--jobs N`` runs N at once with ``cores / N`` threads each (the cores this process may use). A rerun skips what
 is done: finished runs (``done.json``), finished evaluations, and resumes a
 killed training run from its last checkpoint (``train.resume=auto``).
 """
@@ -268,6 +268,14 @@ def print_plan(grid: Grid, units: list[Unit], work: Path, jobs: int, out=None) -
 # ----------------------------------------------------------------------------- execution
 
 
+def usable_cores() -> int:
+    """Cores this process may run on: its affinity mask (``taskset``, a container's cpuset), not the machine's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # (no affinity API on this platform)
+        return os.cpu_count() or 1
+
+
 def _launch(u: Unit, threads: int) -> tuple[Unit, int, float]:
     u.dir.mkdir(parents=True, exist_ok=True)
     job = {"name": u.name, "dir": str(u.dir), "train": u.train, "config_yaml": u.config_yaml,
@@ -295,7 +303,7 @@ def run_grid(grid: Grid, work: Path, *, jobs: int = 1, out=None, arms: Sequence[
     if not units:
         print(f"grid {grid.name}: everything is done", file=out)
         return 0
-    threads = max(1, (os.cpu_count() or 1) // jobs)
+    threads = max(1, usable_cores() // jobs)
     failed = 0
     t0 = time.perf_counter()
     with ThreadPoolExecutor(max_workers=jobs) as pool:

@@ -81,3 +81,121 @@ def test_rollouts_equal_the_recorded_growing_cache_decode(case):
         assert [s["ids"] for s in a["sessions"]] == [s["ids"] for s in b["sessions"]]
         for x, y in zip(a["sessions"], b["sessions"]):
             assert x["logprobs"] == pytest.approx(y["logprobs"], abs=1e-4)
+
+
+def _ragged_requests(tok, n: int = 12) -> list[GenRequest]:
+    """Prompts of very different lengths (a grouped prefill pays off), two of them identical."""
+    words = "search the archive for who founded Meridian Works and when the Velmora bridge opened".split()
+    reqs = []
+    for i in range(n):
+        text = " ".join(words[: 2 + (7 * i) % len(words)] * (1 + i % 4))
+        reqs.append(GenRequest(f"r{i}", tok(text, add_special_tokens=False)["input_ids"], 4 + i % 5))
+    reqs[5] = GenRequest("r5", list(reqs[4].prompt_ids), 6)
+    return reqs
+
+
+@pytest.mark.parametrize("slab", [True, False])
+def test_grouped_prefill_equals_one_padded_block(model_tok, slab):
+    """Prefill in groups of similar rows: the same next-token logits and the same KV at every valid position as
+    one left-padded block, cached prefixes of different lengths included (second turn)."""
+    model, tok = model_tok
+    pols = [LocalPolicy(model, tok, LocalPolicyConfig(temperature=0.0, prefill_group=g, prefill_pad_waste=0.0,
+                                                      slab_cache=slab)) for g in (0, 4)]
+    reqs = _ragged_requests(tok)
+    tool = tok("<|im_end|>\nresult " * 3, add_special_tokens=False)["input_ids"]
+    for turn in range(2):
+        outs = []
+        for pol in pols:
+            prefixes = [pol._lookup(r) for r in reqs]
+            with torch.inference_mode():
+                logits, batch = pol._prefill(reqs, prefixes, room=3)
+            valid = batch.mask[:, : batch.length].bool()
+            kv = [(layer.keys.transpose(1, 2)[valid], layer.values.transpose(1, 2)[valid]) for layer in batch.cache.layers]
+            for i, p in enumerate(prefixes):  # _lookup consumed the entries: put them back for the decode below
+                if p is not None:
+                    pol._store(reqs[i].session_key, p[0].ids, p[0].kv)
+            outs.append((logits, batch.mask[:, : batch.length], kv))
+        (l0, m0, kv0), (l1, m1, kv1) = outs
+        assert torch.equal(m0, m1)
+        torch.testing.assert_close(l1, l0, rtol=1e-4, atol=1e-4)
+        for (k0, v0), (k1, v1) in zip(kv0, kv1):
+            torch.testing.assert_close(k1, k0, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(v1, v0, rtol=1e-4, atol=1e-4)
+        gen = [pol.generate(reqs) for pol in pols]
+        assert [r.token_ids for r in gen[0]] == [r.token_ids for r in gen[1]]
+        assert turn == 0 or pols[1].cache_stats["hits"] > 0
+        reqs = [GenRequest(r.session_key, r.prompt_ids + x.token_ids + tool[: 2 + i % 5], r.max_new_tokens)
+                for i, (r, x) in enumerate(zip(reqs, gen[0]))]
+    assert pols[1].cache_stats["prefill_groups"] >= 6 and "prefill_groups" not in pols[0].cache_stats
+
+
+def _llama(seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=128, attention_bias=True, mlp_bias=True,
+                      initializer_range=0.2)
+    cfg._attn_implementation = "sdpa"
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize("padded", [True, False])
+def test_fast_decode_step_gives_the_models_logits(model_tok, arch, padded):
+    """:class:`DecodeStep` against ``model(...)``: same logits bit for bit and the same cache, step after step."""
+    from mosaic.agent.policies.fastdecode import decode_step_for
+    from mosaic.agent.policies.kvcache import SlabCache
+
+    model = model_tok[0] if arch == "qwen2" else _llama()
+    step = decode_step_for(model)
+    assert step is not None
+    B, T0, V = 5, 7, model.config.vocab_size
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, V, (B, T0), generator=g)
+    mask = torch.ones(B, T0 + 4, dtype=torch.long)
+    if padded:
+        mask[1, :3] = 0
+        mask[3, :1] = 0
+    pos = (mask[:, :T0].cumsum(1) - 1).clamp(min=0)
+    caches = [SlabCache(model.config.num_hidden_layers, T0 + 4) for _ in range(2)]
+    with torch.inference_mode():
+        for c in caches:
+            model(input_ids=ids, attention_mask=mask[:, :T0], position_ids=pos, past_key_values=c, use_cache=True)
+        nxt = pos[:, -1:] + 1
+        for t in range(4):
+            tok = torch.randint(3, V, (B, 1), generator=g)
+            ref = model(input_ids=tok, attention_mask=mask[:, :T0 + t + 1], position_ids=nxt,
+                        past_key_values=caches[0], use_cache=True).logits[:, -1, :]
+            got = step(tok, mask[:, :T0 + t + 1], nxt, caches[1])
+            assert torch.equal(got, ref)
+            nxt = nxt + 1
+    for a, b in zip(caches[0].layers, caches[1].layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+def test_fast_decode_only_for_models_it_reproduces(model_tok):
+    from mosaic.agent.policies.fastdecode import decode_step_for
+
+    model = model_tok[0]
+    assert decode_step_for(model) is not None
+    handle = model.model.layers[0].mlp.register_forward_hook(lambda *a: None)  # a FLOP counter, an adapter...
+    try:
+        assert decode_step_for(model) is None
+    finally:
+        handle.remove()
+    model.train()
+    try:
+        assert decode_step_for(model) is None
+    finally:
+        model.eval()
+    assert decode_step_for(torch.nn.Linear(2, 2)) is None
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_fast_decode_generates_the_same_turns(model_tok, temperature):
+    model, tok = model_tok
+    stop = tuple(tok(" the", add_special_tokens=False)["input_ids"][:1]) + (tok.eos_token_id,)
+    runs = [_turns(LocalPolicy(model, tok, LocalPolicyConfig(temperature=temperature, seed=2, stop_token_ids=stop,
+                                                             max_batch_size=4, fast_decode=fast)), tok)
+            for fast in (True, False)]
+    assert runs[0] == runs[1]

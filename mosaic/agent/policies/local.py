@@ -6,12 +6,20 @@ request, batched with a KV cache:
 1. **Prefill.** Prompts are left-padded into one ``(B, L)`` batch with an attention
    mask and explicit position ids (``cumsum(mask) - 1``), so every row sees exactly
    the positions it would see alone. Only the last position's logits are computed.
+   When the rows' lengths differ a lot (more than ``prefill_pad_waste`` of the block's attention work
+   would go to padding), the rows are prefilled in groups of ``prefill_group`` rows of similar
+   lengths, each padded only to its own longest prefix and suffix, and their keys and values are
+   then laid out in the whole batch's block: same layout, mask and positions as one call, the same
+   logits within float rounding.
 2. **Decode.** One token per live row per step, fed with the KV cache: a
    :class:`~mosaic.agent.policies.kvcache.SlabCache` allocated once at the batch's final length (no
    copy per token). A row that samples an end-of-turn id (or reaches its ``max_new_tokens``) finishes;
    finished rows are dropped from the batch in one gather once a quarter of it has finished
    (:class:`~mosaic.agent.policies.kvcache.DecodeBatch`), so finished sessions cost little while the
    rest keep going.
+   For Llama/Qwen2-family models each step runs the layers' operations directly
+   (:mod:`~mosaic.agent.policies.fastdecode`): the model's own logits bit for bit, without
+   ``transformers``' per-call overhead.
 
 Sampling: temperature, then top-p (nucleus), from a seeded ``torch.Generator``
 owned by the policy (a run is reproducible for the same sequence of calls and
@@ -45,7 +53,9 @@ from typing import Callable, Iterable, Sequence
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from mosaic.agent.policies.kvcache import KV, DecodeBatch, PrefixEntry, make_cache
+from mosaic.agent.policies.fastdecode import decode_step_for
+from mosaic.agent.policies.kvcache import KV, PrefixEntry
+from mosaic.agent.policies.prefill import prefill, prefill_shared
 from mosaic.agent.policies.sampling import Sampling, common_prefix, default_stop_ids, sample_next
 from mosaic.agent.policy import GenRequest, GenResult
 
@@ -100,6 +110,15 @@ class LocalPolicyConfig:
     session (each HTTP call re-sends the whole context). Entries are kept, not consumed, so the G samples of
     one prompt all start from it."""
     shared_prefix_min: int = 16
+    prefill_group: int = 8
+    """Rows per prefill group when a batch's prompts differ enough in length (0: one padded block). Each group is
+    padded only to its own longest cached prefix and suffix; rows are grouped by length."""
+    prefill_pad_waste: float = 0.1
+    """Group the prefill when one padded block would spend more than this share of its attention on padding."""
+    fast_decode: bool = True
+    """Decode steps of Llama/Qwen2-family models run their layers' operations directly
+    (:mod:`~mosaic.agent.policies.fastdecode`: the model's own logits, without ``transformers``' per-call
+    overhead); other models, or a model with hooks, always go through ``model(...)``."""
     slab_cache: bool = True
     """Decode into KV buffers allocated once per batch (:class:`~mosaic.agent.policies.kvcache.SlabCache`)
     instead of HF's cache grown by a copy per token; the same tokens for the same generator state."""
@@ -298,78 +317,8 @@ class LocalPolicy:
         return min(req.max_new_tokens, self.max_positions - len(req.prompt_ids))
 
     def _prefill(self, reqs: list[GenRequest], prefixes: list[tuple[PrefixEntry, int] | None], room: int = 0):
-        """Batched prefill of each prompt's uncached suffix after its cached prefix, into a cache with
-        ``room`` more positions per row (the decode's).
-
-        Row layout along the cache axis: ``[pad][cached prefix c_b][pad][suffix s_b]``: the
-        past block is ``P = max c`` wide, the new block ``S = max s``; pads are masked out
-        and positions are explicit, so each row sees exactly its own sequence.
-        Returns (logits (B, V), :class:`DecodeBatch` over the B rows).
-        """
-        B = len(reqs)
-        cached = [p[1] if p else 0 for p in prefixes]
-        suffix = [len(r.prompt_ids) - c for r, c in zip(reqs, cached)]
-        P, S = max(cached), max(suffix)
-        input_ids = torch.full((B, S), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((B, P + S + room), dtype=torch.long)
-        positions = torch.zeros((B, S), dtype=torch.long)
-        for b, r in enumerate(reqs):
-            c, s = cached[b], suffix[b]
-            input_ids[b, S - s:] = torch.tensor(r.prompt_ids[c:], dtype=torch.long)
-            mask[b, P - c:P] = 1
-            mask[b, P + S - s:P + S] = 1
-            positions[b, S - s:] = torch.arange(c, c + s)
-        cache = make_cache(self.model.config, P + S + room, slab=self.config.slab_cache)
-        if P > 0:
-            self._fill_past(cache, prefixes, cached, P)
-        self.cache_stats["reused_tokens"] += sum(cached)
-        self.cache_stats["prefilled_tokens"] += sum(suffix)
-        input_ids, mask, positions = (t.to(self.device) for t in (input_ids, mask, positions))
-        out = self.model(input_ids=input_ids, attention_mask=mask[:, :P + S], position_ids=positions,
-                         past_key_values=cache, use_cache=True, logits_to_keep=1)
-        next_pos = torch.tensor([len(r.prompt_ids) for r in reqs], device=self.device)
-        rows = torch.arange(B, device=self.device)
-        return out.logits[:, -1, :], DecodeBatch(cache, mask, P + S, rows, next_pos, self.pad_id)
-
-    @staticmethod
-    def _fill_past(cache, prefixes: list[tuple[PrefixEntry, int] | None], cached: list[int], P: int) -> None:
-        """Write the cached prefixes, right-aligned in a ``P``-wide block, as the cache's first positions."""
-        ref = next(p for p in prefixes if p)[0].kv
-        for layer, (k0, v0) in enumerate(ref):
-            keys = k0.new_zeros((len(prefixes), k0.shape[0], P, k0.shape[2]))
-            values = v0.new_zeros((len(prefixes), v0.shape[0], P, v0.shape[2]))
-            for b, pre in enumerate(prefixes):
-                if pre:
-                    c = cached[b]
-                    keys[b, :, P - c:] = pre[0].kv[layer][0][:, :c]
-                    values[b, :, P - c:] = pre[0].kv[layer][1][:, :c]
-            cache.update(keys, values, layer)
-
-    def _prefill_shared(self, reqs: list[GenRequest], prefixes: list[tuple[PrefixEntry, int] | None],
-                        room: int = 0):
-        """:meth:`_prefill`, with identical uncached prompts (a group's G samples of one task open with the same
-        prompt) prefilled once and their rows copied (the sampler still draws each row on its own)."""
-        first: dict[tuple[int, ...], int] = {}
-        uniq: list[int] = []
-        where: list[int] = []
-        for b, (r, pre) in enumerate(zip(reqs, prefixes)):
-            k = None if pre else tuple(r.prompt_ids)
-            if k is not None and k in first:
-                where.append(first[k])
-                continue
-            if k is not None:
-                first[k] = len(uniq)
-            where.append(len(uniq))
-            uniq.append(b)
-        if len(uniq) == len(reqs):
-            return self._prefill(reqs, prefixes, room)
-        logits, batch = self._prefill([reqs[b] for b in uniq], [prefixes[b] for b in uniq], room)
-        idx = torch.tensor(where, device=self.device)
-        batch.cache.batch_select_indices(idx)
-        self.cache_stats["shared_prefill_rows"] += len(reqs) - len(uniq)
-        next_pos = torch.tensor([len(r.prompt_ids) for r in reqs], device=self.device)
-        rows = torch.arange(len(reqs), device=self.device)
-        return logits[idx], DecodeBatch(batch.cache, batch.mask[idx], batch.length, rows, next_pos, self.pad_id)
+        """:func:`~mosaic.agent.policies.prefill.prefill`: (last logits (B, V), :class:`DecodeBatch`)."""
+        return prefill(self, reqs, prefixes, room)
 
     @torch.inference_mode()
     def _generate_batch(self, reqs: list[GenRequest], sampling: Sampling, on_step: StepCallback | None = None,
@@ -377,7 +326,8 @@ class LocalPolicy:
         """Prefill, then decode one token per live row per step until every row has finished."""
         B = len(reqs)
         max_new = torch.tensor([self._max_new(r) for r in reqs], device=self.device)
-        logits, batch = self._prefill_shared(reqs, prefixes or [None] * B, int(max_new.max()))
+        logits, batch = prefill_shared(self, reqs, prefixes or [None] * B, int(max_new.max()))
+        step = decode_step_for(self.model) if self.config.fast_decode else None
         steps: list[tuple[torch.Tensor, ...]] = []  # per step: request rows, tokens, log-probs, raw log-probs
         finish = ["length"] * B
         kv_rows: dict[int, KV] = {}
@@ -404,7 +354,11 @@ class LocalPolicy:
                     break
                 batch.retire(gone_b)
                 tok = tok[~done]
-            logits = self.model(**batch.feed(tok), past_key_values=batch.cache, use_cache=True).logits[:, -1, :]
+            feed = batch.feed(tok)
+            if step is not None:
+                logits = step(feed["input_ids"], feed["attention_mask"], feed["position_ids"], batch.cache)
+            else:
+                logits = self.model(**feed, past_key_values=batch.cache, use_cache=True).logits[:, -1, :]
         return self._results(reqs, steps, finish, kv_rows)
 
     def _results(self, reqs: list[GenRequest], steps: list[tuple[torch.Tensor, ...]], finish: list[str],
