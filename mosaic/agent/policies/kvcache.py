@@ -78,12 +78,8 @@ class SlabLayer(DynamicLayer):
         self.capacity = capacity
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if self.is_initialized:  # (only the written positions are copied; the rest of the capacity stays free)
-            k, v = self.slab_k, self.slab_v
-            self.slab_k = k.new_empty((len(indices), *k.shape[1:]))
-            self.slab_v = v.new_empty((len(indices), *v.shape[1:]))
-            self.slab_k[:, :, : self.length] = k[indices, :, : self.length]
-            self.slab_v[:, :, : self.length] = v[indices, :, : self.length]
+        if self.is_initialized:
+            self.slab_k, self.slab_v = self.slab_k[indices], self.slab_v[indices]
             self._views()
 
 
