@@ -26,6 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules import module as _module
 
+from mosaic.agent.policies.kvcache import full_attention
+
 SUPPORTED = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
 
 
@@ -43,9 +45,7 @@ def decode_step_for(model: nn.Module) -> DecodeStep | None:
         return None
     if getattr(cfg, "_attn_implementation", None) != "sdpa" or getattr(cfg, "pretraining_tp", 1) != 1:
         return None
-    if set(getattr(cfg, "layer_types", None) or ["full_attention"]) != {"full_attention"}:
-        return None
-    if getattr(cfg, "use_sliding_window", False):
+    if not full_attention(cfg):
         return None
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)

@@ -90,13 +90,18 @@ class SlabCache(DynamicCache):
         Cache.__init__(self, layers=[SlabLayer(capacity) for _ in range(num_layers)])
 
 
-def make_cache(config: PretrainedConfig, capacity: int, *, slab: bool = True) -> DynamicCache:
-    """A :class:`SlabCache` when every layer is plain full attention, else HF's growing cache."""
+def full_attention(config: PretrainedConfig) -> bool:
+    """Every layer of the model is plain full attention (no sliding window, no other layer kind)."""
     text = config.get_text_config(decoder=True)
     kinds = set(getattr(text, "layer_types", None) or ["full_attention"])
     sliding = getattr(text, "use_sliding_window", False) and getattr(text, "sliding_window", None)
-    if slab and kinds == {"full_attention"} and not sliding:
-        return SlabCache(text.num_hidden_layers, capacity)
+    return kinds == {"full_attention"} and not sliding
+
+
+def make_cache(config: PretrainedConfig, capacity: int, *, slab: bool = True) -> DynamicCache:
+    """A :class:`SlabCache` when every layer is plain full attention, else HF's growing cache."""
+    if slab and full_attention(config):
+        return SlabCache(config.get_text_config(decoder=True).num_hidden_layers, capacity)
     return DynamicCache(config=config)
 
 

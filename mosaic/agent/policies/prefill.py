@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from mosaic.agent.policies.kvcache import DecodeBatch, PrefixEntry, make_cache
+from mosaic.agent.policies.kvcache import DecodeBatch, PrefixEntry, full_attention, make_cache
 from mosaic.agent.policy import GenRequest
 
 
@@ -34,7 +34,9 @@ def prefill(pol, reqs: list[GenRequest], prefixes: list[tuple[PrefixEntry, int] 
     g = pol.config.prefill_group
     cached = [p[1] if p else 0 for p in prefixes]
     suffix = [len(r.prompt_ids) - c for r, c in zip(reqs, cached)]
-    if g <= 0 or B <= g or _pad_waste(cached, suffix, range(B)) <= pol.config.prefill_pad_waste:
+    # (full attention only: a sliding-window cache keeps its own window of positions, not this layout)
+    if (g <= 0 or B <= g or not full_attention(pol.model.config)
+            or _pad_waste(cached, suffix, range(B)) <= pol.config.prefill_pad_waste):
         return prefill_block(pol, reqs, prefixes, room)
     P, S = max(cached), max(suffix)
     order = sorted(range(B), key=lambda b: (suffix[b], cached[b]))
