@@ -20,16 +20,24 @@ def _work_dir(args, grid) -> Path:
     return Path(args.work) if args.work else Path("runs") / "experiments" / grid.name
 
 
+def default_jobs() -> int:
+    """One unit per usable core, one thread each, on CPU (measured faster than fewer units with more threads:
+    bench/threads.py, docs/speed.md); one at a time when a GPU is visible (units would share its memory)."""
+    import torch
+
+    from mosaic.experiment.runner import usable_cores
+
+    return 1 if torch.cuda.is_available() else usable_cores()
+
+
 def _run(args) -> int:
     import yaml
 
     from mosaic.experiment.runner import plan, print_plan, run_grid
     from mosaic.experiment.spec import QUICK_GRID, GridError, load_grid, parse_grid
 
-    if args.jobs is None:  # one unit per core, one thread each: measured faster than fewer units with more
-        from mosaic.experiment.runner import usable_cores  # threads (bench/threads.py, docs/speed.md)
-
-        args.jobs = usable_cores()
+    if args.jobs is None:
+        args.jobs = default_jobs()
     if args.jobs < 1:
         print("mosaic experiment: --jobs must be >= 1", file=sys.stderr)
         return EXIT_USAGE
@@ -116,7 +124,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--quick", action="store_true", help="run the built-in smoke grid (2 arms x 2 seeds, 3 steps)")
     p.add_argument("rest", nargs="*", help="for 'report': the grid's work dir")
     p.add_argument("--jobs", type=int, default=None,
-                   help="units run at once, each with cores / jobs threads (default: one per core, 1 thread each)")
+                   help="units run at once, each with cores / jobs threads "
+                        "(default: one per core, 1 thread each; 1 with a GPU)")
     p.add_argument("--dry-run", action="store_true", help="print the plan and its estimated cost, run nothing")
     p.add_argument("--arms", metavar="A,B", help="only these arms' runs (and the warm start): finish part of a grid first")
     p.add_argument("--work", help="work dir (default runs/experiments/<grid name>)")

@@ -259,7 +259,7 @@ def print_plan(grid: Grid, units: list[Unit], work: Path, jobs: int, out=None) -
         if u.drift:
             print(f"    warning: finished under another resolved config (a default changed?): {'; '.join(u.drift)}",
                   file=out)  # fmt: skip
-    print(f"estimated cost: {total / 60:.1f} CPU-job minutes, about {total / 60 / max(1, jobs):.1f} min wall with "
+    print(f"estimated cost: {total / 60:.1f} CPU-job minutes, about {total / 60 / max(1, min(jobs, sum(u.todo for u in units))):.1f} min wall with "
           f"--jobs {jobs} (per-rollout step {costs['step_s_per_rollout']:.2f} s, per eval trajectory "
           f"{costs['eval_s_per_traj']:.3f} s; {src})", file=out, flush=True)  # fmt: skip
     return total
@@ -303,7 +303,7 @@ def run_grid(grid: Grid, work: Path, *, jobs: int = 1, out=None, arms: Sequence[
     if not units:
         print(f"grid {grid.name}: everything is done", file=out)
         return 0
-    threads = max(1, usable_cores() // jobs)
+    threads = max(1, usable_cores() // min(jobs, len(units)))  # (fewer units than jobs: more threads each)
     failed = 0
     t0 = time.perf_counter()
     with ThreadPoolExecutor(max_workers=jobs) as pool:

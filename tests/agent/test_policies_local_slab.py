@@ -199,3 +199,33 @@ def test_fast_decode_generates_the_same_turns(model_tok, temperature):
                                                              max_batch_size=4, fast_decode=fast)), tok)
             for fast in (True, False)]
     assert runs[0] == runs[1]
+
+
+def test_full_attention_reads_every_sliding_window_convention():
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    from mosaic.agent.policies.kvcache import full_attention
+
+    assert full_attention(LlamaConfig())
+    assert full_attention(Qwen2Config(sliding_window=4096, use_sliding_window=False))
+    assert not full_attention(MistralConfig(sliding_window=16))  # (no switch: a window set is used)
+    assert full_attention(MistralConfig(sliding_window=None))
+
+
+def test_fast_decode_off_under_accelerate_style_hooks(model_tok):
+    """accelerate wraps ``forward`` on the instance (``_hf_hook``), not through torch's hook lists."""
+    from mosaic.agent.policies.fastdecode import decode_step_for
+
+    model = model_tok[0]
+    mlp = model.model.layers[1].mlp
+    mlp.forward = lambda x, _f=mlp.forward: _f(x) * 0
+    try:
+        assert decode_step_for(model) is None
+    finally:
+        del mlp.forward
+    assert decode_step_for(model) is not None
+    model.hf_device_map = {"": "cpu"}
+    try:
+        assert decode_step_for(model) is None
+    finally:
+        del model.hf_device_map

@@ -7,8 +7,8 @@ a batch-32 decode step of the shipped 4-layer model, measured with ``torch.profi
 
 :class:`DecodeStep` runs the same operations in the same order, straight on the model's own parameters and
 rotary module: embedding, then per layer RMSNorm, q/k/v projections, rotary embedding, the cache update,
-scaled dot-product attention over the cache (the key/value heads packed as ``transformers`` packs them for
-one query), output projection and residual, RMSNorm and gated MLP and residual; final norm and head. The
+``transformers``' own sdpa attention function over the cache (its kernel and grouped-query dispatch),
+output projection and residual, RMSNorm and gated MLP and residual; final norm and head. The
 attention mask is the padding mask as a boolean ``(B, 1, 1, T)`` view, or none when nothing is padded,
 which is what ``create_causal_mask`` builds for one query position. Tested to give the model's own
 logits bit for bit (``tests/agent/test_policies_local_slab.py``).
@@ -26,15 +26,27 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules import module as _module
 
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
 from mosaic.agent.policies.kvcache import full_attention
 
 SUPPORTED = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
 
 
 def _hooked(model: nn.Module) -> bool:
+    """Any hook that must see the model's own forward: torch's module hooks, accelerate's (``_hf_hook``, a
+    ``forward`` replaced on the instance, a device map), or a norm whose forward is not ``transformers``' own
+    (a patched kernel)."""
     if _module._global_forward_hooks or _module._global_forward_pre_hooks:
         return True
-    return any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    if getattr(model, "hf_device_map", None):
+        return True
+    for m in model.modules():
+        if m._forward_hooks or m._forward_pre_hooks or hasattr(m, "_hf_hook") or "forward" in m.__dict__:
+            return True
+        if type(m).__name__.endswith("RMSNorm") and not type(m).forward.__module__.startswith("transformers."):
+            return True
+    return False
 
 
 def decode_step_for(model: nn.Module) -> DecodeStep | None:
@@ -50,6 +62,8 @@ def decode_step_for(model: nn.Module) -> DecodeStep | None:
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     if layers is None or len(layers) != cfg.num_hidden_layers or type(model.lm_head) is not nn.Linear:
+        return None
+    if type(inner.embed_tokens) is not nn.Embedding:
         return None
     for layer in layers:
         a, m = layer.self_attn, layer.mlp
@@ -83,7 +97,6 @@ class DecodeStep:
         self.head = model.lm_head
         attn = self.layers[0].self_attn
         self.head_dim = attn.head_dim
-        self.groups = attn.num_key_value_groups
         self.scale = attn.scaling
 
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
@@ -104,14 +117,9 @@ class DecodeStep:
             q = (q * cos) + (_rotate_half(q) * sin)
             k = (k * cos) + (_rotate_half(k) * sin)
             keys, values = cache.update(k, v, i)
-            if self.groups == 1:
-                o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)
-            elif mask is None:
-                o = F.scaled_dot_product_attention(q, keys, values, scale=self.scale, enable_gqa=True)
-            else:  # one query: the key/value heads' query groups packed as rows (no repeated keys)
-                o = F.scaled_dot_product_attention(q.reshape(B, -1, self.groups, D), keys, values, attn_mask=mask,
-                                                   scale=self.scale)
-            o = o.reshape(B, -1, 1, D).transpose(1, 2).contiguous().reshape(B, 1, -1)
+            # transformers' own sdpa function: the same kernel and grouped-query dispatch as model(...)
+            o, _ = sdpa_attention_forward(a, q, keys, values, mask, dropout=0.0, scaling=self.scale)
+            o = o.reshape(B, 1, -1)
             h = h + F.linear(o, a.o_proj.weight, a.o_proj.bias)
             y = _rms(h, layer.post_attention_layernorm)
             g = F.linear(y, m.gate_proj.weight, m.gate_proj.bias)

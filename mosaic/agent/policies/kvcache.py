@@ -94,7 +94,8 @@ def full_attention(config: PretrainedConfig) -> bool:
     """Every layer of the model is plain full attention (no sliding window, no other layer kind)."""
     text = config.get_text_config(decoder=True)
     kinds = set(getattr(text, "layer_types", None) or ["full_attention"])
-    sliding = getattr(text, "use_sliding_window", False) and getattr(text, "sliding_window", None)
+    # a window set counts unless the config says it is off (Qwen2's use_sliding_window; Mistral has no switch)
+    sliding = getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True)
     return kinds == {"full_attention"} and not sliding
 
 
