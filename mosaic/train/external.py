@@ -318,6 +318,7 @@ class ExternalRollouts:
         if self.service:  # a fresh account backend per rollout, before its harness starts
             for task, ht in pairs:
                 self.env.open(ht.rollout_id, task)
+        served0 = dict(self.server.worker.stats)
         t0 = time.perf_counter()
         try:
             outcomes = asyncio.run(launch_all([ht for _, ht in pairs], fn=self.harness_fn, command=self.harness_spec,
@@ -355,4 +356,8 @@ class ExternalRollouts:
                   "rollout/bad_record_lines": float(bad),
                   "rollout/calls": float(sum(len(by_calls.get(ht.rollout_id, [])) for _, ht in pairs)),
                   "timing_s/harness": wall})
+        served = {k: self.server.worker.stats[k] - served0.get(k, 0) for k in ("batches", "sequences")}
+        # the served policy's decode batches this step: how many sequences each batch held on average
+        m.update({"rollout/served_batches": float(served["batches"]),
+                  "rollout/served_batch_mean": served["sequences"] / max(1, served["batches"])})
         return trajs, m

@@ -68,6 +68,9 @@ def test_graphs_trained_on_equal_what_proxy_export_rebuilds(base_dir, tmp_path):
             src.last_drop_examples
         kinds = {s.kind for t in trajs for s in t.sessions}
         assert kinds == {"main", "subagent", "compaction"}
+        # every call was decoded by the served policy in some batch of at least one sequence
+        assert m["rollout/served_batches"] >= 1 and 1 <= m["rollout/served_batch_mean"] <= cfg.rollout.batch_size
+        assert m["rollout/served_batches"] * m["rollout/served_batch_mean"] >= m["rollout/calls"]
         assert {t.reward for t in trajs} == {0.0, 1.0}
         assert {t.ground_truth for t in trajs} == {t.answer for t in tasks}
         assert all(t.group_id in {x.id for x in tasks} for t in trajs)
