@@ -91,7 +91,6 @@ class DecodeStep:
     """``DecodeStep(model)(input_ids, attention_mask, position_ids, cache)`` -> next-token logits (B, V)."""
 
     def __init__(self, model: nn.Module) -> None:
-        self.model = model
         inner = model.model
         self.embed, self.layers, self.norm, self.rotary = inner.embed_tokens, inner.layers, inner.norm, inner.rotary_emb
         self.head = model.lm_head

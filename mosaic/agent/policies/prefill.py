@@ -24,6 +24,16 @@ def _pad_waste(cached: list[int], suffix: list[int], rows) -> float:
     return 1.0 - real / max(1, len(rows) * S * (P + S))
 
 
+def _layout_mask(cached: list[int], suffix: list[int], room: int) -> torch.Tensor:
+    """The rows' attention mask over ``[pad][cached prefix][pad][suffix]`` plus ``room`` decode positions:
+    (B, P + S + room), 1 on each row's real positions."""
+    P, S = max(cached), max(suffix)
+    mask = torch.zeros((len(cached), P + S + room), dtype=torch.long)
+    for b, (c, s) in enumerate(zip(cached, suffix)):
+        mask[b, P - c:P] = 1
+        mask[b, P + S - s:P + S] = 1
+    return mask
+
 
 def prefill(pol, reqs: list[GenRequest], prefixes: list[tuple[PrefixEntry, int] | None], room: int = 0):
     """Batched prefill of the rows' uncached suffixes (:func:`prefill_block`), in groups of
@@ -63,12 +73,10 @@ def prefill(pol, reqs: list[GenRequest], prefixes: list[tuple[PrefixEntry, int] 
     cache = make_cache(pol.model.config, P + S + room, slab=pol.config.slab_cache)
     for layer, (K, V) in enumerate(kv):
         cache.update(K, V, layer)
-    mask = torch.zeros((B, P + S + room), dtype=torch.long, device=pol.device)
-    for b in range(B):
-        mask[b, P - cached[b]:P] = 1
-        mask[b, P + S - suffix[b]:P + S] = 1
+    mask = _layout_mask(cached, suffix, room).to(pol.device)
     next_pos = torch.tensor([len(r.prompt_ids) for r in reqs], device=pol.device)
     return logits, DecodeBatch(cache, mask, P + S, torch.arange(B, device=pol.device), next_pos, pol.pad_id)
+
 
 def prefill_block(pol, reqs: list[GenRequest], prefixes: list[tuple[PrefixEntry, int] | None], room: int = 0,
                    *, slab: bool | None = None):
@@ -85,13 +93,11 @@ def prefill_block(pol, reqs: list[GenRequest], prefixes: list[tuple[PrefixEntry,
     suffix = [len(r.prompt_ids) - c for r, c in zip(reqs, cached)]
     P, S = max(cached), max(suffix)
     input_ids = torch.full((B, S), pol.pad_id, dtype=torch.long)
-    mask = torch.zeros((B, P + S + room), dtype=torch.long)
+    mask = _layout_mask(cached, suffix, room)
     positions = torch.zeros((B, S), dtype=torch.long)
     for b, r in enumerate(reqs):
         c, s = cached[b], suffix[b]
         input_ids[b, S - s:] = torch.tensor(r.prompt_ids[c:], dtype=torch.long)
-        mask[b, P - c:P] = 1
-        mask[b, P + S - s:P + S] = 1
         positions[b, S - s:] = torch.arange(c, c + s)
     cache = make_cache(pol.model.config, P + S + room, slab=pol.config.slab_cache if slab is None else slab)
     if P > 0:
@@ -105,6 +111,7 @@ def prefill_block(pol, reqs: list[GenRequest], prefixes: list[tuple[PrefixEntry,
     rows = torch.arange(B, device=pol.device)
     return out.logits[:, -1, :], DecodeBatch(cache, mask, P + S, rows, next_pos, pol.pad_id)
 
+
 def _fill_past(cache, prefixes: list[tuple[PrefixEntry, int] | None], cached: list[int], P: int) -> None:
     """Write the cached prefixes, right-aligned in a ``P``-wide block, as the cache's first positions."""
     ref = next(p for p in prefixes if p)[0].kv
@@ -117,6 +124,7 @@ def _fill_past(cache, prefixes: list[tuple[PrefixEntry, int] | None], cached: li
                 keys[b, :, P - c:] = pre[0].kv[layer][0][:, :c]
                 values[b, :, P - c:] = pre[0].kv[layer][1][:, :c]
         cache.update(keys, values, layer)
+
 
 def prefill_shared(pol, reqs: list[GenRequest], prefixes: list[tuple[PrefixEntry, int] | None],
                     room: int = 0):
