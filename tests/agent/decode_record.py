@@ -39,7 +39,8 @@ def rollouts(temperature: float, top_p: float, group: int, batch: int, seed: int
     chat = setup.chat_format(tok)
     split = setup.load_split(cfg, "test")
     policy = LocalPolicy(model, tok, LocalPolicyConfig(temperature=temperature, top_p=top_p,
-                                                       max_batch_size=batch, seed=seed))
+                                                       max_batch_size=batch, seed=seed,
+                                                       continuous_batching=False))  # (recorded in chunks)
     harness = Harness(policy, chat, DeepSearchEnv(split), cfg.harness)
     trajs = harness.run(split.tasks[:N_TASKS], group_size=group, seed=seed)
     return [{"id": t.id, "sessions": [{"ids": list(s.prompt_ids) + list(s.completion_ids), "logprobs": list(s.logprobs)}

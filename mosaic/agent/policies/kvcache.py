@@ -13,6 +13,11 @@ held) until a quarter of the rows are finished, then the live rows are gathered 
 callbacks and outputs only ever see live rows, in their original order, so the generator draws the
 same numbers as when every finished row is dropped at once.
 
+**Joining rows** (continuous batching): :func:`join_batches` makes one batch of a running batch's live rows
+and a freshly prefilled batch: both right-aligned at the longer of the two lengths (positions are explicit,
+so moving a row's columns changes nothing it sees; the gap on the left is zeros, masked), in a new slab with
+room for the longest remaining decode. One copy of the live rows, like a retire's gather.
+
 **Prefix entries.** :class:`PrefixEntry` is a session's cached KV kept between turns.
 """
 
@@ -77,6 +82,16 @@ class SlabLayer(DynamicLayer):
         self.slab_v[:, :, : self.length] = v[:, :, : self.length]
         self.capacity = capacity
 
+    @classmethod
+    def of(cls, slab_k: torch.Tensor, slab_v: torch.Tensor, length: int) -> "SlabLayer":
+        """A layer over given buffers (B, H_kv, capacity, D) whose first ``length`` positions are written."""
+        layer = cls(slab_k.shape[2])
+        layer.dtype, layer.device = slab_k.dtype, slab_k.device
+        layer.slab_k, layer.slab_v, layer.length = slab_k, slab_v, length
+        layer._views()
+        layer.is_initialized = True
+        return layer
+
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.is_initialized:
             self.slab_k, self.slab_v = self.slab_k[indices], self.slab_v[indices]
@@ -86,8 +101,8 @@ class SlabLayer(DynamicLayer):
 class SlabCache(DynamicCache):
     """A cache of :class:`SlabLayer` (``capacity`` positions per row), for full-attention models."""
 
-    def __init__(self, num_layers: int, capacity: int) -> None:
-        Cache.__init__(self, layers=[SlabLayer(capacity) for _ in range(num_layers)])
+    def __init__(self, num_layers: int, capacity: int, layers: list[SlabLayer] | None = None) -> None:
+        Cache.__init__(self, layers=layers if layers is not None else [SlabLayer(capacity) for _ in range(num_layers)])
 
 
 def full_attention(config: PretrainedConfig) -> bool:
@@ -152,3 +167,28 @@ class DecodeBatch:
                   "position_ids": self.next_pos[:, None]}
         self.next_pos = self.next_pos + self.live
         return inputs
+
+
+def join_batches(a: DecodeBatch, b: DecodeBatch, room: int) -> DecodeBatch:
+    """``a``'s live rows, then all of ``b``'s, as one batch (both :class:`SlabCache`, initialised): each part
+    right-aligned at the longer length ``L`` (zeros and a 0 mask on the left), capacity ``L + room``."""
+    keep = a.live.nonzero().squeeze(1)
+    La, Lb, L = a.length, b.length, max(a.length, b.length)
+    na, nb = len(keep), len(b.rows)
+    layers = []
+    for la, lb in zip(a.cache.layers, b.cache.layers):
+        H, D = lb.slab_k.shape[1], lb.slab_k.shape[3]
+        k = lb.slab_k.new_zeros((na + nb, H, L + room, D))
+        v = lb.slab_v.new_zeros((na + nb, H, L + room, D))
+        if na:
+            k[:na, :, L - La:L] = la.slab_k[keep, :, :La]
+            v[:na, :, L - La:L] = la.slab_v[keep, :, :La]
+        k[na:, :, L - Lb:L] = lb.slab_k[:, :, :Lb]
+        v[na:, :, L - Lb:L] = lb.slab_v[:, :, :Lb]
+        layers.append(SlabLayer.of(k, v, L))
+    mask = b.mask.new_zeros((na + nb, L + room))
+    mask[:na, L - La:L] = a.mask[keep, :La]
+    mask[na:, L - Lb:L] = b.mask[:, :Lb]
+    rows = torch.cat([a.rows[keep], b.rows])
+    next_pos = torch.cat([a.next_pos[keep], b.next_pos])
+    return DecodeBatch(SlabCache(len(layers), L + room, layers), mask, L, rows, next_pos, b.pad_id)

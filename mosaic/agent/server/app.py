@@ -45,7 +45,7 @@ class ModelServer:
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *,
                  model_name: str, device: str | None, max_batch_size: int, batch_window_s: float,
-                 default_max_tokens: int, prefix_cache_tokens: int = 65536,
+                 default_max_tokens: int, prefix_cache_tokens: int = 65536, continuous_batching: bool = True,
                  heavy_body_bytes: int = 1 << 20, max_heavy_requests: int = 4) -> None:
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -53,7 +53,8 @@ class ModelServer:
         # Requests carry no session: the KV cache is looked up by content (the longest cached prefix of the
         # prompt: a harness re-sends each turn's whole context), dropped whenever the weights change.
         pc = LocalPolicyConfig(max_batch_size=max_batch_size, prefix_cache=prefix_cache_tokens > 0,
-                               prefix_cache_tokens=max(prefix_cache_tokens, 0), shared_prefix=True)
+                               prefix_cache_tokens=max(prefix_cache_tokens, 0), shared_prefix=True,
+                               continuous_batching=continuous_batching)
         self.policy = LocalPolicy(model, tokenizer, pc, device=device)
         self.vocab = model.get_input_embeddings().num_embeddings
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
@@ -68,12 +69,16 @@ class ModelServer:
         """Hold the served weights while the caller changes them in place (a trainer's update): no
         request is decoded meanwhile (those that arrive wait), and the policy version every response
         carries (``policy_version``) goes up by one on exit."""
-        with self.worker.weights_lock:
-            try:
-                yield
-            finally:
-                self.policy.clear_cache()  # (the policy also notices in-place updates; a swap may not be one)
-                self.worker.version += 1
+        self.worker.update_waiting.set()  # a running batch takes no new rows, so the lock comes soon
+        try:
+            with self.worker.weights_lock:
+                try:
+                    yield
+                finally:
+                    self.policy.clear_cache()  # (the policy also notices in-place updates; a swap may not be one)
+                    self.worker.version += 1
+        finally:
+            self.worker.update_waiting.clear()
 
     @property
     def policy_version(self) -> int:
@@ -405,7 +410,8 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *,
                model_name: str = "mosaic-local", device: str | None = None, max_batch_size: int = 64,
                batch_window_s: float = 0.002, default_max_tokens: int = 16, api_key: str | None = None,
                max_body_bytes: int = 32 * 1024 * 1024, prefix_cache_tokens: int = 65536,
-               heavy_body_bytes: int = 1 << 20, max_heavy_requests: int = 4) -> FastAPI:
+               heavy_body_bytes: int = 1 << 20, max_heavy_requests: int = 4,
+               continuous_batching: bool = True) -> FastAPI:
     """The FastAPI app serving ``model``; run it with :func:`mosaic.serving.run_server` (foreground) or
     :class:`mosaic.serving.ServerThread` (in-process).
 
@@ -417,6 +423,8 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *,
     with a new prompt (0: none); dropped whenever the weights change.
     ``heavy_body_bytes``, ``max_heavy_requests``: at most this many bodies of that size or more are
     parsed and tokenised at once (503 beyond).
+    ``continuous_batching``: requests that arrive while a batch decodes join it (same sampling parameters,
+    unseeded) instead of waiting for it to end; results are sent as each request finishes.
     """
     if max_body_bytes < 1 or max_heavy_requests < 1:
         raise ValueError(f"max_body_bytes {max_body_bytes} and max_heavy_requests {max_heavy_requests} "
@@ -424,7 +432,8 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *,
     srv = ModelServer(model, tokenizer, model_name=model_name, device=device,
                       max_batch_size=max_batch_size, batch_window_s=batch_window_s,
                       default_max_tokens=default_max_tokens, prefix_cache_tokens=prefix_cache_tokens,
-                      heavy_body_bytes=heavy_body_bytes, max_heavy_requests=max_heavy_requests)
+                      heavy_body_bytes=heavy_body_bytes, max_heavy_requests=max_heavy_requests,
+                      continuous_batching=continuous_batching)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):

@@ -58,9 +58,12 @@ class ModelWorker:
         self.max_batch_size = max_batch_size
         self.batch_window_s = batch_window_s
         self._queue: queue.Queue[Job | None] = queue.Queue()
+        self._deferred: list[Job] = []  # taken off the queue while a batch ran, not joinable to it: next
         self.weights_lock = threading.Lock()
+        self.update_waiting = threading.Event()  # a weights update waits: running batches take no new rows
         self.version = 0
-        self.stats = {"batches": 0, "sequences": 0, "max_batch": 0, "stop_string_ends": 0}  # tests, /health
+        self.stats = {"batches": 0, "sequences": 0, "max_batch": 0, "stop_string_ends": 0,  # tests, /health
+                      "joined_jobs": 0}
         self._thread = threading.Thread(target=self._run, name="mosaic-model-worker", daemon=True)
         self._thread.start()
 
@@ -73,7 +76,7 @@ class ModelWorker:
 
     def _run(self) -> None:
         while True:
-            job = self._queue.get()
+            job = self._deferred.pop(0) if self._deferred else self._queue.get()
             if job is None:
                 return
             groups: dict[tuple, list[Job]] = {}
@@ -93,6 +96,9 @@ class ModelWorker:
         """``job`` and whatever else arrives within the batch window (up to ``max_batch_size`` sequences)."""
         jobs = [job]
         n = len(job.reqs)
+        while self._deferred and n < self.max_batch_size:
+            jobs.append(self._deferred.pop(0))
+            n += len(jobs[-1].reqs)
         deadline = time.monotonic() + self.batch_window_s
         while n < self.max_batch_size:
             try:
@@ -106,20 +112,51 @@ class ModelWorker:
             n += len(nxt.reqs)
         return jobs
 
+    @staticmethod
+    def _key(j: Job) -> tuple:
+        return (j.temperature, j.top_p, j.stop_ids) if j.seed is None else ("seeded", id(j))
+
+    def _more(self, key: tuple, add: Callable[[Job], list]) -> Callable[[int], list]:
+        """The running batch's source of new rows: queued jobs with the batch's sampling (continuous batching);
+        others wait for the next batch. None once a weights update is waiting."""
+        def more(free: int) -> list:
+            out: list = []
+            while len(out) < free and not self.update_waiting.is_set():
+                try:
+                    nxt = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None or self._key(nxt) != key or len(out) + len(nxt.reqs) > free:
+                    self._deferred.append(nxt)
+                    break
+                self.stats["joined_jobs"] += 1
+                out += add(nxt)
+            return out
+        return more
+
     def _decode(self, jobs: list[Job]) -> None:
-        flat: list[tuple[Job, int]] = [(j, c) for j in jobs for c in range(len(j.reqs))]
-        reqs = [j.reqs[c] for j, c in flat]
-        first = jobs[0]
-        for j in jobs:
+        flat: list[tuple[Job, int]] = []
+        per_job: dict[int, list] = {}
+        left: dict[int, int] = {}
+
+        def add(j: Job) -> list:
+            """Number a job's sequences after the batch's; its requests."""
             j.version = self.version
+            flat.extend((j, c) for c in range(len(j.reqs)))
+            per_job[id(j)] = [None] * len(j.reqs)
+            left[id(j)] = len(j.reqs)
+            self.stats["sequences"] += len(j.reqs)
+            return list(j.reqs)
+
+        reqs = [r for j in jobs for r in add(j)]
+        first = jobs[0]
         self.stats["batches"] += 1
-        self.stats["sequences"] += len(reqs)
         self.stats["max_batch"] = max(self.stats["max_batch"], len(reqs))
         gen = None
         if first.seed is not None:
             gen = torch.Generator(device=self.policy.device).manual_seed(first.seed)
 
-        sampled: dict[int, list[int]] = {i: [] for i, (j, _) in enumerate(flat) if j.stop_strings}
+        sampled: dict[int, list[int]] = {}
 
         def on_step(indices: list[int], toks: list[int], lps: list[float]) -> list[int]:
             ended = []
@@ -128,7 +165,7 @@ class ModelWorker:
                 if j.stream:
                     j.send(("token", c, t, lp))
                 if j.stop_strings and self.decode is not None:
-                    ids = sampled[i]
+                    ids = sampled.setdefault(i, [])
                     ids.append(t)
                     # A stop string that ends with this token lies within its last len(s) + 1 tokens.
                     window = ids[-(max(len(s) for s in j.stop_strings) + 1):]
@@ -138,13 +175,28 @@ class ModelWorker:
             self.stats["stop_string_ends"] += len(ended)
             return ended
 
-        hooked = any(j.stream or j.stop_strings for j in jobs)
-        results = self.policy.generate_with(  # turns batch failures into error results
-            reqs, temperature=first.temperature, top_p=first.top_p,
-            stop_token_ids=first.stop_ids, generator=gen,
-            on_step=on_step if hooked else None)
-        per_job: dict[int, list] = {}
-        for (j, c), res in zip(flat, results):
-            per_job.setdefault(id(j), [None] * len(j.reqs))[c] = res
-        for j in jobs:
-            j.send(("done", per_job[id(j)]))
+        def on_result(i: int, res) -> None:
+            """Hand a job its results as soon as its last sequence finishes."""
+            j, c = flat[i]
+            per_job[id(j)][c] = res
+            left[id(j)] -= 1
+            if left[id(j)] == 0:
+                j.send(("done", per_job[id(j)]))
+
+        # a seeded job keeps its generator to itself: nothing joins it
+        try:
+            results = self.policy.generate_with(  # turns batch failures into error results
+                reqs, temperature=first.temperature, top_p=first.top_p,
+                stop_token_ids=first.stop_ids, generator=gen, on_step=on_step, on_result=on_result,
+                more=self._more(self._key(first), add) if first.seed is None else None)
+        except Exception as exc:  # every job of the batch, joined ones too, hears of it once
+            log.exception("model worker failed")
+            for j, _ in dict.fromkeys(flat):
+                if left[id(j)] > 0:
+                    left[id(j)] = 0
+                    j.send(("error", f"{type(exc).__name__}: {exc}"))
+            return
+        for i, res in enumerate(results):  # whatever was not handed over as it finished
+            j, c = flat[i]
+            if left[id(j)] > 0 and per_job[id(j)][c] is None:
+                on_result(i, res)
