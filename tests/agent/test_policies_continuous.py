@@ -160,3 +160,25 @@ def test_server_requests_join_the_running_batch_and_get_their_own_answers(model_
     assert a.token_ids == alone["long"] and b.token_ids == alone["r5"]
     assert order.index("r5") < order.index("long")  # answered as it finished, not at the batch's end
     assert len(c.token_ids) == reqs[8].max_new_tokens  # the T=1 request ran in a batch of its own
+
+
+def test_a_long_running_batch_does_not_grow_with_its_steps(model_tok, monkeypatch):
+    """Columns no live row uses are dropped at each join: 60 short requests through 4 rows keep the batch's
+    length near one row's (prompt + decode), not the number of steps run so far."""
+    import mosaic.agent.policies.local as local
+
+    model, tok = model_tok
+    lengths = []
+    join = local.join_batches
+
+    def spy(a, b, room):
+        out = join(a, b, room)
+        lengths.append(out.length)
+        return out
+
+    monkeypatch.setattr(local, "join_batches", spy)
+    pol = LocalPolicy(model, tok, LocalPolicyConfig(temperature=1.0, max_batch_size=4, seed=0, stop_token_ids=(10**6,),
+                                                    continuous_batching=True))
+    out = pol.generate([GenRequest(f"q{i}", [5 + i % 7, 9, 11], 6) for i in range(60)])
+    assert all(len(r.token_ids) == 6 for r in out)
+    assert len(lengths) >= 10 and max(lengths) <= 3 + 6 + 1

@@ -139,8 +139,11 @@ class DecodeBatch:
 
     def kv_of(self, a: int) -> KV:
         """A copy of batch row ``a``'s valid cache positions."""
-        valid = self.mask[a, : self.length].bool()
-        return [(layer.keys[a][:, valid].clone(), layer.values[a][:, valid].clone()) for layer in self.cache.layers]
+        idx = self.mask[a, : self.length].nonzero().squeeze(1)  # once for every layer
+        if len(idx) == self.length:  # nothing masked: one plain copy
+            return [(layer.keys[a].clone(), layer.values[a].clone()) for layer in self.cache.layers]
+        return [(layer.keys[a].index_select(1, idx), layer.values[a].index_select(1, idx))  # (copies already)
+                for layer in self.cache.layers]
 
     def retire(self, idx: torch.Tensor) -> None:
         """Mark batch rows ``idx`` finished; gather the live rows once a quarter are finished."""
@@ -171,23 +174,29 @@ class DecodeBatch:
 
 def join_batches(a: DecodeBatch, b: DecodeBatch, room: int) -> DecodeBatch:
     """``a``'s live rows, then all of ``b``'s, as one batch (both :class:`SlabCache`, initialised): each part
-    right-aligned at the longer length ``L`` (zeros and a 0 mask on the left), capacity ``L + room``."""
+    right-aligned at the longer length ``L`` (zeros and a 0 mask on the left), capacity ``L + room``; ``a``'s
+    leading columns that none of its live rows uses are left out."""
     keep = a.live.nonzero().squeeze(1)
-    La, Lb, L = a.length, b.length, max(a.length, b.length)
     na, nb = len(keep), len(b.rows)
+    # columns no live row uses any more (left of every kept row's first position) are dropped, so a
+    # long-running batch does not grow with the steps it has run
+    used = a.mask[keep, : a.length].any(0).nonzero() if na else None
+    start = int(used[0]) if used is not None and len(used) else a.length
+    La, Lb = a.length - start, b.length
+    L = max(La, Lb)
     layers = []
     for la, lb in zip(a.cache.layers, b.cache.layers):
         H, D = lb.slab_k.shape[1], lb.slab_k.shape[3]
         k = lb.slab_k.new_zeros((na + nb, H, L + room, D))
         v = lb.slab_v.new_zeros((na + nb, H, L + room, D))
         if na:
-            k[:na, :, L - La:L] = la.slab_k[keep, :, :La]
-            v[:na, :, L - La:L] = la.slab_v[keep, :, :La]
+            k[:na, :, L - La:L] = la.slab_k[keep, :, start:start + La]
+            v[:na, :, L - La:L] = la.slab_v[keep, :, start:start + La]
         k[na:, :, L - Lb:L] = lb.slab_k[:, :, :Lb]
         v[na:, :, L - Lb:L] = lb.slab_v[:, :, :Lb]
         layers.append(SlabLayer.of(k, v, L))
     mask = b.mask.new_zeros((na + nb, L + room))
-    mask[:na, L - La:L] = a.mask[keep, :La]
+    mask[:na, L - La:L] = a.mask[keep, start:start + La]
     mask[na:, L - Lb:L] = b.mask[:, :Lb]
     rows = torch.cat([a.rows[keep], b.rows])
     next_pos = torch.cat([a.next_pos[keep], b.next_pos])

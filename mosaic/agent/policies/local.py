@@ -45,7 +45,6 @@ from 94k to 16k and took the harness from 0.98x to 2.1x raw ``model.generate`` t
 from __future__ import annotations
 
 import logging
-from collections import deque
 from dataclasses import dataclass
 from collections import OrderedDict
 from typing import Callable, Iterable, Sequence
@@ -56,6 +55,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from mosaic.agent.policies.fastdecode import decode_step_for
 from mosaic.agent.policies.kvcache import KV, PrefixEntry, full_attention, join_batches
 from mosaic.agent.policies.prefill import prefill, prefill_shared
+from mosaic.agent.policies.running import Call, Rows
 from mosaic.agent.policies.sampling import Sampling, common_prefix, default_stop_ids, sample_next
 from mosaic.agent.policy import GenRequest, GenResult
 
@@ -191,54 +191,19 @@ class LocalPolicy:
             else torch.tensor(list(stop_token_ids), dtype=torch.long, device=self.device),
             generator or self.generator)
         self._check_weights()
-        requests = list(requests)
-        results: list[GenResult | None] = []
-        prefixes: dict[int, tuple[PrefixEntry, int] | None] = {}
-
-        def admit(new: Sequence[GenRequest]) -> list[int]:
-            """Number new requests; finish the ones that need no decode; return the runnable indices."""
-            out = []
-            for req in new:
-                i = len(results)
-                results.append(None)
-                problem = self._check(req)
-                if problem is not None:
-                    results[i] = LocalGenResult([], [], "error", problem, [])
-                elif req.max_new_tokens <= 0:
-                    results[i] = LocalGenResult([], [], "length", None, [])
-                else:
-                    out.append(i)
-                    prefixes[i] = self._lookup(req)
-                    continue
-                if on_result is not None:
-                    on_result(i, results[i])
-            return out
-
-        runnable = admit(requests)
-        # Similar amounts of new work together: less padding in each chunk.
-        runnable.sort(key=lambda i: len(requests[i].prompt_ids) - (prefixes[i][1] if prefixes[i] else 0))
+        call = Call(self, requests, more, on_result, LocalGenResult)
+        call.sort_waiting()
         step = self.config.max_batch_size
-        refill = _Refill(requests, runnable, more, admit) \
-            if (len(runnable) > step or more is not None) and self._joinable() else None
-        chunks = deque(runnable[start:start + step] for start in range(0, len(runnable), step))
-        done: dict[int, LocalGenResult] = {}
-        while True:
-            idx = refill.take(step) if refill is not None else (chunks.popleft() if chunks else [])
-            if not idx:
-                break
+        joining = (len(call.waiting) > step or more is not None) and self._joinable()
+        if not joining:
+            call.more = None
+        while idx := call.take(step):
             try:
-                self._generate_batch(idx, requests, prefixes, sampling, done, on_step, refill, on_result)
+                self._generate_batch(idx, call, sampling, on_step, joining)
             except Exception as exc:  # e.g. out of memory: fail these rows, keep the rollout alive
                 log.exception("LocalPolicy batch failed")
-                for i in (idx if refill is None else refill.started):
-                    if i not in done:
-                        self.release(requests[i].session_key)
-                        done[i] = LocalGenResult([], [], "error", f"{type(exc).__name__}: {exc}", [])
-                        if on_result is not None:
-                            on_result(i, done[i])
-        for i, res in done.items():
-            results[i] = res
-        return results  # type: ignore[return-value]
+                call.fail(call.started if joining else idx, exc)
+        return call.results  # type: ignore[return-value]
 
     def _joinable(self) -> bool:
         """Rows can join a running decode: the slab cache over a full-attention model."""
@@ -352,62 +317,42 @@ class LocalPolicy:
         return prefill(self, reqs, prefixes, room)
 
     @torch.inference_mode()
-    def _generate_batch(self, idx: list[int], requests: list[GenRequest], prefixes: dict, sampling: Sampling,
-                        out: dict[int, LocalGenResult], on_step: StepCallback | None = None,
-                        refill: "_Refill | None" = None,
-                        on_result: Callable[[int, GenResult], None] | None = None) -> None:
-        """Prefill the requests ``idx``, then decode one token per live row per step until every row has
-        finished; with ``refill``, waiting requests join as rows finish (up to ``max_batch_size`` live rows,
-        in groups of at least a quarter of it unless the batch ran dry). Results go into ``out`` (request
-        index -> result) as rows finish."""
-        rid: list[int] = list(idx)  # batch row id -> request index
-        max_new = torch.tensor([self._max_new(requests[i]) for i in idx], device=self.device)
-        n_gen = torch.zeros_like(max_new)
-        logits, batch = prefill_shared(self, [requests[i] for i in idx], [prefixes[i] for i in idx],
-                                       int(max_new.max()))
+    def _generate_batch(self, idx: list[int], call: Call, sampling: Sampling, on_step: StepCallback | None = None,
+                        joining: bool = False) -> None:
+        """Prefill the requests ``idx`` of ``call``, then decode one token per live row per step until every row
+        has finished; with ``joining``, the call's waiting requests join as rows finish (up to
+        ``max_batch_size`` live rows, at least a quarter of it at a time unless the batch ran dry). Each
+        request's result goes to ``call`` as its row finishes."""
+        rows_ = Rows(self.device)
+        rows_.add(idx, [self._max_new(call.requests[i]) for i in idx])
+        logits, batch = prefill_shared(self, [call.requests[i] for i in idx], [call.prefixes[i] for i in idx],
+                                       int(rows_.max_new.max()))
         step = decode_step_for(self.model) if self.config.fast_decode else None
-        toks: list[list[int]] = [[] for _ in rid]
-        lps: list[list[float]] = [[] for _ in rid]
-        raws: list[list[float]] = [[] for _ in rid]
-        finish = ["length"] * len(rid)
         cap = self.config.max_batch_size
         while True:
             act = batch.live_index()
             rows = batch.rows if act is None else batch.rows[act]
             tok, lp, raw = sample_next(logits if act is None else logits[act], temperature=sampling.temperature,
                                        top_p=sampling.top_p, generator=sampling.generator)
-            row_l, tok_l = rows.tolist(), tok.tolist()
-            lp_l, raw_l = lp.tolist(), raw.tolist()
-            ended = on_step([rid[r] for r in row_l], tok_l, lp_l) if on_step is not None else None
-            for r, t, a, c in zip(row_l, tok_l, lp_l, raw_l):
-                toks[r].append(t)
-                lps[r].append(a)
-                raws[r].append(c)
-            n_gen[rows] += 1
+            got = rows_.record(rows, tok, lp, raw)
+            ended = on_step(*got) if on_step is not None else None
             stopped = torch.isin(tok, sampling.stop)
             if ended:
-                where = {i: r for r, i in enumerate(rid)}
-                end_rows = [where[i] for i in ended if i in where]
-                stopped = stopped | torch.isin(rows, torch.tensor(sorted(end_rows), device=rows.device))
-            done = stopped | (max_new[rows] <= n_gen[rows])
-            n_done = 0
+                stopped = stopped | torch.isin(rows, torch.tensor(rows_.rows_of(ended), device=rows.device))
+            done = stopped | (rows_.left(rows) <= 0)
+            live = len(rows)
             if bool(done.any()):
                 gone = done.nonzero().squeeze(1)
                 gone_b = gone if act is None else act[gone]
-                n_done = len(gone)
-                stop_l = stopped[gone].tolist()
-                for a, r, st in zip(gone_b.tolist(), rows[gone].tolist(), stop_l):
-                    if st:
-                        finish[r] = "stop"
+                live -= len(gone)
+                for a, r, st in zip(gone_b.tolist(), rows[gone].tolist(), stopped[gone].tolist()):
+                    rows_.finish[r] = "stop" if st else rows_.finish[r]
                     kv = batch.kv_of(a) if self.config.prefix_cache else None
-                    res = out[rid[r]] = self._result(requests[rid[r]], toks[r], lps[r], raws[r], finish[r], kv)
-                    if on_result is not None:
-                        on_result(rid[r], res)
+                    call.finish(rows_.rid[r], self._result(call.requests[rows_.rid[r]], rows_.toks[r], rows_.lps[r],
+                                                           rows_.raws[r], rows_.finish[r], kv))
                 batch.retire(gone_b)
                 tok = tok[~done]
-            live = len(rows) - n_done
-            new = refill.take(cap - live) if refill is not None and (cap - live >= max(1, cap // 4) or live == 0) \
-                else []
+            new = call.take(cap - live) if joining and (cap - live >= max(1, cap // 4) or live == 0) else []
             if live == 0 and not new:
                 break
             if live:
@@ -416,25 +361,20 @@ class LocalPolicy:
                     logits = step(feed["input_ids"], feed["attention_mask"], feed["position_ids"], batch.cache)
                 else:
                     logits = self.model(**feed, past_key_values=batch.cache, use_cache=True).logits[:, -1, :]
-            if new:  # prefill the joining rows and lay them out after the live ones
-                first = len(rid)
-                rid.extend(new)
-                toks += [[] for _ in new]
-                lps += [[] for _ in new]
-                raws += [[] for _ in new]
-                finish += ["length"] * len(new)
-                add = torch.tensor([self._max_new(requests[i]) for i in new], device=self.device)
-                max_new, n_gen = torch.cat([max_new, add]), torch.cat([n_gen, torch.zeros_like(add)])
-                lg, part = prefill_shared(self, [requests[i] for i in new], [prefixes[i] for i in new], 0)
-                part.rows = part.rows + first
-                keep = batch.live.nonzero().squeeze(1)
-                left = (max_new[batch.rows[keep]] - n_gen[batch.rows[keep]]) if live else add[:0]
-                room = int(torch.cat([left, add]).max())
-                lg_live = logits[keep] if live else lg[:0]
-                self.cache_stats["joined_rows"] += len(new)
-                self.cache_stats["joins_shifted"] += int(part.length < batch.length and live > 0)
-                batch = join_batches(batch, part, room)
-                logits = torch.cat([lg_live, lg])
+            if new:
+                logits, batch = self._join(call, rows_, batch, logits, new, live)
+
+    def _join(self, call: Call, rows_: Rows, batch, logits: torch.Tensor, new: list[int], live: int):
+        """Prefill the joining requests ``new`` and lay them out after the batch's live rows: (logits, batch)."""
+        first = rows_.add(new, [self._max_new(call.requests[i]) for i in new])
+        lg, part = prefill_shared(self, [call.requests[i] for i in new], [call.prefixes[i] for i in new], 0)
+        part.rows = part.rows + first
+        keep = batch.live.nonzero().squeeze(1)
+        room = int(rows_.left(torch.cat([batch.rows[keep] if live else part.rows[:0], part.rows])).max())
+        self.cache_stats["joined_rows"] += len(new)
+        self.cache_stats["joins_shifted"] += int(part.length < batch.length and live > 0)
+        logits = torch.cat([logits[keep] if live else lg[:0], lg])
+        return logits, join_batches(batch, part, room)
 
     def _result(self, req: GenRequest, toks: list[int], lps: list[float], raws: list[float], finish: str,
                 kv: KV | None) -> LocalGenResult:
@@ -446,25 +386,3 @@ class LocalPolicy:
             else:  # should not happen; never cache a misaligned prefix
                 log.warning("prefix cache: %d cached positions for %d ids; not stored", kv[0][0].shape[1], len(ids))
         return LocalGenResult(toks, lps, finish, None, raws)  # type: ignore[arg-type]
-
-
-class _Refill:
-    """The requests waiting to join a running decode: the call's own (in order), then whatever ``more(free)``
-    returns (a server's queue), numbered by ``admit``; ``started``: those taken (failed together on a crash)."""
-
-    def __init__(self, requests: list[GenRequest], waiting: list[int],
-                 more: Callable[[int], Sequence[GenRequest]] | None, admit: Callable[[Sequence[GenRequest]], list[int]]):
-        self.requests = requests
-        self.waiting = deque(waiting)
-        self.more, self.admit = more, admit
-        self.started: list[int] = []
-
-    def take(self, free: int) -> list[int]:
-        """Up to ``free`` runnable request indices to start now."""
-        if self.more is not None and len(self.waiting) < free:
-            new = list(self.more(free - len(self.waiting)))
-            self.requests.extend(new)
-            self.waiting.extend(self.admit(new))
-        got = [self.waiting.popleft() for _ in range(min(free, len(self.waiting)))]
-        self.started.extend(got)
-        return got

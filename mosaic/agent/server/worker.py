@@ -77,7 +77,11 @@ class ModelWorker:
     def _run(self) -> None:
         while True:
             job = self._deferred.pop(0) if self._deferred else self._queue.get()
-            if job is None:
+            if job is None:  # closing: whatever still waits hears so
+                for j in self._deferred:
+                    if j is not None:
+                        j.send(("error", "server shutting down"))
+                self._deferred.clear()
                 return
             groups: dict[tuple, list[Job]] = {}
             for j in self._gather(job):  # a seeded request gets its own generator, hence its own group
@@ -96,7 +100,7 @@ class ModelWorker:
         """``job`` and whatever else arrives within the batch window (up to ``max_batch_size`` sequences)."""
         jobs = [job]
         n = len(job.reqs)
-        while self._deferred and n < self.max_batch_size:
+        while self._deferred and self._deferred[0] is not None and n < self.max_batch_size:
             jobs.append(self._deferred.pop(0))
             n += len(jobs[-1].reqs)
         deadline = time.monotonic() + self.batch_window_s
@@ -118,10 +122,12 @@ class ModelWorker:
 
     def _more(self, key: tuple, add: Callable[[Job], list]) -> Callable[[int], list]:
         """The running batch's source of new rows: queued jobs with the batch's sampling (continuous batching);
-        others wait for the next batch. None once a weights update is waiting."""
+        others wait for the next batch. Nothing joins while a weights update waits."""
         def more(free: int) -> list:
             out: list = []
-            while len(out) < free and not self.update_waiting.is_set():
+            # nothing joins while a job waits for the next batch (other sampling, too many sequences, closing):
+            # the running batch then drains, and the waiting job is not starved
+            while len(out) < free and not self._deferred and not self.update_waiting.is_set():
                 try:
                     nxt = self._queue.get_nowait()
                 except queue.Empty:
@@ -133,6 +139,28 @@ class ModelWorker:
                 out += add(nxt)
             return out
         return more
+
+    def _step_hook(self, flat: list[tuple[Job, int]]) -> Callable[[list[int], list[int], list[float]], list[int]]:
+        """The decode's step callback: streams each token to its job; returns the sequences a stop string ended."""
+        sampled: dict[int, list[int]] = {}
+
+        def on_step(indices: list[int], toks: list[int], lps: list[float]) -> list[int]:
+            ended = []
+            for i, t, lp in zip(indices, toks, lps):
+                j, c = flat[i]
+                if j.stream:
+                    j.send(("token", c, t, lp))
+                if j.stop_strings and self.decode is not None:
+                    ids = sampled.setdefault(i, [])
+                    ids.append(t)
+                    # A stop string that ends with this token lies within its last len(s) + 1 tokens.
+                    window = ids[-(max(len(s) for s in j.stop_strings) + 1):]
+                    tail = self.decode(window, j.skip_special)
+                    if any(s in tail for s in j.stop_strings):
+                        ended.append(i)
+            self.stats["stop_string_ends"] += len(ended)
+            return ended
+        return on_step
 
     def _decode(self, jobs: list[Job]) -> None:
         flat: list[tuple[Job, int]] = []
@@ -156,24 +184,7 @@ class ModelWorker:
         if first.seed is not None:
             gen = torch.Generator(device=self.policy.device).manual_seed(first.seed)
 
-        sampled: dict[int, list[int]] = {}
-
-        def on_step(indices: list[int], toks: list[int], lps: list[float]) -> list[int]:
-            ended = []
-            for i, t, lp in zip(indices, toks, lps):
-                j, c = flat[i]
-                if j.stream:
-                    j.send(("token", c, t, lp))
-                if j.stop_strings and self.decode is not None:
-                    ids = sampled.setdefault(i, [])
-                    ids.append(t)
-                    # A stop string that ends with this token lies within its last len(s) + 1 tokens.
-                    window = ids[-(max(len(s) for s in j.stop_strings) + 1):]
-                    tail = self.decode(window, j.skip_special)
-                    if any(s in tail for s in j.stop_strings):
-                        ended.append(i)
-            self.stats["stop_string_ends"] += len(ended)
-            return ended
+        on_step = self._step_hook(flat)
 
         def on_result(i: int, res) -> None:
             """Hand a job its results as soon as its last sequence finishes."""
@@ -181,7 +192,7 @@ class ModelWorker:
             per_job[id(j)][c] = res
             left[id(j)] -= 1
             if left[id(j)] == 0:
-                j.send(("done", per_job[id(j)]))
+                j.send(("done", per_job.pop(id(j))))
 
         # a seeded job keeps its generator to itself: nothing joins it
         try:
