@@ -104,6 +104,12 @@ class ExternalRollouts:
 
     live_scorer = None  # (a RolloutSource: session states are scored after the rollout, not during it)
 
+    @property
+    def scoring_policy(self):
+        """The served policy: its prefix cache still holds the rollouts' contexts when the trainer scores
+        their states (before the update), so those states are probed off it (:func:`~mosaic.train.scorer.known_from_cache`)."""
+        return self.server.policy
+
     def __init__(self, cfg, model, tokenizer, split, records_dir: str | os.PathLike, *, model_name: str = "mosaic-policy"):
         from mosaic.agent.server.app import create_app
         from mosaic.capture.proxy import ProxyConfig, create_proxy_app

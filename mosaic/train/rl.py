@@ -36,6 +36,7 @@ from mosaic.train.prefix_tree import tree_logprobs
 from mosaic.config.loader import Config
 from mosaic.train.metrics import rollout_metrics
 from mosaic.train.samples import sample_records
+from mosaic.train.scorer import known_from_cache
 from mosaic.train.setup import frozen_copy
 from mosaic.train.sources import HarnessRollouts, RolloutSource
 
@@ -220,6 +221,13 @@ def _samples(cfg: Config, trajs: list[Trajectory], scores, res: StepAdvantages, 
 _ADDITIVE = frozenset({"score/probes", "score/unique_states", "score/tokens_encoded"})
 
 
+def _scores_from_cache(source, est, algo) -> bool:
+    """States of a served policy's rollouts are probed off its prefix cache after the rollouts (what the
+    built-in harness's live scorer does during them): the cached scorer, live scoring on, true answers."""
+    return (getattr(source, "scoring_policy", None) is not None and est.needs_gains and algo.scorer == "cached"
+            and algo.score_live and algo.gain_reference == "answer")
+
+
 def rl_step(st: RLState, step: int) -> dict[str, float]:
     """Run training step ``step`` (0-based) and return its metrics."""
     cfg = st.cfg
@@ -236,8 +244,15 @@ def rl_step(st: RLState, step: int) -> dict[str, float]:
     with st.source.hold():
         train, skipped = drop_uniform_groups(trajs) if cfg.algo.skip_uniform_groups else (list(trajs), 0)
         t1 = time.perf_counter()
-        known = live.known(train) if live is not None else None
+        known, cached = live.known(train) if live is not None else None, None
+        if live is None and train and _scores_from_cache(st.source, est, cfg.algo):
+            known, cached, found = known_from_cache(train, st.source.scoring_policy, st.chat.answer_probe,
+                                                    max_batch_tokens=cfg.algo.score_batch_tokens)
         scores = score_for(est, train, st.model, st.chat, cfg.algo, known=known) if train else Scores(metrics={})
+        if cached is not None:  # probes off the served policy's cache: both passes together, as for a live scorer
+            for k, v in cached.as_metrics().items():
+                scores.metrics[k] = scores.metrics.get(k, 0.0) + v if k in _ADDITIVE else scores.metrics.get(k, v)
+            scores.metrics["score/cached_states"] = float(found)
         t_score = time.perf_counter() - t1
         if live is not None:  # probes run during the rollout count as scoring, not generation
             t_gen -= live.stats.seconds

@@ -338,6 +338,62 @@ class LiveScorer:
                 "score/unique_states": float(st.num_unique_states), "score/tokens_encoded": float(st.tokens_encoded)}
 
 
+def _cached_hosts(t: Trajectory, i: int, policy, probe_fn: ProbeFn, probes: dict, min_cached: int, stats: ScoreStats,
+                  hosts: list, caches: list, where: list) -> None:
+    """Trajectory ``t``'s session-prefix states whose session the policy holds cached: a host (with its
+    cache, tail encoded) per session, appended to ``hosts``/``caches``/``where``."""
+    if t.ground_truth is None:
+        return
+    cuts: dict[int, set[int]] = {}
+    for s in t.sessions:
+        if s.is_final or s.state_before is None or s.state_after is None:
+            continue
+        for ref in (s.state_before, s.state_after):
+            key, cut = _state_host(t, ref)
+            if key[0] == "session" and cut >= 1:
+                cuts.setdefault(key[1], set()).add(cut)
+    for sid, cs in cuts.items():
+        tokens = t.sessions[sid].tokens()[: max(cs)]
+        hit = policy.longest_cached(tokens[: max(cs) - 1])
+        if hit is None or hit[0] < min(min_cached, max(cs) - 1):
+            continue
+        hosts.append(Host(tokens=tokens, cuts=sorted(cs), probe=_probe_for(t, probe_fn, probes)))
+        caches.append(extend_cache(policy.model, tokens, hit[1], max(cs) - 1, stats))
+        where.append((i, sid))
+
+
+def known_from_cache(trajs: Sequence[Trajectory], policy, probe_fn: ProbeFn, *, min_cached: int = 16,
+                     max_batch_tokens: int = 16384, max_batch_size: int = 64) -> tuple[list, ScoreStats, int]:
+    """States scored after the rollouts off a serving policy's prefix cache (an external harness's rollouts,
+    whose graphs are rebuilt from records: nothing is known while they run).
+
+    Every session-prefix state of a session whose tokens the policy still holds cached (at least
+    ``min_cached`` of them, found by :meth:`~mosaic.agent.policies.local.LocalPolicy.longest_cached`) is
+    probed off that cache, its uncached tail encoded first; the rest are left to :func:`score_gains`.
+    Returns (``known=`` for :func:`score_gains`, the pass's stats, states found)."""
+    t0 = time.perf_counter()
+    stats = ScoreStats()
+    probes: dict[str, Probe] = {}
+    hosts, caches, where = [], [], []
+    model = policy.model
+    with eval_mode(model), torch.inference_mode():
+        for i, t in enumerate(trajs):
+            _cached_hosts(t, i, policy, probe_fn, probes, min_cached, stats, hosts, caches, where)
+    known: list[dict | None] = [None] * len(trajs)
+    if hosts:
+        with eval_mode(model):
+            L = run_from_caches(model, hosts, caches, stats, max_batch_tokens=max_batch_tokens,
+                                max_batch_size=max_batch_size)
+        for (i, sid), vals in zip(where, L):
+            mine = known[i] = known[i] or {}
+            for c, v in vals.items():
+                mine[(sid, c)] = v
+    found = sum(len(h.cuts) for h in hosts)
+    stats.num_unique_states = found
+    stats.seconds = time.perf_counter() - t0
+    return known, stats, found
+
+
 def score_reference(trajs: Sequence[Trajectory], model, probe_fn: ProbeFn) -> ScoreResult:
     """Slow reference: every unique state + probe encoded from scratch, one at a time."""
     return score_gains(trajs, model, probe_fn, method="reference")

@@ -174,3 +174,26 @@ def test_subagents_own_states_are_their_own_start_and_end_and_scored_live(world)
     assert n >= 3 and sc.missed == 0
     sub = torch.tensor([s.kind == "subagent" for t in own for s in t.sessions])
     assert not torch.allclose(g_own.gains[sub], g_merge.gains[sub])
+
+
+def test_gains_scored_off_a_served_policys_cache_after_the_rollouts_equal_reference(world):
+    """An external harness's rollouts (``known_from_cache``): states probed after the rollouts off the serving
+    policy's content-keyed prefix cache give the reference gains, and most states are found there."""
+    from mosaic.agent.harness import DeepSearchEnv, Harness, HarnessConfig
+    from mosaic.train.scorer import known_from_cache
+
+    split, chat = world
+    model = tiny_model(vocab_size=len(chat.tokenizer), seed=5)
+    served = LocalPolicy(model, chat.tokenizer, LocalPolicyConfig(seed=1, temperature=1.0, shared_prefix=True))
+    served.release = lambda key: None  # a server's requests are never released: their caches stay until evicted
+    harness = Harness(served, chat, DeepSearchEnv(split), HarnessConfig(mode="compaction", context_budget=300,
+                                                                        max_new_tokens=48))
+    trajs = harness.run(split.tasks[:4], group_size=2, seed=0)
+    assert any(t.meta["compactions"] > 0 for t in trajs)
+    known, stats, found = known_from_cache(trajs, served, chat.answer_probe)
+    after = score_gains(trajs, model, chat.answer_probe, known=known)
+    ref = score_reference(trajs, model, chat.answer_probe)
+    torch.testing.assert_close(after.gains, ref.gains, atol=1e-4, rtol=0)
+    assert found >= after.stats.num_state_refs // 2 > 0
+    # the probes ran off the cache: far fewer tokens than encoding the states again
+    assert stats.tokens_encoded < 0.5 * score_gains(trajs, model, chat.answer_probe).stats.tokens_encoded

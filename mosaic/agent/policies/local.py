@@ -223,6 +223,20 @@ class LocalPolicy:
         entry = self._cache.get(session_key)
         return None if entry is None else (entry.ids, entry.kv)
 
+    def longest_cached(self, ids: list[int]) -> tuple[int, KV] | None:
+        """The cached keys/values of the longest prefix of ``ids`` any cache entry holds, under the current
+        weights: ``(n, kv)`` with ``kv[layer] = (K, V)`` each (H_kv, n, D) (views of the cache), or None.
+        What a scorer after the rollouts reads (a served policy's requests carry no session)."""
+        self._check_weights()
+        best, n = None, 0
+        for entry in self._cache.values():
+            m = common_prefix(entry.ids, ids, len(ids))
+            if m > n:
+                best, n = entry, m
+        if best is None:
+            return None
+        return n, [(K[:, :n], V[:, :n]) for K, V in best.kv]
+
     def handoff(self, session_key: str, new_key: str) -> None:
         """Move a session's cache to a new session whose prompt extends its context (a compaction turn is
         prompted with the whole main session it summarises): its prefill then starts from the cache."""
