@@ -241,7 +241,9 @@ class AlgoConfig(_Section):
     score_live: bool = True
     """With the built-in harness and ``scorer=cached``: probe each main session's states off the rollout
     policy's own KV cache as the session closes (only the probe tokens are run); states it missed are
-    scored after the rollout as usual. False: everything is scored after the rollout."""
+    scored after the rollout as usual. Through an external harness (``rollout.source=harness``): after the
+    rollouts, off the served policy's prefix cache (``score/cached_states``). False: everything is scored
+    after the rollout, from scratch."""
     score_batch_tokens: int = 16384
     """Padded-token budget of one scorer forward pass."""
     gain_reference: Literal["answer", "group"] = "answer"
