@@ -21,6 +21,12 @@ request, batched with a KV cache:
    (:mod:`~mosaic.agent.policies.fastdecode`): the model's own logits bit for bit, without
    ``transformers``' per-call overhead.
 
+3. **Continuous batching** (``continuous_batching``; the server turns it on): when more requests wait than
+   the batch holds (or a server's queue, ``more``, has new ones), rows join the running decode as rows
+   finish: prefilled, then laid out beside the live rows (:func:`~mosaic.agent.policies.kvcache.join_batches`),
+   each request's result handed over as it finishes (``on_result``). Bookkeeping in
+   :mod:`~mosaic.agent.policies.running`.
+
 Sampling: temperature, then top-p (nucleus), from a seeded ``torch.Generator``
 owned by the policy (a run is reproducible for the same sequence of calls and
 batch compositions). ``temperature == 0`` is greedy.
