@@ -107,7 +107,7 @@ class ExternalRollouts:
     @property
     def scoring_policy(self):
         """The served policy: its prefix cache still holds the rollouts' contexts when the trainer scores
-        their states (before the update), so those states are probed off it (:func:`~mosaic.train.scorer.known_from_cache`)."""
+        their states (before the update), so those states are probed off it (:func:`~mosaic.train.served_scoring.known_from_cache`)."""
         return self.server.policy
 
     def __init__(self, cfg, model, tokenizer, split, records_dir: str | os.PathLike, *, model_name: str = "mosaic-policy"):

@@ -36,7 +36,7 @@ from mosaic.train.prefix_tree import tree_logprobs
 from mosaic.config.loader import Config
 from mosaic.train.metrics import rollout_metrics
 from mosaic.train.samples import sample_records
-from mosaic.train.scorer import known_from_cache
+from mosaic.train.served_scoring import known_from_cache
 from mosaic.train.setup import frozen_copy
 from mosaic.train.sources import HarnessRollouts, RolloutSource
 

@@ -85,7 +85,7 @@ class TurnScoreResult:
     stats: ScoreStats = field(default_factory=ScoreStats)
 
 
-def _probe_for(traj: Trajectory, probe_fn: ProbeFn, cache: dict) -> Probe:
+def probe_for(traj: Trajectory, probe_fn: ProbeFn, cache: dict) -> Probe:
     if traj.ground_truth is None:
         raise ValueError(f"trajectory {traj.id!r}: ground_truth is None; the gain scorer needs the gold answer")
     if traj.ground_truth not in cache:
@@ -96,7 +96,7 @@ def _probe_for(traj: Trajectory, probe_fn: ProbeFn, cache: dict) -> Probe:
     return cache[traj.ground_truth]
 
 
-def _state_host(traj: Trajectory, ref: StateRef) -> tuple[tuple, int]:
+def state_host(traj: Trajectory, ref: StateRef) -> tuple[tuple, int]:
     """(host key, cut length) of a state, from its :meth:`~mosaic.trace.Trajectory.state_key`: a session
     prefix (host = the session) or an explicit state (host = the state)."""
     key = traj.state_key(ref)
@@ -143,7 +143,7 @@ def _plan(trajs: Sequence[Trajectory], probe_fn: ProbeFn, return_logprobs: bool,
                 )
             pair = []
             for ref in (s.state_before, s.state_after):
-                key, cut = _state_host(t, ref)
+                key, cut = state_host(t, ref)
                 if cut < 1:
                     raise ValueError(f"trajectory {t.id!r} session {s.id}: empty state {ref} cannot be probed")
                 stats.num_state_refs += 1
@@ -152,7 +152,7 @@ def _plan(trajs: Sequence[Trajectory], probe_fn: ProbeFn, return_logprobs: bool,
                     pair.append((None, have[(key[1], cut)]))
                     continue
                 h = host(i, key)
-                hosts[h].probe = _probe_for(t, probe_fn, probes)
+                hosts[h].probe = probe_for(t, probe_fn, probes)
                 if cut not in hosts[h].cuts:
                     hosts[h].cuts.append(cut)
                 pair.append((h, cut))
@@ -287,7 +287,7 @@ class LiveScorer:
         tokens = session.tokens()
         if held is not None and tokens[: len(held[0])] != held[0]:
             held = None  # (never expected: the cache always holds a prefix of the session)
-        probe = _probe_for(traj, self.probe_fn, self._probes)
+        probe = probe_for(traj, self.probe_fn, self._probes)
         for sid, cs in todo:
             host_tokens = traj.sessions[sid].tokens()
             if sid != session.id and tokens[: len(host_tokens)] != host_tokens:
@@ -338,62 +338,6 @@ class LiveScorer:
                 "score/unique_states": float(st.num_unique_states), "score/tokens_encoded": float(st.tokens_encoded)}
 
 
-def _cached_hosts(t: Trajectory, i: int, policy, probe_fn: ProbeFn, probes: dict, min_cached: int, stats: ScoreStats,
-                  hosts: list, caches: list, where: list) -> None:
-    """Trajectory ``t``'s session-prefix states whose session the policy holds cached: a host (with its
-    cache, tail encoded) per session, appended to ``hosts``/``caches``/``where``."""
-    if t.ground_truth is None:
-        return
-    cuts: dict[int, set[int]] = {}
-    for s in t.sessions:
-        if s.is_final or s.state_before is None or s.state_after is None:
-            continue
-        for ref in (s.state_before, s.state_after):
-            key, cut = _state_host(t, ref)
-            if key[0] == "session" and cut >= 1:
-                cuts.setdefault(key[1], set()).add(cut)
-    for sid, cs in cuts.items():
-        tokens = t.sessions[sid].tokens()[: max(cs)]
-        hit = policy.longest_cached(tokens[: max(cs) - 1])
-        if hit is None or hit[0] < min(min_cached, max(cs) - 1):
-            continue
-        hosts.append(Host(tokens=tokens, cuts=sorted(cs), probe=_probe_for(t, probe_fn, probes)))
-        caches.append(extend_cache(policy.model, tokens, hit[1], max(cs) - 1, stats))
-        where.append((i, sid))
-
-
-def known_from_cache(trajs: Sequence[Trajectory], policy, probe_fn: ProbeFn, *, min_cached: int = 16,
-                     max_batch_tokens: int = 16384, max_batch_size: int = 64) -> tuple[list, ScoreStats, int]:
-    """States scored after the rollouts off a serving policy's prefix cache (an external harness's rollouts,
-    whose graphs are rebuilt from records: nothing is known while they run).
-
-    Every session-prefix state of a session whose tokens the policy still holds cached (at least
-    ``min_cached`` of them, found by :meth:`~mosaic.agent.policies.local.LocalPolicy.longest_cached`) is
-    probed off that cache, its uncached tail encoded first; the rest are left to :func:`score_gains`.
-    Returns (``known=`` for :func:`score_gains`, the pass's stats, states found)."""
-    t0 = time.perf_counter()
-    stats = ScoreStats()
-    probes: dict[str, Probe] = {}
-    hosts, caches, where = [], [], []
-    model = policy.model
-    with eval_mode(model), torch.inference_mode():
-        for i, t in enumerate(trajs):
-            _cached_hosts(t, i, policy, probe_fn, probes, min_cached, stats, hosts, caches, where)
-    known: list[dict | None] = [None] * len(trajs)
-    if hosts:
-        with eval_mode(model):
-            L = run_from_caches(model, hosts, caches, stats, max_batch_tokens=max_batch_tokens,
-                                max_batch_size=max_batch_size)
-        for (i, sid), vals in zip(where, L):
-            mine = known[i] = known[i] or {}
-            for c, v in vals.items():
-                mine[(sid, c)] = v
-    found = sum(len(h.cuts) for h in hosts)
-    stats.num_unique_states = found
-    stats.seconds = time.perf_counter() - t0
-    return known, stats, found
-
-
 def score_reference(trajs: Sequence[Trajectory], model, probe_fn: ProbeFn) -> ScoreResult:
     """Slow reference: every unique state + probe encoded from scratch, one at a time."""
     return score_gains(trajs, model, probe_fn, method="reference")
@@ -426,7 +370,7 @@ def score_turns(
                 where.append(None)
                 continue
             cuts = sorted(set(c for c in turn_boundaries(s, header_ids) if c >= 1))
-            hosts.append(Host(tokens=s.tokens()[: max(cuts)], cuts=cuts, probe=_probe_for(t, probe_fn, probes)))
+            hosts.append(Host(tokens=s.tokens()[: max(cuts)], cuts=cuts, probe=probe_for(t, probe_fn, probes)))
             where.append(len(hosts) - 1)
     stats.num_unique_states = stats.num_state_refs = sum(len(h.cuts) for h in hosts)
     if method not in ("cached", "reference"):

@@ -182,3 +182,36 @@ def test_a_long_running_batch_does_not_grow_with_its_steps(model_tok, monkeypatc
     out = pol.generate([GenRequest(f"q{i}", [5 + i % 7, 9, 11], 6) for i in range(60)])
     assert all(len(r.token_ids) == 6 for r in out)
     assert len(lengths) >= 10 and max(lengths) <= 3 + 6 + 1
+
+
+def test_a_batch_that_fails_after_a_job_joined_answers_every_job():
+    """The worker's error path reaches the jobs that joined the failing batch too (none waits forever)."""
+    import asyncio
+    import time
+
+    from mosaic.agent.server.worker import Job, ModelWorker
+
+    class Joins:
+        device = torch.device("cpu")
+
+        def generate_with(self, reqs, *, more=None, **_):
+            time.sleep(0.3)
+            got = more(4) if more else []
+            raise RuntimeError(f"failed after {len(got)} joined")
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        w = ModelWorker(Joins(), max_batch_size=8, batch_window_s=0.0)
+        jobs = []
+        for _ in range(2):
+            jobs.append(Job([GenRequest("k", [1, 2], 3)], 1.0, 1.0, (), None, loop, asyncio.Queue(), False))
+            w.submit(jobs[-1])
+            await asyncio.sleep(0.1)
+        try:
+            return [await asyncio.wait_for(j.events.get(), 5) for j in jobs], w.stats["joined_jobs"]
+        finally:
+            w.close()
+
+    events, joined = asyncio.run(main())
+    assert joined == 1
+    assert all(ev[0] == "error" and "failed after 1 joined" in ev[1] for ev in events)

@@ -180,7 +180,7 @@ def test_gains_scored_off_a_served_policys_cache_after_the_rollouts_equal_refere
     """An external harness's rollouts (``known_from_cache``): states probed after the rollouts off the serving
     policy's content-keyed prefix cache give the reference gains, and most states are found there."""
     from mosaic.agent.harness import DeepSearchEnv, Harness, HarnessConfig
-    from mosaic.train.scorer import known_from_cache
+    from mosaic.train.served_scoring import known_from_cache
 
     split, chat = world
     model = tiny_model(vocab_size=len(chat.tokenizer), seed=5)
@@ -197,3 +197,25 @@ def test_gains_scored_off_a_served_policys_cache_after_the_rollouts_equal_refere
     assert found >= after.stats.num_state_refs // 2 > 0
     # the probes ran off the cache: far fewer tokens than encoding the states again
     assert stats.tokens_encoded < 0.5 * score_gains(trajs, model, chat.answer_probe).stats.tokens_encoded
+
+
+def test_a_cache_that_holds_only_the_shared_prompt_is_not_used(world):
+    """A small served cache (entries evicted, only the system prompt and question shared with what is left):
+    no session is re-encoded one by one off it; the batched pass after scores them (same gains)."""
+    from mosaic.agent.harness import DeepSearchEnv, Harness, HarnessConfig
+    from mosaic.train.served_scoring import known_from_cache
+
+    split, chat = world
+    model = tiny_model(vocab_size=len(chat.tokenizer), seed=5)
+    served = LocalPolicy(model, chat.tokenizer, LocalPolicyConfig(seed=1, temperature=1.0, shared_prefix=True,
+                                                                 prefix_cache_tokens=400))
+    served.release = lambda key: None
+    harness = Harness(served, chat, DeepSearchEnv(split), HarnessConfig(mode="compaction", context_budget=300,
+                                                                        max_new_tokens=48))
+    trajs = harness.run(split.tasks[:4], group_size=2, seed=0)
+    known, stats, found = known_from_cache(trajs, served, chat.answer_probe)
+    full = score_gains(trajs, model, chat.answer_probe)
+    assert stats.tokens_encoded <= 64 * len(trajs) * 4  # tails only, never whole sessions
+    after = score_gains(trajs, model, chat.answer_probe, known=known)
+    torch.testing.assert_close(after.gains, full.gains, atol=1e-4, rtol=0)
+    assert found < full.stats.num_unique_states

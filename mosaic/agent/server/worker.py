@@ -202,7 +202,7 @@ class ModelWorker:
                 more=self._more(self._key(first), add) if first.seed is None else None)
         except Exception as exc:  # every job of the batch, joined ones too, hears of it once
             log.exception("model worker failed")
-            for j, _ in dict.fromkeys(flat):
+            for j in {id(j): j for j, _ in flat}.values():  # (a Job is not hashable)
                 if left[id(j)] > 0:
                     left[id(j)] = 0
                     j.send(("error", f"{type(exc).__name__}: {exc}"))
