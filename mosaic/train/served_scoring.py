@@ -47,7 +47,7 @@ def _cached_hosts(t: Trajectory, i: int, policy, probe_fn: ProbeFn, probes: dict
         if hit is None or need - hit[0] > max(max_tail, need // 10):
             continue
         hosts.append(Host(tokens=tokens, cuts=sorted(cs), probe=probe_for(t, probe_fn, probes)))
-        caches.append(extend_cache(policy.model, tokens, hit[1], max(cs) - 1, stats))
+        caches.append(extend_cache(policy.model, tokens, hit[1], need, stats))
         where.append((i, sid))
 
 

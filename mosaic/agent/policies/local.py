@@ -234,11 +234,7 @@ class LocalPolicy:
         weights: ``(n, kv)`` with ``kv[layer] = (K, V)`` each (H_kv, n, D) (views of the cache), or None.
         What a scorer after the rollouts reads (a served policy's requests carry no session)."""
         self._check_weights()
-        best, n = None, 0
-        for entry in self._cache.values():
-            m = common_prefix(entry.ids, ids, len(ids))
-            if m > n:
-                best, n = entry, m
+        _, best, n = self._longest(ids, len(ids))
         if best is None:
             return None
         return n, [(K[:, :n], V[:, :n]) for K, V in best.kv]
@@ -289,18 +285,22 @@ class LocalPolicy:
 
     def _lookup_shared(self, prompt: list[int]) -> tuple[PrefixEntry, int] | None:
         """The cached sequence sharing the longest prefix with ``prompt`` (at most all but its last token)."""
-        limit = len(prompt) - 1
-        best: tuple[PrefixEntry, int] | None = None
-        best_key = None
-        for key, entry in self._cache.items():
-            n = common_prefix(entry.ids, prompt, limit)
-            if n >= self.config.shared_prefix_min and (best is None or n > best[1]):
-                best, best_key = (entry, n), key
-        if best is None:
+        key, entry, n = self._longest(prompt, len(prompt) - 1)
+        if entry is None or n < self.config.shared_prefix_min:
             self.cache_stats["misses"] += 1
             return None
-        self._cache.move_to_end(best_key)  # recently used
+        self._cache.move_to_end(key)  # recently used
         self.cache_stats["hits"] += 1
+        return entry, n
+
+    def _longest(self, ids: list[int], limit: int) -> tuple[str | None, PrefixEntry | None, int]:
+        """(key, entry, n): the cache entry sharing the longest prefix with ``ids`` (n <= ``limit`` tokens, n > 0;
+        the first such entry on a tie), or (None, None, 0)."""
+        best: tuple[str | None, PrefixEntry | None, int] = (None, None, 0)
+        for key, entry in self._cache.items():
+            n = common_prefix(entry.ids, ids, limit)
+            if n > best[2]:
+                best = (key, entry, n)
         return best
 
     def _store(self, key: str, ids: list[int], kv: KV) -> None:

@@ -85,8 +85,7 @@ class ModelWorker:
                 return
             groups: dict[tuple, list[Job]] = {}
             for j in self._gather(job):  # a seeded request gets its own generator, hence its own group
-                key = (j.temperature, j.top_p, j.stop_ids) if j.seed is None else ("seeded", id(j))
-                groups.setdefault(key, []).append(j)
+                groups.setdefault(self._key(j), []).append(j)
             for group in groups.values():
                 try:
                     with self.weights_lock:
@@ -118,6 +117,7 @@ class ModelWorker:
 
     @staticmethod
     def _key(j: Job) -> tuple:
+        """Jobs with the same key decode together (sampling parameters; a seeded job alone)."""
         return (j.temperature, j.top_p, j.stop_ids) if j.seed is None else ("seeded", id(j))
 
     def _more(self, key: tuple, add: Callable[[Job], list]) -> Callable[[int], list]:
