@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+from collections import Counter
 import tempfile
 from pathlib import Path
 
@@ -65,11 +66,15 @@ def main() -> None:
         states[name] = RLState(cfg, model, tok, setup.chat_format(tok), split, opt,
                                build_scheduler(opt, cfg.optim, args.steps), dev, source=source)
     rows: dict[str, list[dict]] = {n: [] for n in states}
+    kinds: dict[str, Counter] = {n: Counter() for n in states}
     try:
         for step in range(args.steps):
             for name, st in states.items():  # interleaved: both sides see the same machine load
                 m = rl_step(st, step)
                 m["tokens"] = sum(sum(s.loss_mask) for t in st.last_trajs for s in t.sessions)
+                for t in st.last_trajs:
+                    kinds[name].update(t.count_kinds())
+                    kinds[name]["trajectories"] += 1
                 rows[name].append(m)
                 print(f"step {step} {name:9s} {m['timing_s/step']:7.2f} s  {m['tokens']:6d} sampled tokens  "
                       f"kept {m.get('rollout/kept', len(st.last_trajs)):.0f}", flush=True)
@@ -88,12 +93,19 @@ def main() -> None:
         print(f"{name:10s} {med(name, 'timing_s/step'):8.2f} {per_tok[name]:9.2f} {med(name, 'timing_s/gen'):7.2f} "
               f"{med(name, 'timing_s/score'):7.2f} {med(name, 'timing_s/update_actor'):7.2f} "
               f"{med(name, 'session/per_traj'):9.2f}")
+    for name in rows:  # the two agent loops need not open the same sessions: per kind, per trajectory
+        n = max(1, kinds[name].pop("trajectories", 0))
+        print(f"{name:10s} sessions per trajectory by kind: "
+              + ", ".join(f"{k} {c / n:.2f}" for k, c in sorted(kinds[name].items())))
+    total = {n: sum(r["timing_s/step"] for r in rows[n]) / max(1, sum(r["tokens"] for r in rows[n])) for n in rows}
+    print(f"all steps together: {1000 * total['built-in']:.2f} vs {1000 * total['harness']:.2f} ms per sampled token")
     if all("rollout/served_batch_mean" in r for r in rows["harness"]):
         print(f"harness side: the served policy decoded {med('harness', 'rollout/served_batches'):.0f} batches per step, "
               f"{med('harness', 'rollout/served_batch_mean'):.2f} sequences each (median over steps); the built-in "
               f"harness decodes each round's turns of all {len(states['built-in'].last_trajs)} rollouts together")
     print(f"\nharness / built-in: {med('harness', 'timing_s/step') / med('built-in', 'timing_s/step'):.2f}x per step, "
-          f"{per_tok['harness'] / per_tok['built-in']:.2f}x per sampled token (target <= 1.1x)")
+          f"{per_tok['harness'] / per_tok['built-in']:.2f}x per sampled token (median of the steps; all steps together "
+          f"{total['harness'] / total['built-in']:.2f}x) (target <= 1.1x)")
 
 
 if __name__ == "__main__":
