@@ -26,6 +26,7 @@ import tempfile
 import time
 from dataclasses import asdict, fields
 from pathlib import Path
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +35,7 @@ from tqdm.auto import tqdm
 from mosaic.agent.models.corpus import build_generator_tokenizer
 from mosaic.agent.models.embedded import EmbeddedModelConfig, build_model, load_model, save_model
 from mosaic.train import setup
-from mosaic.train.batching import collate
+from mosaic.train.batching import PackedRow, collate, trim
 from mosaic.config.loader import Config
 from mosaic.train.evaluate import evaluate
 from mosaic.train.optim import lr_factor
@@ -91,30 +92,59 @@ def _load_state(path: Path) -> dict:
     return state
 
 
-def lm_step(model, rows, opt: torch.optim.Optimizer, *, pad_id: int, device: torch.device,
-            context_weight: float, max_grad_norm: float = 1.0) -> tuple[float, float]:
-    """One step of next-token loss over whole sequences: token mean over the expert's tokens plus
-    ``context_weight`` × token mean over every other real token. Returns both means."""
+def length_groups(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Indices grouped into micro-batches by length (shortest first): each group padded to its own
+    longest row holds at most ``max_tokens`` positions (a row longer than that goes alone), so short
+    rows are not padded to the batch's longest one."""
+    groups: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+        if groups and (len(groups[-1]) + 1) * lengths[i] <= max_tokens:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
 
 
-    batch = collate(rows, list(range(len(rows))), pad_id=pad_id).to(device)
-    ids, attn = batch.input_ids, batch.attention_mask
+def _masks(batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(target is an expert token, target is another real token), both (R, L - 1)."""
+    attn = batch.attention_mask
     act = torch.zeros_like(attn, dtype=torch.bool)  # (R, L): position holds an expert token
     r, k = batch.loss_mask.nonzero(as_tuple=True)  # only trained tokens: padding never lands anywhere
     act[r, batch.prompt_lens[r] + k] = True
-    logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits[:, :-1]
-    nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1),
-                          reduction="none").view_as(ids[:, 1:])
     target_act, target_real = act[:, 1:], attn[:, 1:].bool()
-    target_ctx = target_real & ~target_act
-    l_act = (nll * target_act).sum() / target_act.sum().clamp(min=1)
-    l_ctx = (nll * target_ctx).sum() / target_ctx.sum().clamp(min=1)
-    loss = l_act + context_weight * l_ctx
+    return target_act, target_real & ~target_act
+
+
+def lm_step(model, rows, opt: torch.optim.Optimizer, *, pad_id: int, device: torch.device,
+            context_weight: float, max_grad_norm: float = 1.0, max_tokens: int = 8192) -> tuple[float, float]:
+    """One step of next-token loss over whole sequences: token mean over the expert's tokens plus
+    ``context_weight`` × token mean over every other real token. Returns both means.
+
+    The rows run in micro-batches of similar length (:func:`length_groups`, ``max_tokens`` padded
+    positions each; gradients accumulated, each group's sums divided by the whole batch's token
+    counts), so the step's loss and gradient are those of one padded batch, up to float rounding,
+    without computing the padding (about 40 % of a padded batch of expert rows)."""
+    sel = (trim(r if isinstance(r, PackedRow) else PackedRow.of(r, i)) for i, r in enumerate(rows))
+    lengths = [len(r.prompt_ids) + len(r.completion_ids) for r in sel]  # what collate pads each row to
+    batches = [collate(rows, g, pad_id=pad_id) for g in length_groups(lengths, max_tokens)]
+    masks = [_masks(b) for b in batches]
+    n_act = max(1, sum(int(a.sum()) for a, _ in masks))
+    n_ctx = max(1, sum(int(c.sum()) for _, c in masks))
     opt.zero_grad(set_to_none=True)
-    loss.backward()
+    l_act = l_ctx = 0.0
+    for batch, (target_act, target_ctx) in zip(batches, masks):
+        batch, target_act, target_ctx = batch.to(device), target_act.to(device), target_ctx.to(device)
+        ids = batch.input_ids
+        logits = model(input_ids=ids, attention_mask=batch.attention_mask, use_cache=False).logits[:, :-1]
+        nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1),
+                              reduction="none").view_as(ids[:, 1:])
+        part_act = (nll * target_act).sum() / n_act
+        part_ctx = (nll * target_ctx).sum() / n_ctx
+        (part_act + context_weight * part_ctx).backward()
+        l_act, l_ctx = l_act + float(part_act.detach()), l_ctx + float(part_ctx.detach())
     torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
     opt.step()
-    return float(l_act.detach()), float(l_ctx.detach())
+    return l_act, l_ctx
 
 
 # Long on purpose: one training loop whose state (model, optimiser, schedule, data stream, periodic validation and saving) lives in its locals.

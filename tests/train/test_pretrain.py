@@ -92,6 +92,51 @@ def test_lm_step_expert_part_equals_the_sft_loss(tmp_path):
     assert abs(act - sft_loss) < 1e-4 and ctx > 0
 
 
+def test_lm_step_in_length_groups_equals_one_padded_batch(tmp_path):
+    """Micro-batches of similar length give the padded batch's loss and gradient (token means over the
+    whole batch), and the grouping never pads a group beyond its budget."""
+    import torch
+    import torch.nn.functional as F
+
+    from mosaic.agent.models.corpus import build_generator_tokenizer
+    from mosaic.train import setup
+    from mosaic.train.batching import collate
+
+    from .conftest import tiny_model
+
+    cfg = load_config("cpu", overrides=SMALL + [f"data.cache_dir={tmp_path / 'cache'}"])
+    tok = build_generator_tokenizer(n_worlds=2)
+    rows, _ = pt.world_rows(cfg, pt.PretrainConfig(tasks_per_world=4), 0, tok, setup.chat_format(tok),
+                             tmp_path / "gen")
+    rows = rows[:12]
+    lengths = [len(r.prompt_ids) + len(r.completion_ids) for r in rows]
+    assert len(set(lengths)) > 3  # rows of different lengths: the grouping matters
+
+    model = tiny_model(vocab_size=len(tok), seed=1)
+    # the reference: one right-padded batch, token means over expert / other real tokens
+    batch = collate(rows, list(range(len(rows))), pad_id=tok.pad_token_id)
+    act_t, ctx_t = pt._masks(batch)
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits[:, :-1]
+    nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch.input_ids[:, 1:].reshape(-1),
+                          reduction="none").view_as(batch.input_ids[:, 1:])
+    ref_act, ref_ctx = (nll * act_t).sum() / act_t.sum(), (nll * ctx_t).sum() / ctx_t.sum()
+    model.zero_grad()
+    (ref_act + 0.5 * ref_ctx).backward()
+    ref_grad = [p.grad.clone() for p in model.parameters()]
+
+    budget = 2 * max(lengths)
+    groups = pt.length_groups(lengths, budget)
+    assert sorted(i for g in groups for i in g) == list(range(len(rows))) and len(groups) > 1
+    assert all(len(g) * max(lengths[i] for i in g) <= budget for g in groups)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    act, ctx = pt.lm_step(model, rows, opt, pad_id=tok.pad_token_id, device=torch.device("cpu"),
+                          context_weight=0.5, max_grad_norm=1e9, max_tokens=budget)
+    assert abs(act - ref_act.item()) < 1e-5 and abs(ctx - ref_ctx.item()) < 1e-5
+    for p, g in zip(model.parameters(), ref_grad):
+        assert torch.allclose(p.grad, g, atol=1e-6, rtol=1e-4)
+    assert pt.length_groups([5, 100, 7], 50) == [[0, 2], [1]]  # a row over the budget goes alone
+
+
 def test_a_stopped_pretraining_run_resumes_to_the_same_weights(tmp_path, monkeypatch):
     """Stopped after its state was saved at step 4, started again with the same ``out``: it goes on from
     step 4 and ends with the weights of a run that was never stopped; another config is refused."""
