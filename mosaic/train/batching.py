@@ -148,6 +148,25 @@ def trim(r: PackedRow) -> PackedRow:
                      r.token_advantages[:last], r.token_rows[:last], r.traj_index)  # fmt: skip
 
 
+def length_groups(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Indices grouped into micro-batches by length (shortest first): each group padded to its own
+    longest row holds at most ``max_tokens`` positions (a row longer than that goes alone), so short
+    rows are not padded to the batch's longest one."""
+    groups: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+        if groups and (len(groups[-1]) + 1) * lengths[i] <= max_tokens:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def row_lengths(rows: Sequence[TrainingRow | PackedRow]) -> list[int]:
+    """The length :func:`collate` pads each row to (its tokens up to the last trained one)."""
+    return [len(r.prompt_ids) + len(r.completion_ids)
+            for r in (trim(r if isinstance(r, PackedRow) else PackedRow.of(r, i)) for i, r in enumerate(rows))]
+
+
 def collate(rows: Sequence[TrainingRow | PackedRow], indices: Sequence[int], *, pad_id: int) -> RowBatch:
     """Pad rows ``indices`` of ``rows`` (plain session rows or packed rows) into a :class:`RowBatch`."""
     sel = [trim(r if isinstance(r, PackedRow) else PackedRow.of(r, i)) for i, r in ((i, rows[i]) for i in indices)]

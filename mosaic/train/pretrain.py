@@ -26,7 +26,6 @@ import tempfile
 import time
 from dataclasses import asdict, fields
 from pathlib import Path
-from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +34,7 @@ from tqdm.auto import tqdm
 from mosaic.agent.models.corpus import build_generator_tokenizer
 from mosaic.agent.models.embedded import EmbeddedModelConfig, build_model, load_model, save_model
 from mosaic.train import setup
-from mosaic.train.batching import PackedRow, collate, trim
+from mosaic.train.batching import collate, length_groups, row_lengths
 from mosaic.config.loader import Config
 from mosaic.train.evaluate import evaluate
 from mosaic.train.optim import lr_factor
@@ -92,19 +91,6 @@ def _load_state(path: Path) -> dict:
     return state
 
 
-def length_groups(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
-    """Indices grouped into micro-batches by length (shortest first): each group padded to its own
-    longest row holds at most ``max_tokens`` positions (a row longer than that goes alone), so short
-    rows are not padded to the batch's longest one."""
-    groups: list[list[int]] = []
-    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
-        if groups and (len(groups[-1]) + 1) * lengths[i] <= max_tokens:
-            groups[-1].append(i)
-        else:
-            groups.append([i])
-    return groups
-
-
 def _masks(batch) -> tuple[torch.Tensor, torch.Tensor]:
     """(target is an expert token, target is another real token), both (R, L - 1)."""
     attn = batch.attention_mask
@@ -124,9 +110,7 @@ def lm_step(model, rows, opt: torch.optim.Optimizer, *, pad_id: int, device: tor
     positions each; gradients accumulated, each group's sums divided by the whole batch's token
     counts), so the step's loss and gradient are those of one padded batch, up to float rounding,
     without computing the padding (about 40 % of a padded batch of expert rows)."""
-    sel = (trim(r if isinstance(r, PackedRow) else PackedRow.of(r, i)) for i, r in enumerate(rows))
-    lengths = [len(r.prompt_ids) + len(r.completion_ids) for r in sel]  # what collate pads each row to
-    batches = [collate(rows, g, pad_id=pad_id) for g in length_groups(lengths, max_tokens)]
+    batches = [collate(rows, g, pad_id=pad_id) for g in length_groups(row_lengths(rows), max_tokens)]
     masks = [_masks(b) for b in batches]
     n_act = max(1, sum(int(a.sum()) for a, _ in masks))
     n_ctx = max(1, sum(int(c.sum()) for _, c in masks))

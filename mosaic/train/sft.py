@@ -24,7 +24,7 @@ from mosaic.agent.expert import ExpertNoise, ExpertPolicy
 from mosaic.agent.episode import make_env
 from mosaic.agent.harness import Harness
 from mosaic.trace import Trajectory, to_rows
-from mosaic.train.batching import collate, completion_logprobs, pack_rows
+from mosaic.train.batching import collate, completion_logprobs, length_groups, pack_rows, row_lengths
 from mosaic.config.loader import Config
 from mosaic.train.optim import lr_factor
 
@@ -61,18 +61,24 @@ def expert_trajectories(cfg: Config, split, tokenizer, chat, *, n_tasks: int, se
 
 
 def sft_step(model, rows: Sequence, opt: torch.optim.Optimizer, *, pad_id: int, device: torch.device,
-             max_grad_norm: float = 1.0) -> float:
-    """One optimizer step of token-mean cross-entropy on the sampled tokens of ``rows``; returns the loss."""
-    rows = sorted(rows, key=lambda r: len(r.prompt_ids) + len(r.completion_ids))
-    batch = collate(rows, list(range(len(rows))), pad_id=pad_id).to(device)
-    lp, _ = completion_logprobs(model, batch)
-    n = batch.loss_mask.sum().clamp(min=1)
-    loss = -(lp * batch.loss_mask).sum() / n
+             max_grad_norm: float = 1.0, max_tokens: int = 8192) -> float:
+    """One optimizer step of token-mean cross-entropy on the sampled tokens of ``rows``; returns the loss.
+    The rows run in micro-batches of similar length (``max_tokens`` padded positions each, gradients
+    accumulated, the mean over the whole batch's tokens): one padded batch's loss and gradient without its
+    padding."""
+    groups = [collate(rows, g, pad_id=pad_id) for g in length_groups(row_lengths(rows), max_tokens)]
+    n = max(1, sum(int(b.loss_mask.sum()) for b in groups))
     opt.zero_grad(set_to_none=True)
-    loss.backward()
+    total = 0.0
+    for batch in groups:
+        batch = batch.to(device)
+        lp, _ = completion_logprobs(model, batch)
+        loss = -(lp * batch.loss_mask).sum() / n
+        loss.backward()
+        total += float(loss.detach())
     torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
     opt.step()
-    return float(loss.detach())
+    return total
 
 
 @dataclass

@@ -100,7 +100,7 @@ def test_lm_step_in_length_groups_equals_one_padded_batch(tmp_path):
 
     from mosaic.agent.models.corpus import build_generator_tokenizer
     from mosaic.train import setup
-    from mosaic.train.batching import collate
+    from mosaic.train.batching import collate, length_groups
 
     from .conftest import tiny_model
 
@@ -125,7 +125,7 @@ def test_lm_step_in_length_groups_equals_one_padded_batch(tmp_path):
     ref_grad = [p.grad.clone() for p in model.parameters()]
 
     budget = 2 * max(lengths)
-    groups = pt.length_groups(lengths, budget)
+    groups = length_groups(lengths, budget)
     assert sorted(i for g in groups for i in g) == list(range(len(rows))) and len(groups) > 1
     assert all(len(g) * max(lengths[i] for i in g) <= budget for g in groups)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
@@ -134,7 +134,7 @@ def test_lm_step_in_length_groups_equals_one_padded_batch(tmp_path):
     assert abs(act - ref_act.item()) < 1e-5 and abs(ctx - ref_ctx.item()) < 1e-5
     for p, g in zip(model.parameters(), ref_grad):
         assert torch.allclose(p.grad, g, atol=1e-6, rtol=1e-4)
-    assert pt.length_groups([5, 100, 7], 50) == [[0, 2], [1]]  # a row over the budget goes alone
+    assert length_groups([5, 100, 7], 50) == [[0, 2], [1]]  # a row over the budget goes alone
 
 
 def test_a_stopped_pretraining_run_resumes_to_the_same_weights(tmp_path, monkeypatch):

@@ -56,3 +56,30 @@ def test_sft_data_with_ids_outside_the_vocabulary_is_left_out_or_refused(tmp_pat
     err = capsys.readouterr().err.strip()
     assert err.startswith("mosaic sft: config error: config key 'sft.data': ") and "\n" not in err
     assert "1 of 1 trajectories hold token ids outside the model's vocabulary (made with another tokenizer?)" in err
+
+
+def test_sft_step_in_length_groups_equals_one_padded_batch(tmp_path):
+    """The SFT step's micro-batches of similar length give one padded batch's loss and gradient."""
+    from mosaic.trace.rows import to_rows
+    from mosaic.train.batching import collate, completion_logprobs, pack_rows, row_lengths
+    from mosaic.train.sft import sft_step
+
+    cfg = load_config("cpu", overrides=[f"data.cache_dir={tmp_path / 'cache'}", "model.source=embedded",
+                                        "harness.context_budget=300"])
+    train = setup.load_split(cfg, "train")
+    model, tok = setup.build_base_model(cfg, torch.device("cpu"), torch.float32)
+    trajs = expert_trajectories(cfg, train, tok, setup.chat_format(tok), n_tasks=6, progress=False)
+    rows = pack_rows([r for r in to_rows(trajs) if r.num_trainable > 0])
+    lengths = row_lengths(rows)
+    assert len(set(lengths)) > 3
+    batch = collate(rows, list(range(len(rows))), pad_id=tok.pad_token_id)
+    lp, _ = completion_logprobs(model, batch)
+    ref = -(lp * batch.loss_mask).sum() / batch.loss_mask.sum()
+    model.zero_grad()
+    ref.backward()
+    ref_grad = [p.grad.clone() for p in model.parameters()]
+    loss = sft_step(model, rows, torch.optim.SGD(model.parameters(), lr=0.0), pad_id=tok.pad_token_id,
+                    device=torch.device("cpu"), max_grad_norm=1e9, max_tokens=2 * max(lengths))
+    assert abs(loss - ref.item()) < 1e-5
+    for p, g in zip(model.parameters(), ref_grad):
+        assert torch.allclose(p.grad, g, atol=1e-6, rtol=1e-4)
