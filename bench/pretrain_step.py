@@ -36,7 +36,7 @@ def main() -> None:
 
     from mosaic.config.loader import load_config
     from mosaic.train import pretrain as pt
-    from mosaic.train.batching import PackedRow, trim
+    from mosaic.train.batching import row_lengths
     from mosaic.train.setup import base_model_dir
 
     cfg = load_config("cpu")
@@ -61,8 +61,7 @@ def main() -> None:
     losses: dict[str, list[float]] = {n: [] for n in sides}
     real = padded = 0
     for b in batches:
-        lengths = [len(r.prompt_ids) + len(r.completion_ids)
-                   for r in (trim(r if isinstance(r, PackedRow) else PackedRow.of(r, 0)) for r in b)]
+        lengths = row_lengths(b)
         real += sum(lengths)
         padded += len(lengths) * max(lengths)
         for name, budget in sides.items():

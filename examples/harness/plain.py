@@ -6,7 +6,6 @@ and returns its answer. Its prompts mirror the built-in harness's (task.harness)
 model, trained on those, is in its own format; a harness of your own uses its own.
 """
 
-import functools
 import json
 import re
 import time
@@ -44,13 +43,11 @@ def agent(llm, task, system, question, depth=0):
     return None
 
 
-@functools.cache
-def http():  # one HTTP client for every rollout: its connection pool and TLS set-up (~0.1 s each) are shared
-    return DefaultHttpxClient()
+HTTP = DefaultHttpxClient()  # one HTTP client for every rollout: its connection pool and TLS set-up are shared
 
 
 def run(task):
-    client = OpenAI(base_url=task.base_url, api_key="local", max_retries=0, http_client=http(),
+    client = OpenAI(base_url=task.base_url, api_key="local", max_retries=0, http_client=HTTP,
                     timeout=max(1.0, task.deadline - time.time()))
 
     def llm(messages, max_tokens):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 
@@ -100,22 +101,31 @@ def test_lm_step_in_length_groups_equals_one_padded_batch(tmp_path):
 
     from mosaic.agent.models.corpus import build_generator_tokenizer
     from mosaic.train import setup
-    from mosaic.train.batching import collate, length_groups
+    from mosaic.train.batching import collate, length_groups, row_lengths
 
     from .conftest import tiny_model
 
     cfg = load_config("cpu", overrides=SMALL + [f"data.cache_dir={tmp_path / 'cache'}"])
     tok = build_generator_tokenizer(n_worlds=2)
-    rows, _ = pt.world_rows(cfg, pt.PretrainConfig(tasks_per_world=4), 0, tok, setup.chat_format(tok),
-                             tmp_path / "gen")
-    rows = rows[:12]
-    lengths = [len(r.prompt_ids) + len(r.completion_ids) for r in rows]
-    assert len(set(lengths)) > 3  # rows of different lengths: the grouping matters
+    rows, info = pt.world_rows(cfg, pt.PretrainConfig(tasks_per_world=8), 0, tok, setup.chat_format(tok),
+                                tmp_path / "gen")
+    rng = random.Random(0)
+    rows = rows + [pt.copy_drill(rng, tok, info["names"]) for _ in range(3)]  # short rows beside long ones
+    lengths = row_lengths(rows)
+    assert lengths == [collate(rows, [i], pad_id=tok.pad_token_id).input_ids.shape[1] for i in range(len(rows))]
+    assert len(set(lengths)) > 5 and max(lengths) > 3 * min(lengths)
 
     model = tiny_model(vocab_size=len(tok), seed=1)
-    # the reference: one right-padded batch, token means over expert / other real tokens
+    # the reference: one right-padded batch; expert tokens = each row's trained completion tokens, context
+    # tokens = every other real token (built here, not with the code under test)
     batch = collate(rows, list(range(len(rows))), pad_id=tok.pad_token_id)
-    act_t, ctx_t = pt._masks(batch)
+    act = torch.zeros_like(batch.attention_mask, dtype=torch.bool)
+    for j in range(len(rows)):
+        for k in range(batch.loss_mask.shape[1]):
+            if batch.loss_mask[j, k]:
+                act[j, int(batch.prompt_lens[j]) + k] = True
+    act_t, real_t = act[:, 1:], batch.attention_mask[:, 1:].bool()
+    ctx_t = real_t & ~act_t
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits[:, :-1]
     nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch.input_ids[:, 1:].reshape(-1),
                           reduction="none").view_as(batch.input_ids[:, 1:])
@@ -126,7 +136,7 @@ def test_lm_step_in_length_groups_equals_one_padded_batch(tmp_path):
 
     budget = 2 * max(lengths)
     groups = length_groups(lengths, budget)
-    assert sorted(i for g in groups for i in g) == list(range(len(rows))) and len(groups) > 1
+    assert sorted(i for g in groups for i in g) == list(range(len(rows))) and len(groups) > 2
     assert all(len(g) * max(lengths[i] for i in g) <= budget for g in groups)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     act, ctx = pt.lm_step(model, rows, opt, pad_id=tok.pad_token_id, device=torch.device("cpu"),
