@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
-from collections import Counter
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 import torch

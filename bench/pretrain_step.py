@@ -42,8 +42,8 @@ def main() -> None:
     cfg = load_config("cpu")
     pc = pt.PretrainConfig(service_share=args.service_share, modes=("compaction", "compaction", "fork", "reset"))
     work = Path(tempfile.mkdtemp(prefix="bench-pretrain-"))
-    run = pt._Run(cfg, pt.PretrainConfig(**{**pc.__dict__, "init": str(base_model_dir(cfg.model.embedded_preset, "tiny-base"))}), work,
-                  torch.device("cpu"))
+    init = str(base_model_dir(cfg.model.embedded_preset, "tiny-base"))
+    run = pt._Run(cfg, pt.PretrainConfig(**{**pc.__dict__, "init": init}), work, torch.device("cpu"))
     rows: list = []
     k = 0
     while len(rows) < args.batches * args.batch_size:

@@ -161,15 +161,20 @@ def length_groups(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
     return groups
 
 
+def _trimmed(rows: Sequence[TrainingRow | PackedRow], i: int) -> PackedRow:
+    """Row ``i`` as :func:`collate` lays it out: packed, its tokens up to the last trained one."""
+    r = rows[i]
+    return trim(r if isinstance(r, PackedRow) else PackedRow.of(r, i))
+
+
 def row_lengths(rows: Sequence[TrainingRow | PackedRow]) -> list[int]:
     """The length :func:`collate` pads each row to (its tokens up to the last trained one)."""
-    return [len(r.prompt_ids) + len(r.completion_ids)
-            for r in (trim(r if isinstance(r, PackedRow) else PackedRow.of(r, i)) for i, r in enumerate(rows))]
+    return [len(r.prompt_ids) + len(r.completion_ids) for r in (_trimmed(rows, i) for i in range(len(rows)))]
 
 
 def collate(rows: Sequence[TrainingRow | PackedRow], indices: Sequence[int], *, pad_id: int) -> RowBatch:
     """Pad rows ``indices`` of ``rows`` (plain session rows or packed rows) into a :class:`RowBatch`."""
-    sel = [trim(r if isinstance(r, PackedRow) else PackedRow.of(r, i)) for i, r in ((i, rows[i]) for i in indices)]
+    sel = [_trimmed(rows, i) for i in indices]
     lmax = max(len(r.prompt_ids) + len(r.completion_ids) for r in sel)
     lc = max(max(len(r.completion_ids) for r in sel), 1)
     n = len(sel)
