@@ -25,7 +25,7 @@ def agent(llm, task, system, question, depth=0):
                 return None
             summary = llm(msgs + [{"role": "user", "content": h.compaction_prompt}], h.summary_max_new_tokens)[0]
             msgs = head[:1] + [{"role": "user", "content": h.resume_text(question, summary)}]
-        text, used = llm(msgs, h.max_new_tokens)
+        text, used, per_char = llm(msgs, h.max_new_tokens)
         msgs.append({"role": "assistant", "content": text})
         if m := ANSWER.search(text):
             return m.group(1).strip()
@@ -39,7 +39,7 @@ def agent(llm, task, system, question, depth=0):
         except (AttributeError, ValueError, KeyError, TypeError, StopIteration):
             result = 'Error: call a tool (<tool_call>{"name": "search", "arguments": {"query": "..."}}</tool_call>) or answer (<answer>NAME</answer>).'
         msgs.append({"role": "tool", "content": result})
-        used += len(result) // 2  # the tool result's tokens, roughly (the next reply's usage says exactly)
+        used += round(len(result) * per_char)  # its tokens, estimated (the next reply's usage says exactly)
     return None
 
 
@@ -52,6 +52,8 @@ def run(task):
 
     def llm(messages, max_tokens):
         r = client.chat.completions.create(model=task.model, messages=messages, max_tokens=max_tokens)
-        return r.choices[0].message.content or "", r.usage.prompt_tokens + r.usage.completion_tokens
+        u = r.usage  # exact context so far, and this conversation's tokens per character of text
+        per_char = u.prompt_tokens / max(1, sum(len(m["content"]) for m in messages))
+        return r.choices[0].message.content or "", u.prompt_tokens + u.completion_tokens, per_char
 
     return agent(llm, task, task.harness.system_text(0), task.question)
