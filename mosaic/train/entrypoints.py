@@ -200,7 +200,7 @@ def run_eval(cfg: Config, checkpoint: str | None, out: str | None) -> int:
     _log(f"model {path}")
     _log(res.line(f"eval[{cfg.data.eval_split}]"))
     for k in sorted(res.metrics):
-        if k.startswith(("session/", "val-core/", "val-aux/")):
+        if k.startswith(("session/", "env/", "val-core/", "val-aux/")):  # env/: the service family's outcome
             print(f"  {k}: {res.metrics[k]:.4f}")
     if out:
         _log(f"per-question outcomes → {out}")

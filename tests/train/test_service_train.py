@@ -40,3 +40,20 @@ def test_one_step_on_the_service_family_in_context_reset_mode(tmp_path):
     samples = [json.loads(x) for x in (d / "samples.jsonl").read_text().splitlines()]
     kinds = {s["kind"] for x in samples for s in x["sessions"]}
     assert kinds == {"reset"}, kinds
+
+
+def test_eval_on_the_service_family_prints_its_outcome(tmp_path, capsys):
+    """``mosaic eval`` on the service family prints the stale-action rate and the visits handled right (the
+    family's first-class metrics) in its result line and with the session statistics."""
+    from mosaic.config.loader import load_config
+    from mosaic.train import entrypoints
+
+    cfg = load_config("cpu-service", overrides=[
+        f"data.cache_dir={tmp_path / 'cache'}", "data.eval_split=validation", "data.n_eval_tasks=2",
+        "train.eval_samples=1", "train.eval_temperature=0.5", f"train.run_dir={tmp_path / 'run'}"])  # fmt: skip
+    assert entrypoints.run_eval(cfg, None, None) == 0
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert "stale-action rate" in text and "visits handled right" in text, text[-2000:]
+    for k in ("env/stale_rate", "env/visits_correct", "env/answer_correct"):
+        assert f"  {k}: " in out.out, k
