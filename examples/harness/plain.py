@@ -53,7 +53,7 @@ def run(task):
     def llm(messages, max_tokens):
         r = client.chat.completions.create(model=task.model, messages=messages, max_tokens=max_tokens)
         u = r.usage  # exact context so far, and this conversation's tokens per character of text
-        per_char = u.prompt_tokens / max(1, sum(len(m["content"]) for m in messages))
+        per_char = u.prompt_tokens / max(1, sum(len(m["content"] or "") for m in messages))
         return r.choices[0].message.content or "", u.prompt_tokens + u.completion_tokens, per_char
 
     return agent(llm, task, task.harness.system_text(0), task.question)
