@@ -43,8 +43,13 @@ class EvalResult:
         return (f"{name}: accuracy {100 * self.accuracy:.1f} % [95 % CI {100 * self.lo:.1f}, {100 * self.hi:.1f}] "
                 f"on {self.n_questions} questions; sessions/traj {m.get('session/per_traj', float('nan')):.2f}; "
                 f"positive-gain share {m.get('session/pos_gain_share/all', float('nan')):.2f}"
-                + (f"; stale-action rate {100 * m['env/stale_rate']:.1f} %, visits handled right "
-                   f"{100 * m['env/visits_correct']:.1f} %" if "env/stale_rate" in m else ""))
+                + (f"; stale-action rate {self._stale(m)}, visits handled right {100 * m['env/visits_correct']:.1f} %"
+                   if "env/stale_rate" in m else ""))
+
+    @staticmethod
+    def _stale(m: dict[str, float]) -> str:
+        """The stale-action rate; n/a when the rollouts changed nothing on the accounts (no rate to speak of)."""
+        return "n/a (no account changes)" if m.get("env/actions", 1.0) == 0 else f"{100 * m['env/stale_rate']:.1f} %"
 
 
 def evaluate(cfg: Config, model, tokenizer, chat, split, *, n_tasks: int | None = None, samples: int = 1,

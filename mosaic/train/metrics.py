@@ -25,8 +25,9 @@ split by outcome (only mixed groups carry a trajectory advantage) |
 | ``session/compactions``, ``session/forks`` | per trajectory (mean) |
 | ``session/subagent_result_in_final`` | of the helpers' sessions, the share whose result is still in the final
 state (not dropped by a later compaction, not aborted; from the graph, no model) |
-| ``env/stale_rate``, ``env/stale_actions``, ``env/visits_correct``, ``env/state_match``, ``env/answer_correct``,
-``env/tool_errors`` | the service family's outcome per batch (stale actions per mutating action, pooled) |
+| ``env/stale_rate``, ``env/stale_actions``, ``env/actions``, ``env/visits_correct``, ``env/state_match``,
+``env/answer_correct``, ``env/tool_errors`` | the service family's outcome per batch (stale actions per mutating
+action, pooled; mutating actions per trajectory) |
 | ``dag/*``, ``timing_s/score_downstream`` | the downstream credit's work (``mosaic-dag``, docs/algorithm.md §4.10) |
 | ``capo/action_token_share``, ``capo/action_unit_share`` | ``algo.capo``: share of trained tokens that are action
 labels, of routed units in the action partition (docs/algorithm.md §5.1) |
@@ -113,7 +114,8 @@ def _outcome_split(trajs: Sequence[Trajectory], kinds: list[str]) -> dict[str, f
 
 def _env_metrics(trajs: Sequence[Trajectory]) -> dict[str, float]:
     """The service family's outcome (``traj.meta["env"]``, docs/service.md): ``env/stale_rate`` (stale
-    actions per mutating action, pooled over the batch), ``env/stale_actions`` (per trajectory),
+    actions per mutating action, pooled over the batch; 0 when nothing was changed: see ``env/actions``),
+    ``env/stale_actions`` and ``env/actions`` (mutating actions; per trajectory),
     ``env/visits_correct`` (share of visits handled right), ``env/state_match``, ``env/answer_correct``,
     ``env/tool_errors`` (per trajectory). Nothing for deep search (no such record)."""
     envs = [t.meta["env"] for t in trajs if isinstance(t.meta.get("env"), dict)]
@@ -128,6 +130,7 @@ def _env_metrics(trajs: Sequence[Trajectory]) -> dict[str, float]:
     return {
         "env/stale_rate": sum(num(e, "stale_actions") for e in envs) / actions if actions else 0.0,
         "env/stale_actions": float(np.mean([num(e, "stale_actions") for e in envs])),
+        "env/actions": actions / len(envs),
         "env/visits_correct": float(np.mean([num(e, "visits_correct") / max(1.0, num(e, "visits")) for e in envs])),
         "env/state_match": float(np.mean([num(e, "state_match") for e in envs])),
         "env/answer_correct": float(np.mean([num(e, "answer_correct") for e in envs])),

@@ -57,3 +57,15 @@ def test_eval_on_the_service_family_prints_its_outcome(tmp_path, capsys):
     assert "stale-action rate" in text and "visits handled right" in text, text[-2000:]
     for k in ("env/stale_rate", "env/visits_correct", "env/answer_correct"):
         assert f"  {k}: " in out.out, k
+
+
+def test_eval_line_says_na_for_a_stale_rate_over_no_account_changes():
+    """A stale-action rate over zero mutating actions is no rate: the result line says so instead of 0.0 %."""
+    from mosaic.train.evaluate import EvalResult
+
+    base = {"env/stale_rate": 0.0, "env/visits_correct": 0.0}
+    idle = EvalResult(0.0, 0.0, 0.1, 4, {**base, "env/actions": 0.0}).line()
+    acted = EvalResult(0.5, 0.1, 0.9, 4, {**base, "env/stale_rate": 0.25, "env/actions": 2.0}).line()
+    assert "stale-action rate n/a (no account changes)" in idle
+    assert "stale-action rate 25.0 %" in acted and "n/a" not in acted
+    assert "stale" not in EvalResult(0.5, 0.1, 0.9, 4, {}).line()  # deep search: no such figures
