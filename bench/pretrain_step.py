@@ -40,10 +40,10 @@ def main() -> None:
     from mosaic.train.setup import base_model_dir
 
     cfg = load_config("cpu")
-    pc = pt.PretrainConfig(service_share=args.service_share, modes=("compaction", "compaction", "fork", "reset"))
+    pc = pt.PretrainConfig(service_share=args.service_share, modes=("compaction", "compaction", "fork", "reset"),
+                           init=str(base_model_dir(cfg.model.embedded_preset, "tiny-base")))
     work = Path(tempfile.mkdtemp(prefix="bench-pretrain-"))
-    init = str(base_model_dir(cfg.model.embedded_preset, "tiny-base"))
-    run = pt._Run(cfg, pt.PretrainConfig(**{**pc.__dict__, "init": init}), work, torch.device("cpu"))
+    run = pt._Run(cfg, pc, work, torch.device("cpu"))
     rows: list = []
     k = 0
     while len(rows) < args.batches * args.batch_size:
