@@ -7,11 +7,16 @@ a batch-32 decode step of the shipped 4-layer model, measured with ``torch.profi
 
 :class:`DecodeStep` runs the same operations in the same order, straight on the model's own parameters and
 rotary module: embedding, then per layer RMSNorm, q/k/v projections, rotary embedding, the cache update,
-``transformers``' own sdpa attention function over the cache (its kernel and grouped-query dispatch),
-output projection and residual, RMSNorm and gated MLP and residual; final norm and head. The
-attention mask is the padding mask as a boolean ``(B, 1, 1, T)`` view, or none when nothing is padded,
-which is what ``create_causal_mask`` builds for one query position. Tested to give the model's own
-logits bit for bit (``tests/agent/test_policies_local_slab.py``).
+attention of the one query position over the cache, output projection and residual, RMSNorm and gated MLP
+and residual; final norm and head. The attention is two batched matrix products and a softmax, grouped by
+key/value head: each key/value head's queries (``num_heads / num_kv_heads`` of them) are multiplied by its
+keys as they lie in the cache, where ``transformers``' sdpa path first copies every key and value
+``num_heads / num_kv_heads`` times (``repeat_kv``) and then runs the fused kernel, whose per-call cost is
+built for many query positions. For one query position the grouped products are 3-5x faster (batch 32,
+300-1,000 cached positions, one thread: 1.2 vs 0.29 ms, 10.7 vs 2.2 ms) and agree with the kernel to
+float rounding (~3e-7); padded positions get ``-inf`` before the softmax (the padding mask as an additive
+``(B, 1, 1, T)`` bias built once per step). Tested against the model's own logits to 1e-4 (logits of order 10), and to give the
+same sampled turns (``tests/agent/test_policies_local_slab.py``).
 
 :func:`decode_step_for` returns one only for a model it can reproduce: a ``Qwen2ForCausalLM`` or
 ``LlamaForCausalLM`` with plain ``nn.Linear`` projections, full attention everywhere, the ``sdpa``
@@ -25,8 +30,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules import module as _module
-
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from mosaic.agent.policies.kvcache import full_attention
 
@@ -82,6 +85,20 @@ def _rms(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
     return norm.weight * x.to(dtype)
 
 
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor | None,
+            scale: float) -> torch.Tensor:
+    """One query position over the cache: ``q`` (B, Hq, 1, D), ``keys``/``values`` (B, Hkv, T, D), ``bias``
+    None or (B, 1, 1, T) with 0 / -inf -> (B, 1, Hq * D). Query head ``j`` reads key/value head
+    ``j // (Hq / Hkv)``, as ``repeat_kv`` lays them out."""
+    B, Hq, _, D = q.shape
+    Hkv = keys.shape[1]
+    s = torch.matmul(q.reshape(B, Hkv, Hq // Hkv, D) * scale, keys.transpose(-1, -2))  # (B, Hkv, G, T)
+    if bias is not None:
+        s = s + bias
+    p = torch.softmax(s.float(), dim=-1).to(values.dtype)
+    return torch.matmul(p, values).reshape(B, 1, Hq * D)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -106,7 +123,10 @@ class DecodeStep:
         h = F.embedding(input_ids, self.embed.weight)  # (B, 1, H)
         cos, sin = self.rotary(h, position_ids)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        mask = None if bool(attention_mask.all()) else attention_mask.bool()[:, None, None, :]
+        bias = None
+        if not bool(attention_mask.all()):
+            bias = torch.zeros(attention_mask.shape, dtype=h.dtype, device=h.device).masked_fill_(attention_mask == 0, float("-inf"))
+            bias = bias[:, None, None, :]
         for i, layer in enumerate(self.layers):
             a, m = layer.self_attn, layer.mlp
             y = _rms(h, layer.input_layernorm)
@@ -116,9 +136,7 @@ class DecodeStep:
             q = (q * cos) + (_rotate_half(q) * sin)
             k = (k * cos) + (_rotate_half(k) * sin)
             keys, values = cache.update(k, v, i)
-            # transformers' own sdpa function: the same kernel and grouped-query dispatch as model(...)
-            o, _ = sdpa_attention_forward(a, q, keys, values, mask, dropout=0.0, scaling=self.scale)
-            o = o.reshape(B, 1, -1)
+            o = _attend(q, keys, values, bias, self.scale)
             h = h + F.linear(o, a.o_proj.weight, a.o_proj.bias)
             y = _rms(h, layer.post_attention_layernorm)
             g = F.linear(y, m.gate_proj.weight, m.gate_proj.bias)

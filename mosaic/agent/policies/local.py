@@ -18,8 +18,8 @@ request, batched with a KV cache:
    (:class:`~mosaic.agent.policies.kvcache.DecodeBatch`), so finished sessions cost little while the
    rest keep going.
    For Llama/Qwen2-family models each step runs the layers' operations directly
-   (:mod:`~mosaic.agent.policies.fastdecode`): the model's own logits bit for bit, without
-   ``transformers``' per-call overhead.
+   (:mod:`~mosaic.agent.policies.fastdecode`): the model's own logits to float rounding, without
+   ``transformers``' per-call overhead and with a grouped one-query attention.
 
 3. **Continuous batching** (``continuous_batching``; the server turns it on): when more requests wait than
    the batch holds (or a server's queue, ``more``, has new ones), rows join the running decode as rows
