@@ -80,8 +80,10 @@ class ServiceExpertPolicy:
                 if req.context_budget and req.context_budget - len(req.prompt_ids) < req.max_new_tokens + _TURN_ROOM:
                     left = 1  # the context resets after this turn: its last chance to note
                 text = self.expert.act_reset(episode, transcript_of(decoded), left)
+            elif req.meta.get("kind") == "subagent":  # (fork modes) the audit its parent delegated
+                text = self.expert.audit(transcript_of(decoded))
             else:
-                text = self.expert.act(episode, transcript_of(decoded))
+                text = self.expert.act(episode, transcript_of(decoded), delegate="delegate" in req.meta.get("tools", ()))
         ids = list(self.tok(text, add_special_tokens=False)["input_ids"]) + [self.im_end_id]
         finish = "stop"
         if len(ids) > req.max_new_tokens:

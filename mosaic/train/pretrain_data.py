@@ -103,11 +103,9 @@ class PretrainConfig:
             raise ValueError(f"PretrainConfig.service_drills: must be in [0, 1], got {self.service_drills}")
         from mosaic.config.harness import MODES
 
-        bad = [m for m in self.modes if m not in MODES] + [m for m in self.service_modes
-                                                            if m not in ("single", "compaction", "reset")]
+        bad = [m for m in (*self.modes, *self.service_modes) if m not in MODES]
         if bad or not self.service_modes:
-            raise ValueError(f"PretrainConfig.modes / service_modes: unknown harness mode(s) {bad} (modes: {', '.join(MODES)}; "
-                             "service_modes: single, compaction, reset)")
+            raise ValueError(f"PretrainConfig.modes / service_modes: unknown harness mode(s) {bad} (modes: {', '.join(MODES)})")
 
     def is_service(self, k: int) -> bool:
         """World ``k`` is a service-family batch (spread evenly: ``service_share`` of every run of worlds)."""

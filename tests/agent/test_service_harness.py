@@ -46,6 +46,98 @@ def test_the_experts_through_the_harness(chat, episodes):
     assert "create_order(item, address, card)" in chat.decode(first.prompt_ids)  # the env's tool docs
 
 
+@pytest.mark.parametrize("mode", ["fork", "compaction+fork"])
+def test_fork_mode_experts_audit_the_account_through_a_subagent(chat, episodes, mode):
+    """Forks on the service family (issue 29 item 6): at each visit's start the revalidating expert delegates an
+    audit; its sub-agent does the two lookups on the trajectory's own backend and answers with them (order
+    addresses that are the account's left out); the parent plans from that answer. The trusting expert
+    audits once (the first visit) and fails exactly the trap episodes, as without forks."""
+    fork = dict(mode=mode, max_sessions=8, max_total_turns=60, max_new_tokens=512)  # (the test tokenizer is wordy)
+    trajs, env = run(chat, episodes, True, **fork)
+    assert all(t.success for t in trajs), [t.meta.get("env") for t in trajs if not t.success]
+    for t in trajs:
+        subs = [s for s in t.sessions if s.kind == "subagent"]
+        assert len(subs) == t.meta["env"]["visits"] == t.meta["tool_calls"]["delegate"]
+        assert t.meta["tool_calls"]["get_account"] == len(subs) and t.meta["num_invalid"] == 0
+        # every lookup was the sub-agents': the main session's own turns call no lookup
+        main = chat.decode(t.sessions[0].completion_ids)
+        assert '"get_account"' not in main and '"delegate"' in main
+    answer = chat.decode(trajs[0].sessions[1].completion_ids)
+    assert "Orders:\n" in answer and "<answer>Account of " in answer
+    assert env.rollouts == {}
+    trusting, _env = run(chat, episodes, False, **fork)
+    assert [not t.success for t in trusting] == [e.trap for e in episodes]
+    assert all(t.meta["tool_calls"]["delegate"] == 1 for t in trusting)
+
+
+def test_a_failed_audit_falls_back_to_the_parents_own_lookups(chat, episodes, monkeypatch):
+    from mosaic.envs.service.expert import ServiceExpert
+
+    monkeypatch.setattr(ServiceExpert, "audit", staticmethod(lambda transcript: "<answer>unknown</answer>"))
+    trajs, _env = run(chat, episodes[:4], True, mode="fork", max_sessions=8, max_total_turns=60)
+    assert all(t.success for t in trajs)
+    assert all(t.meta["tool_calls"]["delegate"] == t.meta["env"]["visits"] == t.meta["tool_calls"]["get_account"]
+               for t in trajs)  # one audit per visit, then its own lookups
+
+
+def test_audit_answers_round_trip_and_refuse_what_is_not_one():
+    from mosaic.envs.service.expert import audit_text, parse_audit
+    from mosaic.envs.service.text import format_account, format_orders
+
+    acc = {"name": "Ana Lo", "address": "1 Main St, Riva", "card": "1234", "plan": "basic", "plan_status": "active",
+           "channel": "sms"}
+    orders = {"o1": {"item": "red kettle", "status": "shipped", "address": "1 Main St, Riva"},
+              "o2": {"item": "blue rug", "status": "pending", "address": "9 Old Rd, Pel"},
+              "o3": {"item": "tent", "status": "placed", "address": "9 Old Rd, Pel"}}
+    text = audit_text(format_account(acc), format_orders(orders))
+    assert "o1 | red kettle | shipped\n" in text and text.count("ship to 9 Old Rd, Pel") == 1  # only the other address
+    assert text.endswith("o3 | tent | placed | ship to ditto")
+    assert parse_audit(text) == (format_account(acc), format_orders(orders))
+    assert parse_audit(audit_text(format_account(acc), format_orders({}))) == (format_account(acc), "No orders.")
+    for bad in ("unknown", "Error (subagent_failed): the helper stopped", text.replace("card: ending", "card:"),
+                text.replace("| shipped", "shipped"), text.replace("\nOrders:\n", "\n"),
+                text.replace("o1 | red kettle | shipped", "o1 | red kettle | shipped | ship to ditto")):
+        assert parse_audit(bad) is None
+
+
+def test_subagents_act_on_the_trajectorys_own_backend(chat, episodes):
+    """A change a sub-agent makes is what its parent reads next: one backend per trajectory, shared by its
+    sessions."""
+    from mosaic.agent.policy import GenResult
+    from mosaic.envs.service.expert import tool_call_text
+
+    class Scripted:
+        def __init__(self):
+            self.seen = []
+
+        def generate(self, requests):
+            out = []
+            for r in requests:
+                t = transcript_of(chat.decode(list(r.prompt_ids)))
+                if r.meta.get("kind") == "subagent":
+                    text = tool_call_text("update_card", {"card": "4321"}) if len(t) == 1 else "<answer>done</answer>"
+                elif len(t) == 1:
+                    text = tool_call_text("delegate", {"question": "record the new card"})
+                elif len(t) == 3:
+                    text = tool_call_text("get_account", {})
+                else:
+                    self.seen.append(t[-1][1])
+                    text = "<answer>x</answer>"
+                ids = list(chat.tokenizer(text, add_special_tokens=False)["input_ids"]) + [chat.im_end_id]
+                out.append(GenResult(ids, [0.0] * len(ids), "stop"))
+            return out
+
+        def release(self, key):
+            pass
+
+    pol = Scripted()
+    config = HarnessConfig(mode="fork", context_budget=16384, max_new_tokens=256, max_turns=10, max_total_turns=20,
+                           system_prompt=PROMPT)
+    trajs = Harness(pol, chat, ServiceEnv(), config).run(episodes[:2], group_size=2)
+    assert len(pol.seen) == 4 and all("card: ending 4321" in s for s in pol.seen), pol.seen
+    assert all(t.meta["tool_calls"]["update_card"] == 1 for t in trajs)
+
+
 def test_a_trajectory_cut_short_is_scored_and_freed(chat, episodes):
     trajs, env = run(chat, episodes[:3], True, max_turns=3)
     assert all(t.end_reason == "turn_cap" and not t.success and t.meta["env"]["visits_reached"] == 1

@@ -257,7 +257,8 @@ def test_service_pretraining_checks_both_families_and_refuses_bad_settings(tmp_p
     with pytest.raises(ValueError, match="unknown harness mode"):
         pt.PretrainConfig(modes=("compaction", "resett"))
     with pytest.raises(ValueError, match="unknown harness mode"):
-        pt.PretrainConfig(service_modes=("fork",))  # the service expert does not delegate
+        pt.PretrainConfig(service_modes=("forks",))
+    assert pt.PretrainConfig(service_modes=("fork", "compaction+fork")).service_modes  # (the expert audits by forks)
     with pytest.raises(pt.PretrainError, match="not a service-family preset"):
         pt.service_config(cfg, pt.PretrainConfig(service_preset="cpu"))
     svc = load_config("cpu-service")

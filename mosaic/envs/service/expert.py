@@ -21,6 +21,11 @@ with it: re-planning from a fresh lookup would read an account the expert's own 
 changed (a redirected order no longer needs redirecting, a cancelled item's next order looks like the one to
 cancel) and redo or add actions.
 
+**Forks** (the harness offers ``delegate``): the visit's lookups are delegated to a sub-agent that audits the
+account (:data:`AUDIT_QUESTION`, :meth:`ServiceExpert.audit`) and answers with both lookups' texts
+(:func:`audit_text`); a ``delegate`` call whose result reads as one (:func:`parse_audit`) counts as the two
+lookups. A failed audit: the expert looks up itself.
+
 **Context resets** (``harness.mode=reset``, :meth:`ServiceExpert.act_reset`): every session starts from the
 current visit and the notes. The revalidating expert looks the account up at the visit's start, notes the
 visit's plan, then after each mutating action notes how many planned calls are done (``Visit K done: N``),
@@ -61,8 +66,52 @@ def parse_call(text: str) -> tuple[str, dict] | None:
     return data["name"], data.get("arguments", {})
 
 
+AUDIT_QUESTION = ("Audit the customer's account: call get_account and list_orders, then answer with both "
+                  "results as the tools gave them, the orders after a line 'Orders:'.")
+"""What a fork-mode expert delegates at the start of a visit (its sub-agent does the visit's two lookups)."""
+_AUDIT_SPLIT = "\nOrders:\n"
+
+
+def audit_text(account: str, orders: str) -> str:
+    """A sub-agent's audit answer: the account and the orders as the lookups showed them, shortened so that it
+    fits one turn (~150 tokens): an order's ``| ship to ...`` is left out when it is the account's address and
+    written ``| ship to ditto`` when it is the previous order's."""
+    acc, parsed = parse_account(account), parse_orders(orders)
+    if acc is None or not parsed:
+        return account.strip() + _AUDIT_SPLIT + orders.strip()
+    lines, prev = [], None
+    for oid, o in parsed.items():
+        where = "" if o["address"] == acc["address"] else " | ship to ditto" if o["address"] == prev else \
+            f" | ship to {o['address']}"
+        lines.append(f"{oid} | {o['item']} | {o['status']}{where}")
+        prev = o["address"]
+    return account.strip() + _AUDIT_SPLIT + "\n".join(lines)
+
+
+def parse_audit(text: str) -> tuple[str, str] | None:
+    """``(account text, orders text)`` of an :func:`audit_text` answer, the orders as ``list_orders`` writes
+    them; None when ``text`` is not one (an error message, a helper that failed or answered something else)."""
+    account, sep, orders = text.strip().partition(_AUDIT_SPLIT)
+    acc = parse_account(account) if sep else None
+    if acc is None:
+        return None
+    if orders.strip() == "No orders.":
+        return account.strip(), "No orders."
+    lines, prev = [], None
+    for line in orders.strip().splitlines():
+        head, _sep, where = line.partition(" | ship to ")
+        address = acc["address"] if not _sep else prev if where == "ditto" else where
+        if address is None:
+            return None
+        lines.append(f"{head} | ship to {address}")
+        prev = address
+    full = "\n".join(lines)
+    return (account.strip(), full) if parse_orders(full) is not None else None
+
+
 def _calls(transcript: list[tuple[str, str]], start: int) -> list[tuple[str, dict, str]]:
-    """(name, arguments, result) of each tool call the assistant made from ``start`` on."""
+    """(name, arguments, result) of each tool call the assistant made from ``start`` on; a ``delegate`` call
+    whose result is an audit (:func:`parse_audit`) also counts as the two lookups it reports."""
     out = []
     for i in range(start, len(transcript)):
         role, text = transcript[i]
@@ -70,6 +119,9 @@ def _calls(transcript: list[tuple[str, str]], start: int) -> list[tuple[str, dic
         if parsed is not None:
             result = transcript[i + 1][1] if i + 1 < len(transcript) else ""
             out.append((*parsed, result))
+            audit = parse_audit(result) if parsed[0] == "delegate" else None
+            if audit is not None:
+                out += [("get_account", {}, audit[0]), ("list_orders", {}, audit[1])]
     return out
 
 
@@ -166,17 +218,20 @@ class ServiceExpert:
     def __init__(self, revalidate: bool = True):
         self.revalidate = revalidate
 
-    def plan(self, episode, transcript: list[tuple[str, str]], start: int, k: int):
+    def plan(self, episode, transcript: list[tuple[str, str]], start: int, k: int, delegate: bool = False):
         """``(calls, answer)`` of visit ``k``: the plan its message carries (a summary's or the notes'), else
-        the one the lookups show (the answer only for the last visit); a lookup's name when one is missing."""
+        the one the lookups show (the answer only for the last visit); a lookup's name when one is missing
+        (``delegate``, in fork modes: ``"delegate"`` first, so a sub-agent audits the account; the expert
+        looks up itself when the audit came back without one)."""
         carried = carried_plan(transcript[start][1], k)
         if carried is not None:
             return carried
         here = _calls(transcript, start)
-        looked = {n for n, _a, _r in (here if self.revalidate else _calls(transcript, 0))}
+        seen = here if self.revalidate else _calls(transcript, 0)
+        looked = {n for n, _a, _r in seen}
         for lookup in ("get_account", "list_orders"):
             if lookup not in looked:
-                return lookup
+                return "delegate" if delegate and "delegate" not in looked else lookup
         state = _belief(here, latest=True) if self.revalidate else _belief(_calls(transcript, 0), latest=False)
         if state is None:
             return None
@@ -189,15 +244,18 @@ class ServiceExpert:
         answer = answer_for(state, visit.question, visit.question_item) if k + 1 == len(episode.visits) else ""
         return [(c.name, dict(c.kw)) for c in plan], answer
 
-    def act(self, episode, transcript: list[tuple[str, str]], done: int | None = None) -> str:
+    def act(self, episode, transcript: list[tuple[str, str]], done: int | None = None, delegate: bool = False) -> str:
         """The next assistant message (a tool call or the answer) given the transcript so far; ``done``: how
-        many planned calls are done (default: those :func:`visit_progress` finds)."""
+        many planned calls are done (default: those :func:`visit_progress` finds); ``delegate``: the harness
+        offers ``delegate`` (fork modes): the visit's lookups are an audit by a sub-agent (:meth:`audit`)."""
         start, k, done_calls = visit_progress(transcript)
         if start is None:
             return "<answer>unknown</answer>"
-        got = self.plan(episode, transcript, start, k)
+        got = self.plan(episode, transcript, start, k, delegate)
         if got is None:
             return "<answer>unknown</answer>"
+        if got == "delegate":
+            return tool_call_text("delegate", {"question": AUDIT_QUESTION})
         if isinstance(got, str):
             return tool_call_text(got, {})
         plan, answer = got
@@ -208,6 +266,19 @@ class ServiceExpert:
         if k + 1 < len(episode.visits):
             return tool_call_text("end_visit", {})
         return f"<answer>{answer}</answer>"
+
+    @staticmethod
+    def audit(transcript: list[tuple[str, str]]) -> str:
+        """A sub-agent's next message on an audit (:data:`AUDIT_QUESTION`): the two lookups, then the answer
+        :func:`audit_text` (what :func:`parse_audit` reads back in the parent). Any other question, or a lookup
+        that failed: an answer the parent does not take for an audit (it then looks up itself)."""
+        if not transcript or AUDIT_QUESTION not in transcript[0][1]:
+            return "<answer>unknown</answer>"
+        got = {n: r for n, _a, r in _calls(transcript, 0)}
+        for lookup in ("get_account", "list_orders"):
+            if lookup not in got:
+                return tool_call_text(lookup, {})
+        return f"<answer>{audit_text(got['get_account'], got['list_orders'])}</answer>"
 
     def summary(self, episode, transcript: list[tuple[str, str]]) -> str:
         """The compaction summary: once the visit's plan is known, the plan and how much of it is done
