@@ -290,10 +290,10 @@ class ExternalRollouts:
         why = "no usable call" if traj is None else unscorable(traj)
         if why is not None:
             return None, "unbuildable", why
+        if ht.rollout_id in self.outcomes:  # (in the reward record too: a replay of the records restores it)
+            traj.meta["env"] = rec.meta["env"] = self.outcomes.pop(ht.rollout_id)
         self.proxy.record(rec)
         traj.meta["harness"] = {"policy_version": version, "sample": ht.sample}
-        if ht.rollout_id in self.outcomes:
-            traj.meta["env"] = self.outcomes.pop(ht.rollout_id)
         return traj, None, ""
 
     def _report_drops(self, drops: list[dict], step: int, launched: int, kept: int) -> Counter:

@@ -58,15 +58,12 @@ def _input_file_error(name: str, value: str, *, dir_ok: bool = False) -> str | N
 
 
 def family_error(cfg) -> str | None:
-    """A setting the service family (``data.family=service``) cannot run: the scripted reset partner and
-    the replay source play deep search only (docs/service.md)."""
+    """A setting the service family (``data.family=service``) cannot run: the scripted reset partner plays
+    deep search only (docs/service.md)."""
     if cfg.data.family == "deepsearch":
         return None
     if cfg.harness.partner == "expert":
         return f"{_key('harness.partner')} expert: the scripted partner plays deep search only"
-    if cfg.rollout.source not in ("builtin", "harness"):
-        return (f"{_key('rollout.source')} {cfg.rollout.source}: the service family runs in the built-in harness or "
-                "an external one (rollout.source=harness)")
     return None
 
 

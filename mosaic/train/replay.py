@@ -79,6 +79,8 @@ class RecordsReplay:
             return None, "unbuildable", why
         if any(c.ok and len(c.logprobs) != len(c.completion_ids) for c in cs):  # no importance ratio
             return None, "no_logprobs", "a sampled call has no log-probs"
+        if isinstance(rw.meta.get("env"), dict):  # the service family's outcome, as the trainer recorded it
+            t.meta["env"] = dict(rw.meta["env"])
         return t, "", ""
 
     def drop_outside_vocab(self, vocab_size: int) -> int:

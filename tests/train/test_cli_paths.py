@@ -87,8 +87,9 @@ def _cases(tmp_path):
         # what the service family cannot run is refused, never silently run as deep search
         (["train", "data.family=service", "harness.mode=reset", "harness.reset_roles=[a,b]", "harness.partner=expert",
           f"train.run_dir={tmp_path / 'r1'}"], "config key 'harness.partner': expert"),
+        # (service records replay: bad records are the replay's one line, as for deep search)
         (["train", "data.family=service", "rollout.source=records", f"rollout.records={records}",
-          f"train.run_dir={tmp_path / 'r1'}"], "config key 'rollout.source': records"),
+          f"train.run_dir={tmp_path / 'r2'}"], "rollout.records: "),
     ]
 
 

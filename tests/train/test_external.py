@@ -332,3 +332,16 @@ def test_the_service_family_through_an_external_harness(base_dir, tmp_path):
             src._tool("nobody", "get_account", {})
     finally:
         src.close()
+    # the captured rollouts replay off-policy (rollout.source=records) with the family's outcome restored
+    from mosaic.train.replay import RecordsReplay
+
+    rcfg = _cfg(base_dir, tmp_path, "data.family=service", "rollout.source=records",
+                f"rollout.records={tmp_path / 'records'}", f"train.run_dir={tmp_path / 'replay'}", "train.steps=1",
+                "train.batch_tasks=2")  # fmt: skip
+    replay = RecordsReplay(rcfg)
+    got = [t for g in replay.groups.values() for t in g]
+    assert len(got) == 4 and all(t.reward == 1.0 and t.meta["env"]["success"] for t in got)
+    assert sorted(t.meta["env"]["tool_errors"] for t in got) == [0, 0, 1, 1]
+    entrypoints.run_train(rcfg)
+    line = json.loads((tmp_path / "replay" / "metrics.jsonl").read_text().splitlines()[0])
+    assert line["rollout/replayed"] >= 1 and line["env/stale_rate"] == 0.0 and line["env/visits_correct"] > 0
