@@ -8,7 +8,9 @@ keeps its own optimizer, so both run the same number of updates.
 
 Printed per side: median seconds per step and per sampled (trainable) token, with the split into
 rollout (``timing_s/gen``), scoring and update; the served policy's decode batches per step and their mean size;
-then the ratio harness / built-in (target <= 1.1x).
+then the ratio harness / built-in (target <= 1.1x): medians of the steps, and the ratio of the totals with a
+95 % interval from a paired bootstrap over the steps (steps differ by 20-40 % in sampled tokens and the
+machine's load moves: one run's point figure alone does not settle a 10 % question).
 The two harnesses are different agent loops (the plain one re-renders its history through the chat
 template on every call, and its sub-agent and compaction rules are its own), so they sample
 different numbers of tokens: the per-token ratio is the fair one, the per-step one is what a user
@@ -106,6 +108,35 @@ def main() -> None:
     print(f"\nharness / built-in: {med('harness', 'timing_s/step') / med('built-in', 'timing_s/step'):.2f}x per step, "
           f"{per_tok['harness'] / per_tok['built-in']:.2f}x per sampled token (median of the steps; all steps together "
           f"{total['harness'] / total['built-in']:.2f}x) (target <= 1.1x)")
+    step_ci, tok_ci = paired_ratio_intervals(rows["built-in"], rows["harness"])
+    print(f"all steps together with 95 % intervals (paired bootstrap over the {args.steps} interleaved steps): "
+          f"{step_ci[0]:.2f}x [{step_ci[1]:.2f}, {step_ci[2]:.2f}] per step, {tok_ci[0]:.2f}x [{tok_ci[1]:.2f}, "
+          f"{tok_ci[2]:.2f}] per sampled token")
+
+
+def paired_ratio_intervals(base: list[dict], other: list[dict], draws: int = 4000, seed: int = 0):
+    """``(ratio, lo, hi)`` per step and per sampled token of ``other`` over ``base``: the ratio of their totals
+    over the steps, and a 95 % percentile interval from resampling the steps (a step's two sides together:
+    they ran back to back under the same machine load)."""
+    import random
+
+    rng = random.Random(seed)
+    n = len(base)
+
+    def ratios(idx):
+        sb = sum(base[i]["timing_s/step"] for i in idx)
+        so = sum(other[i]["timing_s/step"] for i in idx)
+        tb = max(1, sum(base[i]["tokens"] for i in idx))
+        to = max(1, sum(other[i]["tokens"] for i in idx))
+        return so / sb, (so / to) / (sb / tb)
+
+    point = ratios(range(n))
+    boot = sorted(ratios([rng.randrange(n) for _ in range(n)]) for _ in range(draws))
+    out = []
+    for j in (0, 1):
+        vals = sorted(b[j] for b in boot)
+        out.append((point[j], vals[int(0.025 * draws)], vals[int(0.975 * draws) - 1]))
+    return out[0], out[1]
 
 
 if __name__ == "__main__":
