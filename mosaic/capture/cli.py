@@ -203,7 +203,7 @@ def parse_rules(pairs: list[str]) -> ReconstructionRules:
 
     from mosaic.config.values import ConfigError, coerce
 
-    names = {f.name for f in fields(ReconstructionRules)}
+    names = {f.name for f in fields(ReconstructionRules)} - {"render_prefix"}  # (a function: --tokenizer sets it)
     hints = typing.get_type_hints(ReconstructionRules)
     kw = {}
     for pair in pairs:
@@ -254,6 +254,12 @@ def export(records: str, out: str, *, tokenizer: str | None = None, rules=None, 
                 if c.error and c.error.startswith("no token ids"):
                     retokenize(c, tok)
                     fixed += 1
+            if rules is None or rules.render_prefix is None:  # compactions' history tails into their parents
+                from dataclasses import replace
+
+                from mosaic.agent.server.textops import prefix_renderer
+
+                rules = replace(rules or ReconstructionRules(), render_prefix=prefix_renderer(tok))
         trajs, invalid = [], 0
         for t in reconstruct(calls, rewards, rules, report=report):
             try:
@@ -291,6 +297,8 @@ def rules_help() -> str:
     doc = ReconstructionRules.__doc__ or ""
     out = []
     for f in fields(ReconstructionRules):
+        if f.name == "render_prefix":  # (not a setting: --tokenizer gives it)
+            continue
         m = re.search(rf"^\s+{f.name}: (.*?)(?=^\s+\w+: |\Z)", doc, re.S | re.M)
         text = " ".join(m.group(1).split()) if m else ""
         default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]

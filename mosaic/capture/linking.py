@@ -118,7 +118,8 @@ class Linker:
             if best:
                 p = sessions[self._pick(best)]
                 new.parent, new.edge = p.idx, "continues"
-                new.parent_upto = p.end_of(len(p.calls) - 1, self.calls)
+                self._history_tail(c, p, new)
+                new.parent_upto = len(p.prompt) + len(p.comp)
                 new.meta["parent_by"] = "prefix"
         else:
             for s in sessions:
@@ -127,6 +128,26 @@ class Linker:
                     new.meta["diverged_from"] = s.idx
         sessions.append(new)
         self.call_sess.append(new.idx)
+
+    def _history_tail(self, c: CallRecord, p: SessionDraft, new: SessionDraft, k: int | None = None) -> None:
+        """A compaction call's history past its parent's reply to call ``k`` (default: the last; the tool responses
+        sent only with the instruction) ends the parent's row, as its context held it (docs/algorithm.md §4.4):
+        ``rules.render_prefix`` of the messages up to that reply and up to the instruction; the difference."""
+        k = len(p.calls) - 1 if k is None else k
+        m, n = len(self.calls[p.calls[k]].messages), len(c.messages) - 1  # (message n: the instruction)
+        if c.endpoint != "chat" or n <= m + 1 or c.messages[m].get("role") != "assistant":
+            return  # (n == m + 1: nothing between the reply and the instruction)
+        head = full = None
+        if self.rules.render_prefix is not None and k == len(p.calls) - 1:
+            try:
+                head, full = self.rules.render_prefix(c, m + 1), self.rules.render_prefix(c, n)
+            except Exception:  # noqa: BLE001 - a template that fails: the tail stays where it is, flagged
+                head = full = None
+        if head is None or full is None or not is_prefix(head, full) or not is_prefix(full, c.prompt_ids):
+            new.meta["history_tail"] = "in the compaction's prompt only"
+            return
+        p.extend(full[len(p.tip):] if is_prefix(p.tip, full) else full[len(head):])  # (else: a re-rendered reply)
+        new.meta["history_tail"] = "added to the parent"
 
     def continue_by_messages(self, i: int) -> bool:
         """Rule 3b: the call repeats, message by message (loosely), the last request of a session
@@ -262,7 +283,10 @@ class Linker:
                 _, _, p, k = max(recent, key=lambda t: (self.calls[sessions[t[2]].calls[t[3]]].t_start, t[2]))
                 x.meta["parent_by"] = "recency"
             x.parent, x.edge = p, "continues"
-            x.parent_upto = sessions[p].end_of(k, calls)
+            if x.meta["parent_by"] == "history":
+                self._history_tail(self.calls[x.calls[0]], sessions[p], x, k)
+            x.parent_upto = sessions[p].end_of(k, calls) if "added" not in x.meta.get("history_tail", "") else \
+                len(sessions[p].prompt) + len(sessions[p].comp)
 
     def _closed(self, s: SessionDraft, first: int) -> bool:
         """Whether session s was over when call ``first`` started: compacted already, or its last call

@@ -41,6 +41,11 @@ class ReconstructionRules:
         min_parent_score: the least share of a candidate's history (by characters) a compaction
             must reproduce to be attached to it by evidence (rule 5d); below it, recency decides
             and the compaction is flagged ``meta["parent_by"] = "recency"``.
+        render_prefix: ``render_prefix(call, n)`` -> the token ids the upstream gives the first ``n`` of the
+            call's chat messages (no generation prompt), or None. With it, a compaction call's history
+            after its parent's last reply (the tool responses that came after it, before the instruction)
+            is added to the parent's row, so the parent's end state holds its last tool response (SPEC
+            §4.4); without it that tail stays in the compaction's prompt only (``meta["history_tail"]``).
     """
 
     compaction_patterns: tuple[str, ...] = DEFAULT_COMPACTION_PATTERNS
@@ -52,6 +57,7 @@ class ReconstructionRules:
     include_unrewarded: bool = False
     message_match: bool = True
     min_parent_score: float = 0.5
+    render_prefix: Any = None
 
     def __post_init__(self) -> None:
         for p in self.compaction_patterns:
@@ -205,6 +211,11 @@ class SessionDraft:
         self.comp += ids
         self.mask += [False] * len(ids)
         self.lps += [0.0] * len(ids)
+
+    def extend(self, tail: Sequence[int]) -> None:
+        """Inserted tokens after the last reply (a compaction's history past it): the row and tip grow."""
+        self._insert(tail)
+        self.tip = list(self.tip) + list(tail)
 
     def add(self, i: int, c: CallRecord, inserted: list[int], calls: list[CallRecord] | None = None) -> None:
         """Rule 3: call ``i`` extends the tip; ``inserted`` is what its prompt adds to it."""

@@ -76,11 +76,21 @@ folder above the records (the run dir; not among the records, whose every ``*.js
 _TRAINER = "mosaic-trainer"  # meta["by"] of the reward records the trainer writes
 
 
-def reconstruction_rules(hcfg: HarnessConfig) -> ReconstructionRules:
-    """The capture rules plus the harness section's compaction instruction (rule 4), and its success threshold."""
+def reconstruction_rules(hcfg: HarnessConfig, tokenizer=None) -> ReconstructionRules:
+    """The capture rules plus the harness section's compaction instruction (rule 4), and its success threshold;
+    with the served model's ``tokenizer``, the prefix renderer that puts a compaction's history tail (the
+    last tool responses) in its parent's row (:func:`prefix_renderer`)."""
     return ReconstructionRules(
         compaction_patterns=DEFAULT_COMPACTION_PATTERNS + (re.escape(hcfg.compaction_prompt[:60]),),
-        success_threshold=hcfg.success_threshold)
+        success_threshold=hcfg.success_threshold,
+        render_prefix=prefix_renderer(tokenizer) if tokenizer is not None else None)
+
+
+def prefix_renderer(tokenizer):
+    """:func:`mosaic.agent.server.textops.prefix_renderer` (the server's rendering of a recorded call's messages)."""
+    from mosaic.agent.server.textops import prefix_renderer as renderer
+
+    return renderer(tokenizer)
 
 
 def unscorable(traj: Trajectory) -> str | None:
@@ -133,7 +143,7 @@ class ExternalRollouts:
         self.reward_fn = None
         if self.rc.reward not in ("deepsearch", "harness"):
             self.reward_fn = load_callable(self.rc.reward, "rollout.reward")
-        self.rules = reconstruction_rules(self.hcfg)
+        self.rules = reconstruction_rules(self.hcfg, tokenizer)
         app = create_app(model, tokenizer, model_name=model_name, device=str(next(model.parameters()).device),
                          max_batch_size=self.rc.batch_size, default_max_tokens=self.hcfg.max_new_tokens)
         self.server = app.state.server

@@ -21,6 +21,20 @@ from mosaic.train.external import DROPS_FILE, reconstruction_rules, unscorable
 __all__ = ["RecordsReplay"]
 
 
+def _warm_start_tokenizer(cfg):
+    """The tokenizer of the run's warm start when it is a model on disk (``model.source`` base or dir); else
+    None (compactions' history tails then stay in their prompts, flagged)."""
+    from mosaic.agent.tokenizer import load_tokenizer
+    from mosaic.train.setup import base_model_dir
+
+    try:
+        m = cfg.model
+        path = base_model_dir(m.embedded_preset, m.base) if m.source == "base" else m.path if m.source == "dir" else None
+        return load_tokenizer(path) if path else None
+    except (OSError, ValueError):
+        return None
+
+
 class RecordsReplay:
     """Rollouts captured earlier (``rollout.source=records``): proxy records with rewards, replayed off-policy.
 
@@ -35,10 +49,11 @@ class RecordsReplay:
 
     live_scorer = None  # (a RolloutSource: nothing is scored while replaying)
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, tokenizer=None):
         self.cfg = cfg
         hcfg: HarnessConfig = cfg.harness
-        self.rules = reconstruction_rules(hcfg)
+        # the served model's tokenizer locates a compaction's history tail as the live source does
+        self.rules = reconstruction_rules(hcfg, tokenizer if tokenizer is not None else _warm_start_tokenizer(cfg))
         path = Path(cfg.rollout.records)
         if not path.exists():
             raise FileNotFoundError(f"rollout.records: {path} does not exist")

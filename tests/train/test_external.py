@@ -78,6 +78,18 @@ def test_graphs_trained_on_equal_what_proxy_export_rebuilds(base_dir, tmp_path):
         assert calls and {c.policy_version for c in calls} == {0}
         for t in trajs:  # every trained token on the context it was sampled from (drift repaired, issue 33)
             assert_trained_on_sampled_contexts(t, calls)
+        # SPEC §4.4: the compacted main session's end state holds its last tool response (the search result
+        # the harness sent only with the compaction instruction), and the compaction starts from that state
+        tok = src.server.tokenizer
+        for t in trajs:
+            for c in (s for s in t.sessions if s.kind == "compaction"):
+                parent = t.sessions[c.state_before.session]
+                assert c.meta.get("history_tail") == "added to the parent" and parent.kind == "main", c.meta
+                assert c.state_before.upto == len(parent.prompt_ids) + len(parent.completion_ids)
+                assert parent.state_after.upto is None and not parent.loss_mask[-1]  # ends on inserted tokens
+                assert tok.decode(parent.completion_ids[-60:]).endswith("</tool_response><|im_end|>\n")
+                if c.meta["parent_by"] == "prefix":  # (else the harness re-rendered a reply: the parent keeps its ids)
+                    assert list(c.prompt_ids[: c.state_before.upto]) == list(parent.prompt_ids) + list(parent.completion_ids)
         # sampling is the trainer's: the harness asked for 0.25, every call was sampled as the trainer samples
         sampled_with = {(c.request_params.get("temperature"), c.request_params.get("top_p")) for c in calls}
         assert sampled_with == {(cfg.rollout.temperature, cfg.rollout.top_p)} and cfg.rollout.temperature != 0.25
@@ -88,6 +100,15 @@ def test_graphs_trained_on_equal_what_proxy_export_rebuilds(base_dir, tmp_path):
         for t in trajs:
             assert _shape(again[t.id]) == _shape(t)
             assert (again[t.id].reward, again[t.id].ground_truth) == (t.reward, t.ground_truth)
+        # the command line's export, given the model's tokenizer, puts the history tails where the trainer does
+        from dataclasses import replace
+
+        export(str(src.records_dir), str(tmp_path / "cli.jsonl"), tokenizer=str(base_dir[0]),
+               rules=replace(src.rules, render_prefix=None))
+        cli = {t.id: t for t in load_trajectories(tmp_path / "cli.jsonl")}
+        for t in trajs:
+            assert [(s.kind, s.state_before, len(s.completion_ids)) for s in cli[t.id].sessions] == \
+                [(s.kind, s.state_before, len(s.completion_ids)) for s in t.sessions]
 
         with src.hold():  # what the trainer's update does: the next step is answered by version 1
             pass

@@ -36,7 +36,7 @@ from mosaic.agent.server.schema import (
     error_response, usage,
 )
 from mosaic.agent.server.stream import ChoiceText, stream_chat, stream_completion
-from mosaic.agent.server.textops import template_messages
+from mosaic.agent.server.textops import render_chat
 from mosaic.agent.server.worker import Job, ModelWorker
 
 
@@ -254,19 +254,7 @@ class ModelServer:
         return self.check_ids(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def _render_chat(self, body: ChatCompletionRequest) -> str:
-        template = getattr(self.tokenizer, "chat_template", None)
-        if not template:
-            raise ApiError(400, "this model's tokenizer has no chat template; use /v1/completions")
-        tools = ([t.model_dump(exclude_none=True) for t in body.tools]
-                 if body.uses_tools and body.tools_in_prompt else None)  # fmt: skip
-        messages, native = template_messages([m.model_dump(exclude_none=True) for m in body.messages], tools,
-                                             str(template))
-        try:
-            return self.tokenizer.apply_chat_template(messages, tools=tools if native else None,
-                                                      add_generation_prompt=body.add_generation_prompt,
-                                                      tokenize=False)
-        except Exception as exc:
-            raise ApiError(400, f"chat template failed: {exc}", "messages") from exc
+        return render_chat(self.tokenizer, body)
 
 
 def chars_per_token(tokenizer: PreTrainedTokenizerBase) -> int:

@@ -18,7 +18,7 @@ import re
 import uuid
 from typing import Any, Callable, Sequence
 
-from mosaic.agent.server.schema import ApiError
+from mosaic.agent.server.schema import ApiError, ChatCompletionRequest
 
 TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 OPEN_TAG = "<tool_call>"
@@ -137,3 +137,33 @@ def cut_at_stop(ids: list[int], decode: Callable[[list[int]], str], stops: Seque
     text = decode(ids[:hi])
     cut = min(text.find(s) for s in stops if s in text)
     return ids[:hi], text[:cut], True
+
+
+def render_chat(tokenizer, body: ChatCompletionRequest) -> str:
+    """The prompt text of a chat request, as the server renders it (the chat template; tools in the prompt
+    unless ``tools_in_prompt`` is false). ApiError 400 when the tokenizer has no template or it fails."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not template:
+        raise ApiError(400, "this model's tokenizer has no chat template; use /v1/completions")
+    tools = ([t.model_dump(exclude_none=True) for t in body.tools]
+             if body.uses_tools and body.tools_in_prompt else None)  # fmt: skip
+    messages, native = template_messages([m.model_dump(exclude_none=True) for m in body.messages], tools,
+                                         str(template))
+    try:
+        return tokenizer.apply_chat_template(messages, tools=tools if native else None,
+                                             add_generation_prompt=body.add_generation_prompt, tokenize=False)
+    except Exception as exc:
+        raise ApiError(400, f"chat template failed: {exc}", "messages") from exc
+
+
+def prefix_renderer(tokenizer):
+    """``render_prefix(call, n)`` for :class:`~mosaic.capture.sessions.ReconstructionRules`: the ids the server gives the first
+    ``n`` chat messages of a recorded call (no generation prompt; the call's tools and tool options)."""
+    def render(call, n: int) -> list[int]:
+        opts = {k: v for k, v in call.request_params.items() if k in ("tool_choice", "tools_in_prompt")}
+        body = ChatCompletionRequest.model_validate({"model": call.model or "model", "messages": call.messages[:n],
+                                                     "tools": call.tools or None, "add_generation_prompt": False,
+                                                     **opts})  # fmt: skip
+        return tokenizer(render_chat(tokenizer, body), add_special_tokens=False)["input_ids"]
+
+    return render
