@@ -227,6 +227,18 @@ def parse_rules(pairs: list[str]) -> ReconstructionRules:
         raise UsageError(f"--rule {' '.join(pairs)}: {exc}") from None
 
 
+def _with_renderer(rules, tok):
+    """``rules`` whose ``render_prefix`` renders with ``tok`` (compactions' history tails into their parents,
+    docs/capture.md), unless they have one."""
+    from dataclasses import replace
+
+    from mosaic.agent.server.textops import prefix_renderer
+
+    if rules is not None and rules.render_prefix is not None:
+        return rules
+    return replace(rules or ReconstructionRules(), render_prefix=prefix_renderer(tok))
+
+
 def export(records: str, out: str, *, tokenizer: str | None = None, rules=None, force: bool = False) -> dict:
     """Records → trajectories file; returns a summary dict (rollouts, sessions by kind, skipped).
 
@@ -254,12 +266,7 @@ def export(records: str, out: str, *, tokenizer: str | None = None, rules=None, 
                 if c.error and c.error.startswith("no token ids"):
                     retokenize(c, tok)
                     fixed += 1
-            if rules is None or rules.render_prefix is None:  # compactions' history tails into their parents
-                from dataclasses import replace
-
-                from mosaic.agent.server.textops import prefix_renderer
-
-                rules = replace(rules or ReconstructionRules(), render_prefix=prefix_renderer(tok))
+            rules = _with_renderer(rules, tok)
         trajs, invalid = [], 0
         for t in reconstruct(calls, rewards, rules, report=report):
             try:

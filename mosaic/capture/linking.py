@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from mosaic.capture.records import CallRecord, content_text
 from mosaic.capture.sessions import (
-    ReconstructionRules, SessionDraft, is_prefix, RolloutCalls, history_texts, loose, message_key, tool_call_keys,
-    tool_call_strings,
+    ReconstructionRules, SessionDraft, is_prefix, RolloutCalls, history_tail, history_texts, loose, message_key,
+    tool_call_keys, tool_call_strings,
 )
 
 
@@ -130,24 +130,12 @@ class Linker:
         self.call_sess.append(new.idx)
 
     def _history_tail(self, c: CallRecord, p: SessionDraft, new: SessionDraft, k: int | None = None) -> None:
-        """A compaction call's history past its parent's reply to call ``k`` (default: the last; the tool responses
-        sent only with the instruction) ends the parent's row, as its context held it (docs/algorithm.md §4.4):
-        ``rules.render_prefix`` of the messages up to that reply and up to the instruction; the difference."""
+        """:func:`~mosaic.capture.sessions.history_tail` of compaction call ``c`` and its parent (reply to call
+        ``k``, default the last), its outcome in ``new.meta["history_tail"]``."""
         k = len(p.calls) - 1 if k is None else k
-        m, n = len(self.calls[p.calls[k]].messages), len(c.messages) - 1  # (message n: the instruction)
-        if c.endpoint != "chat" or n <= m + 1 or c.messages[m].get("role") != "assistant":
-            return  # (n == m + 1: nothing between the reply and the instruction)
-        head = full = None
-        if self.rules.render_prefix is not None and k == len(p.calls) - 1:
-            try:
-                head, full = self.rules.render_prefix(c, m + 1), self.rules.render_prefix(c, n)
-            except Exception:  # noqa: BLE001 - a template that fails: the tail stays where it is, flagged
-                head = full = None
-        if head is None or full is None or not is_prefix(head, full) or not is_prefix(full, c.prompt_ids):
-            new.meta["history_tail"] = "in the compaction's prompt only"
-            return
-        p.extend(full[len(p.tip):] if is_prefix(p.tip, full) else full[len(head):])  # (else: a re-rendered reply)
-        new.meta["history_tail"] = "added to the parent"
+        flag = history_tail(self.rules, c, p, len(self.calls[p.calls[k]].messages), last=k == len(p.calls) - 1)
+        if flag:
+            new.meta["history_tail"] = flag
 
     def continue_by_messages(self, i: int) -> bool:
         """Rule 3b: the call repeats, message by message (loosely), the last request of a session
@@ -409,8 +397,12 @@ class Linker:
                 continue
             p = sessions[x.parent]
             j = hit.get(chain_end(self.sessions, x).idx)
+            seen = sessions[self.call_sess[j]] if j is not None else None
             if j is not None and self.call_sess[j] == p.idx:
                 x.fork_after = p.offsets[p.calls.index(j)]
+            elif (seen is not None and seen.kind == "compaction" and seen.parent == p.idx and x.fork_before == p.offsets[-1]
+                  and "added" in seen.meta.get("history_tail", "")):  # its result is in the tail now ending p's row
+                x.fork_after, x.meta["result_seen_in"] = seen.parent_upto, "compaction"
             else:
                 pos = p.offsets.index(x.fork_before)
                 x.fork_after = p.end_of(pos, calls)

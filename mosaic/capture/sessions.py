@@ -44,7 +44,7 @@ class ReconstructionRules:
         render_prefix: ``render_prefix(call, n)`` -> the token ids the upstream gives the first ``n`` of the
             call's chat messages (no generation prompt), or None. With it, a compaction call's history
             after its parent's last reply (the tool responses that came after it, before the instruction)
-            is added to the parent's row, so the parent's end state holds its last tool response (SPEC
+            is added to the parent's row, so the parent's end state holds its last tool response (docs/algorithm.md
             §4.4); without it that tail stays in the compaction's prompt only (``meta["history_tail"]``).
     """
 
@@ -295,6 +295,29 @@ class RolloutCalls:
         else:
             last = (c.prompt or "")[-2000:]
         return any(p.search(last) for p in self._patterns)
+
+
+def history_tail(rules: ReconstructionRules, c: CallRecord, p: SessionDraft, m: int, *, last: bool = True) -> str:
+    """A compaction call's history past its parent's reply (its message ``m``; the tool responses a harness
+    sends only with the instruction) ends the parent's row, as the parent's context held it (docs/algorithm.md
+    §4.4): ``rules.render_prefix`` of ``c``'s messages up to the instruction, past the row, where the row is a
+    prefix of that rendering and of ``c``'s prompt. Returns "added to the parent"; "in the compaction's prompt
+    only" where it cannot (no renderer, a re-rendered reply, a completions call, a reply that is not the parent's
+    ``last``); "" when there is no tail."""
+    n = len(c.messages) - 1  # (message n: the instruction)
+    reply = c.messages[m] if c.endpoint == "chat" and 0 <= m < len(c.messages) else None
+    if n == m + 1 and isinstance(reply, dict):
+        return ""  # nothing between the reply and the instruction
+    full = None
+    if rules.render_prefix is not None and n > m + 1 and last and isinstance(reply, dict) and reply.get("role") == "assistant":
+        try:
+            full = rules.render_prefix(c, n)
+        except Exception:  # noqa: BLE001 - a template that fails: the tail stays where it is, flagged
+            full = None
+    if full is None or not is_prefix(full, c.prompt_ids) or not is_prefix(p.tip, full):
+        return "in the compaction's prompt only"
+    p.extend(full[len(p.tip):])
+    return "added to the parent"
 
 
 def _dedup(calls: list[CallRecord], ro: RolloutCalls) -> tuple[list[CallRecord], list[str]]:

@@ -230,3 +230,20 @@ def test_fast_decode_off_under_accelerate_style_hooks(model_tok):
         assert decode_step_for(model) is None
     finally:
         del model.hf_device_map
+
+
+def test_decode_attention_grouped_products_and_the_half_precision_kernel_agree():
+    """fp32 takes the grouped products; bf16 the fused kernel (fp32 accumulation): both match a plain
+    repeated-heads attention."""
+    from mosaic.agent.policies.fastdecode import _attend
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(s, generator=g) for s in ((3, 4, 1, 32), (3, 2, 50, 32), (3, 2, 50, 32)))
+    bias = torch.zeros(3, 1, 1, 50)
+    bias[0, ..., :7] = float("-inf")
+    kk, vv = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+    ref = torch.softmax(q @ kk.transpose(-1, -2) * 32 ** -0.5 + bias, -1) @ vv  # (B, Hq, 1, D)
+    ref = ref.transpose(1, 2).reshape(3, 1, 128)
+    torch.testing.assert_close(_attend(q, k, v, bias, 32 ** -0.5), ref, rtol=1e-5, atol=1e-5)
+    half = _attend(q.bfloat16(), k.bfloat16(), v.bfloat16(), bias.bfloat16(), 32 ** -0.5)
+    torch.testing.assert_close(half.float(), ref, rtol=0, atol=2e-2)

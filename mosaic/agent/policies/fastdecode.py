@@ -53,7 +53,7 @@ def _hooked(model: nn.Module) -> bool:
 
 
 def decode_step_for(model: nn.Module) -> DecodeStep | None:
-    """A :class:`DecodeStep` for ``model`` when it can reproduce ``model``'s forward exactly, else None."""
+    """A :class:`DecodeStep` for ``model`` when it can reproduce ``model``'s forward (to float rounding), else None."""
     name = type(model).__name__
     cfg = getattr(model, "config", None)
     if SUPPORTED.get(name) != getattr(cfg, "model_type", None) or model.training:
@@ -89,9 +89,14 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: tor
             scale: float) -> torch.Tensor:
     """One query position over the cache: ``q`` (B, Hq, 1, D), ``keys``/``values`` (B, Hkv, T, D), ``bias``
     None or (B, 1, 1, T) with 0 / -inf -> (B, 1, Hq * D). Query head ``j`` reads key/value head
-    ``j // (Hq / Hkv)``, as ``repeat_kv`` lays them out."""
+    ``j // (Hq / Hkv)``, as ``repeat_kv`` lays them out. Half-precision models keep the fused kernel (with
+    grouped-query dispatch): its scores accumulate in fp32, the grouped products' would round to bf16."""
     B, Hq, _, D = q.shape
     Hkv = keys.shape[1]
+    if q.dtype != torch.float32:
+        mask = None if bias is None else bias == 0
+        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+        return o.transpose(1, 2).reshape(B, 1, Hq * D)
     s = torch.matmul(q.reshape(B, Hkv, Hq // Hkv, D) * scale, keys.transpose(-1, -2))  # (B, Hkv, G, T)
     if bias is not None:
         s = s + bias

@@ -70,6 +70,7 @@ AUDIT_QUESTION = ("Audit the customer's account: call get_account and list_order
                   "results as the tools gave them, the orders after a line 'Orders:'.")
 """What a fork-mode expert delegates at the start of a visit (its sub-agent does the visit's two lookups)."""
 _AUDIT_SPLIT = "\nOrders:\n"
+_AUDIT_ORDER = re.compile(r"o\d+ \| [^|\n]+ \| [a-z]+")
 
 
 def audit_text(account: str, orders: str) -> str:
@@ -101,7 +102,7 @@ def parse_audit(text: str) -> tuple[str, str] | None:
     for line in orders.strip().splitlines():
         head, _sep, where = line.partition(" | ship to ")
         address = acc["address"] if not _sep else prev if where == "ditto" else where
-        if address is None:
+        if address is None or "|" in address or not _AUDIT_ORDER.fullmatch(head):  # (a cut or garbled line)
             return None
         lines.append(f"{head} | ship to {address}")
         prev = address

@@ -1,0 +1,104 @@
+"""A compaction's history past its parent's last reply (tool responses a harness sends only with the
+instruction) ends the parent's row (docs/capture.md, rule 3; docs/algorithm.md §4.4: a main session's end state holds its
+last tool response), located by rendering the call's messages as the server does."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+from mosaic.agent.server.schema import ChatCompletionRequest
+from mosaic.agent.server.textops import prefix_renderer, render_chat, template_messages
+from mosaic.agent.tokenizer import load_tokenizer
+from mosaic.capture.reconstruct import ReconstructionRules, reconstruct_rollout
+from mosaic.capture.records import CallRecord, RewardRecord
+from mosaic.train.setup import base_model_dir
+
+TOK = load_tokenizer(base_model_dir("tiny"))
+IM_END = TOK.convert_tokens_to_ids("<|im_end|>")
+RULES = ReconstructionRules(render_prefix=prefix_renderer(TOK))
+SYSTEM = {"role": "system", "content": "You answer questions with a search tool."}
+ASK = {"role": "user", "content": "Who founded the Nidal Works?"}
+INSTR = {"role": "user", "content": "Summarize the conversation so far for your successor."}
+
+
+def _call(k: int, messages: list, reply: str, tool_calls=()) -> CallRecord:
+    body = ChatCompletionRequest.model_validate({"model": "m", "messages": messages})
+    ids = TOK(render_chat(TOK, body), add_special_tokens=False)["input_ids"]
+    comp = TOK(reply, add_special_tokens=False)["input_ids"] + [IM_END]
+    return CallRecord(call_id=f"c{k}", rollout_id="r", seq=k, endpoint="chat", model="m", messages=messages,
+                      prompt_ids=ids, completion_ids=comp, logprobs=[-0.1] * len(comp), text=reply,
+                      tool_calls=list(tool_calls), finish_reason="stop", t_start=float(k), t_end=k + 0.5)
+
+
+def _rollout(result_in_tail: str):
+    """main: a search, then (a) the search result or (b) a sub-agent's answer sent only with the compaction
+    instruction; the summary opens the next main session."""
+    head = [SYSTEM, ASK]
+    calls = []
+    if result_in_tail == "search":
+        reply = '<tool_call>{"name": "search", "arguments": {"query": "Nidal Works"}}</tool_call>'
+        calls.append(_call(1, head, reply))
+        result = {"role": "tool", "content": "Nidal Works: founded by Aba Rell in 1901."}
+    else:  # (an OpenAI tool call, as the scripted harness of tests/train makes)
+        reply = "I will ask a helper."
+        call = {"id": "call-1", "type": "function",
+                "function": {"name": "delegate", "arguments": json.dumps({"question": "Find the founder of the Nidal Works."})}}
+        sampled = template_messages([{"role": "assistant", "content": reply, "tool_calls": [call]}], None,
+                                    TOK.chat_template)[0][0]["content"]  # (the text the model sampled)
+        calls.append(_call(1, head, sampled, [call]))
+        calls.append(_call(2, [SYSTEM, {"role": "user", "content": "Find the founder of the Nidal Works."}],
+                           "<answer>Aba Rell</answer>"))
+        result = {"role": "tool", "tool_call_id": "call-1", "content": "<answer>Aba Rell</answer>"}  # (its reply, as is)
+    said = {"role": "assistant", "content": reply, **({"tool_calls": calls[0].tool_calls} if calls[0].tool_calls else {})}
+    history = head + [said, result]
+    calls.append(_call(3, history + [INSTR], "The founder is Aba Rell."))
+    calls.append(_call(4, head + [{"role": "user", "content": "Summary: The founder is Aba Rell."}],
+                       "<answer>Aba Rell</answer>"))
+    return calls, RewardRecord(rollout_id="r", reward=1.0, ground_truth="Aba Rell", answer="Aba Rell")
+
+
+def test_the_last_tool_response_ends_the_compacted_session():
+    calls, rw = _rollout("search")
+    t = reconstruct_rollout(calls, rw, RULES, rollout_id="r")
+    main, comp = t.sessions[0], t.sessions[1]
+    assert comp.kind == "compaction" and comp.meta["history_tail"] == "added to the parent"
+    row = list(main.prompt_ids) + list(main.completion_ids)
+    assert TOK.decode(row).endswith("founded by Aba Rell in 1901.\n</tool_response><|im_end|>\n")
+    assert main.state_after.upto is None and comp.state_before.upto == len(row)
+    assert list(comp.prompt_ids[: len(row)]) == row  # the compaction starts from the parent's end state
+    # without a renderer the tail stays in the compaction's prompt, flagged; the parent ends on its reply
+    t0 = reconstruct_rollout(calls, rw, replace(RULES, render_prefix=None), rollout_id="r")
+    assert t0.sessions[1].meta["history_tail"] == "in the compaction's prompt only"
+    assert len(t0.sessions[0].completion_ids) == len(calls[0].completion_ids)
+
+
+def test_a_subagent_result_seen_only_in_the_tail_ends_the_parent_state():
+    calls, rw = _rollout("delegate")
+    t = reconstruct_rollout(calls, rw, RULES, rollout_id="r")
+    sub = next(s for s in t.sessions if s.kind == "subagent")
+    main = t.sessions[sub.state_after.session]
+    row = list(main.prompt_ids) + list(main.completion_ids)
+    assert sub.state_after.upto == len(row) and TOK.decode(row).endswith("Aba Rell</answer>\n</tool_response><|im_end|>\n")
+    assert "result_unseen" not in sub.meta
+
+
+def test_a_message_that_is_not_an_object_does_not_crash_the_rebuild():
+    calls, rw = _rollout("search")
+    calls[1].messages[2] = "not a message"  # (records check only that messages is a list)
+    t = reconstruct_rollout(calls, rw, RULES, rollout_id="r")
+    assert t.sessions[1].meta["history_tail"] == "in the compaction's prompt only"
+
+
+def test_a_reply_the_harness_re_sent_differently_keeps_the_tail_in_the_compaction():
+    """The parent's row holds its reply as sampled; a compaction whose history renders that reply otherwise is
+    linked by its history and the tail is left in its prompt (appending it would join a reply the server
+    never rendered to the tool response)."""
+    calls, rw = _rollout("search")
+    c = calls[1]  # (the compaction call)
+    said = dict(c.messages[2], content="(re-sent) " + c.messages[2]["content"])
+    calls[1] = _call(3, [*c.messages[:2], said, *c.messages[3:]], c.text)
+    t = reconstruct_rollout(calls, rw, RULES, rollout_id="r")
+    comp = next(s for s in t.sessions if s.kind == "compaction")
+    assert comp.meta["parent_by"] == "history" and comp.meta["history_tail"] == "in the compaction's prompt only"
+    assert len(t.sessions[0].completion_ids) == len(calls[0].completion_ids)
