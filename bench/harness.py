@@ -131,7 +131,7 @@ def paired_ratio_intervals(base: list[dict], other: list[dict], draws: int = 400
         return so / sb, (so / to) / (sb / tb)
 
     point = ratios(range(n))
-    boot = sorted(ratios([rng.randrange(n) for _ in range(n)]) for _ in range(draws))
+    boot = [ratios([rng.randrange(n) for _ in range(n)]) for _ in range(draws)]
     out = []
     for j in (0, 1):
         vals = sorted(b[j] for b in boot)

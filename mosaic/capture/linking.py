@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from mosaic.capture.records import CallRecord, content_text
 from mosaic.capture.sessions import (
-    ReconstructionRules, SessionDraft, is_prefix, RolloutCalls, history_tail, history_texts, loose, message_key,
-    tool_call_keys, tool_call_strings,
+    TAIL_ADDED, ReconstructionRules, SessionDraft, is_prefix, RolloutCalls, history_tail, history_texts, loose,
+    message_key, tool_call_keys, tool_call_strings,
 )
 
 
@@ -129,13 +129,14 @@ class Linker:
         sessions.append(new)
         self.call_sess.append(new.idx)
 
-    def _history_tail(self, c: CallRecord, p: SessionDraft, new: SessionDraft, k: int | None = None) -> None:
+    def _history_tail(self, c: CallRecord, p: SessionDraft, new: SessionDraft, k: int | None = None) -> bool:
         """:func:`~mosaic.capture.sessions.history_tail` of compaction call ``c`` and its parent (reply to call
-        ``k``, default the last), its outcome in ``new.meta["history_tail"]``."""
+        ``k``, default the last), its outcome in ``new.meta["history_tail"]``; whether the tail was added."""
         k = len(p.calls) - 1 if k is None else k
         flag = history_tail(self.rules, c, p, len(self.calls[p.calls[k]].messages), last=k == len(p.calls) - 1)
         if flag:
             new.meta["history_tail"] = flag
+        return flag == TAIL_ADDED
 
     def continue_by_messages(self, i: int) -> bool:
         """Rule 3b: the call repeats, message by message (loosely), the last request of a session
@@ -271,10 +272,8 @@ class Linker:
                 _, _, p, k = max(recent, key=lambda t: (self.calls[sessions[t[2]].calls[t[3]]].t_start, t[2]))
                 x.meta["parent_by"] = "recency"
             x.parent, x.edge = p, "continues"
-            if x.meta["parent_by"] == "history":
-                self._history_tail(self.calls[x.calls[0]], sessions[p], x, k)
-            x.parent_upto = sessions[p].end_of(k, calls) if "added" not in x.meta.get("history_tail", "") else \
-                len(sessions[p].prompt) + len(sessions[p].comp)
+            added = x.meta["parent_by"] == "history" and self._history_tail(self.calls[x.calls[0]], sessions[p], x, k)
+            x.parent_upto = len(sessions[p].prompt) + len(sessions[p].comp) if added else sessions[p].end_of(k, calls)
 
     def _closed(self, s: SessionDraft, first: int) -> bool:
         """Whether session s was over when call ``first`` started: compacted already, or its last call
@@ -401,7 +400,7 @@ class Linker:
             if j is not None and self.call_sess[j] == p.idx:
                 x.fork_after = p.offsets[p.calls.index(j)]
             elif (seen is not None and seen.kind == "compaction" and seen.parent == p.idx and x.fork_before == p.offsets[-1]
-                  and "added" in seen.meta.get("history_tail", "")):  # its result is in the tail now ending p's row
+                  and seen.meta.get("history_tail") == TAIL_ADDED):  # its result is in the tail now ending p's row
                 x.fork_after, x.meta["result_seen_in"] = seen.parent_upto, "compaction"
             else:
                 pos = p.offsets.index(x.fork_before)

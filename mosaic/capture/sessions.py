@@ -297,13 +297,18 @@ class RolloutCalls:
         return any(p.search(last) for p in self._patterns)
 
 
+TAIL_ADDED = "added to the parent"
+TAIL_LEFT = "in the compaction's prompt only"
+"""``meta["history_tail"]`` of a compaction (:func:`history_tail`)."""
+
+
 def history_tail(rules: ReconstructionRules, c: CallRecord, p: SessionDraft, m: int, *, last: bool = True) -> str:
     """A compaction call's history past its parent's reply (its message ``m``; the tool responses a harness
     sends only with the instruction) ends the parent's row, as the parent's context held it (docs/algorithm.md
     §4.4): ``rules.render_prefix`` of ``c``'s messages up to the instruction, past the row, where the row is a
-    prefix of that rendering and of ``c``'s prompt. Returns "added to the parent"; "in the compaction's prompt
-    only" where it cannot (no renderer, a re-rendered reply, a completions call, a reply that is not the parent's
-    ``last``); "" when there is no tail."""
+    prefix of that rendering and of ``c``'s prompt. Returns :data:`TAIL_ADDED`; :data:`TAIL_LEFT` where it
+    cannot (no renderer, a re-rendered reply, a completions call, a reply that is not the parent's ``last``);
+    "" when there is no tail."""
     n = len(c.messages) - 1  # (message n: the instruction)
     reply = c.messages[m] if c.endpoint == "chat" and 0 <= m < len(c.messages) else None
     if n == m + 1 and isinstance(reply, dict):
@@ -315,9 +320,9 @@ def history_tail(rules: ReconstructionRules, c: CallRecord, p: SessionDraft, m: 
         except Exception:  # noqa: BLE001 - a template that fails: the tail stays where it is, flagged
             full = None
     if full is None or not is_prefix(full, c.prompt_ids) or not is_prefix(p.tip, full):
-        return "in the compaction's prompt only"
+        return TAIL_LEFT
     p.extend(full[len(p.tip):])
-    return "added to the parent"
+    return TAIL_ADDED
 
 
 def _dedup(calls: list[CallRecord], ro: RolloutCalls) -> tuple[list[CallRecord], list[str]]:

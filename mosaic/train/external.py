@@ -79,18 +79,13 @@ _TRAINER = "mosaic-trainer"  # meta["by"] of the reward records the trainer writ
 def reconstruction_rules(hcfg: HarnessConfig, tokenizer=None) -> ReconstructionRules:
     """The capture rules plus the harness section's compaction instruction (rule 4), and its success threshold;
     with the served model's ``tokenizer``, the prefix renderer that puts a compaction's history tail (the
-    last tool responses) in its parent's row (:func:`prefix_renderer`)."""
+    last tool responses) in its parent's row (:func:`mosaic.agent.server.textops.prefix_renderer`)."""
+    from mosaic.agent.server.textops import prefix_renderer
+
     return ReconstructionRules(
         compaction_patterns=DEFAULT_COMPACTION_PATTERNS + (re.escape(hcfg.compaction_prompt[:60]),),
         success_threshold=hcfg.success_threshold,
         render_prefix=prefix_renderer(tokenizer) if tokenizer is not None else None)
-
-
-def prefix_renderer(tokenizer):
-    """:func:`mosaic.agent.server.textops.prefix_renderer` (the server's rendering of a recorded call's messages)."""
-    from mosaic.agent.server.textops import prefix_renderer as renderer
-
-    return renderer(tokenizer)
 
 
 def unscorable(traj: Trajectory) -> str | None:

@@ -14,8 +14,8 @@ keys as they lie in the cache, where ``transformers``' sdpa path first copies ev
 ``num_heads / num_kv_heads`` times (``repeat_kv``) and then runs the fused kernel, whose per-call cost is
 built for many query positions. For one query position the grouped products are 3-5x faster (batch 32,
 300-1,000 cached positions, one thread: 1.2 vs 0.29 ms, 10.7 vs 2.2 ms) and agree with the kernel to
-float rounding (~3e-7); padded positions get ``-inf`` before the softmax (the padding mask as an additive
-``(B, 1, 1, T)`` bias built once per step). Tested against the model's own logits to 1e-4 (logits of order 10), and to give the
+float rounding (~3e-7); padded positions get ``-inf`` before the softmax (the padding mask as a boolean
+``(B, 1, 1, T)`` view, or none when nothing is padded). Tested against the model's own logits to 1e-4 (logits of order 10), and to give the
 same sampled turns (``tests/agent/test_policies_local_slab.py``).
 
 :func:`decode_step_for` returns one only for a model it can reproduce: a ``Qwen2ForCausalLM`` or
@@ -85,21 +85,20 @@ def _rms(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
     return norm.weight * x.to(dtype)
 
 
-def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor | None,
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, keep: torch.Tensor | None,
             scale: float) -> torch.Tensor:
-    """One query position over the cache: ``q`` (B, Hq, 1, D), ``keys``/``values`` (B, Hkv, T, D), ``bias``
-    None or (B, 1, 1, T) with 0 / -inf -> (B, 1, Hq * D). Query head ``j`` reads key/value head
+    """One query position over the cache: ``q`` (B, Hq, 1, D), ``keys``/``values`` (B, Hkv, T, D), ``keep``
+    None or (B, 1, 1, T), True on the positions attended to -> (B, 1, Hq * D). Query head ``j`` reads key/value head
     ``j // (Hq / Hkv)``, as ``repeat_kv`` lays them out. Half-precision models keep the fused kernel (with
     grouped-query dispatch): its scores accumulate in fp32, the grouped products' would round to bf16."""
     B, Hq, _, D = q.shape
     Hkv = keys.shape[1]
     if q.dtype != torch.float32:
-        mask = None if bias is None else bias == 0
-        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=keep, scale=scale, enable_gqa=True)
         return o.transpose(1, 2).reshape(B, 1, Hq * D)
     s = torch.matmul(q.reshape(B, Hkv, Hq // Hkv, D) * scale, keys.transpose(-1, -2))  # (B, Hkv, G, T)
-    if bias is not None:
-        s = s + bias
+    if keep is not None:
+        s = s.masked_fill(~keep, float("-inf"))
     p = torch.softmax(s.float(), dim=-1).to(values.dtype)
     return torch.matmul(p, values).reshape(B, 1, Hq * D)
 
@@ -128,10 +127,7 @@ class DecodeStep:
         h = F.embedding(input_ids, self.embed.weight)  # (B, 1, H)
         cos, sin = self.rotary(h, position_ids)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        bias = None
-        if not bool(attention_mask.all()):
-            bias = torch.zeros(attention_mask.shape, dtype=h.dtype, device=h.device).masked_fill_(attention_mask == 0, float("-inf"))
-            bias = bias[:, None, None, :]
+        keep = None if bool(attention_mask.all()) else attention_mask.bool()[:, None, None, :]
         for i, layer in enumerate(self.layers):
             a, m = layer.self_attn, layer.mlp
             y = _rms(h, layer.input_layernorm)
@@ -141,7 +137,7 @@ class DecodeStep:
             q = (q * cos) + (_rotate_half(q) * sin)
             k = (k * cos) + (_rotate_half(k) * sin)
             keys, values = cache.update(k, v, i)
-            o = _attend(q, keys, values, bias, self.scale)
+            o = _attend(q, keys, values, keep, self.scale)
             h = h + F.linear(o, a.o_proj.weight, a.o_proj.bias)
             y = _rms(h, layer.post_attention_layernorm)
             g = F.linear(y, m.gate_proj.weight, m.gate_proj.bias)
