@@ -26,7 +26,7 @@ import numpy as np
 from mosaic.experiment.runner import DONE, REUSED, adopt, warm_dir
 from mosaic.config.loader import dump_config
 from mosaic.experiment.spec import Grid, load_grid
-from mosaic.experiment.mechanism import md_mechanism, mechanism_series, mechanism_table
+from mosaic.experiment.mechanism import md_contrast, md_mechanism, mechanism_contrast, mechanism_series, mechanism_table
 from mosaic.train.runlog import read_metrics
 from mosaic.train.seedstats import PAPER_EFFECT, aa_calibration, compare_seeds, hierarchical_bootstrap, vs_reference
 from mosaic.train.stats import detectable_difference, holm, seed_question_ci, sign_test
@@ -387,8 +387,9 @@ def write_report(work: Path, out: Path) -> list[Path]:
     mech = mechanism_table(data)
     if mech:
         results["mechanism"] = mech
+        results["mechanism_contrast"] = contrast = mechanism_contrast(data)
         (out / "results.json").write_text(json.dumps(results, indent=1, default=float))
-        md += md_mechanism(mech)
+        md += md_mechanism(mech) + md_contrast(contrast)
     if results["paper"]:
         md += ["### The paper (docs/algorithm.md §8; one run, no intervals)", ""] + [f"- {k}: {v}" for k, v in results["paper"].items()] + [""]
     md += ["### Plots", ""] + [f"![{p.stem}](plots/{p.name})" for p in plots] + [""]

@@ -32,7 +32,7 @@ from mosaic.train.checkpoint import check_resume_config, find_latest, load_check
 from mosaic.config.loader import Config, ConfigError, dump_config, resolve_steps
 from mosaic.train.evaluate import evaluate, paired_outcomes
 from mosaic.train.hf_export import save_final_model, set_sampling_defaults
-from mosaic.train.metrics import VAL_SOURCE
+from mosaic.train.metrics import VAL_SOURCE, as_val_aux
 from mosaic.train.optim import build_optimizer, build_scheduler
 from mosaic.train.rl import RLState, make_reference, rl_step
 from mosaic.train.sources import open_source
@@ -354,7 +354,7 @@ def _run_steps(st: RLState, plan: RunPlan, start: int, steps: int, *, base: dict
                 r = evaluate(cfg, model, tok, chat, val, n_tasks=cfg.data.n_eval_tasks or None, samples=1,
                              temperature=cfg.train.eval_temperature,
                              progress=f"eval step {n}" if "console" in cfg.train.sinks() else False)  # fmt: skip
-                m.update(r.metrics)
+                m.update(as_val_aux(r.metrics))
             logger.log(n, m)
             if cfg.train.rollout_samples:
                 logger.log_samples(n, st.last_samples)

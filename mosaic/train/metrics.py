@@ -35,6 +35,8 @@ labels, of routed units in the action partition (docs/algorithm.md §5.1) |
 | ``response_length/mean`` | trainable (sampled) tokens per trajectory |
 | ``val-core/deepsearch/acc/mean@<n>`` | held-out accuracy over n samples per question (verl's name) |
 | ``val-aux/deepsearch/acc/ci_lo@<n>``, ``ci_hi@<n>`` | its 95 % interval |
+| ``val-aux/<name>`` | on a step with the periodic validation (``train.eval_every``): any name above measured on
+the validation rollouts (e.g. ``val-aux/session/pos_gain_share/all``), beside the training rollouts' own |
 
 Run dirs written before the verl names (``timing_s/update``, ``val/accuracy`` and its ``_lo`` / ``_hi``)
 are read under the new names: :func:`upgrade_names` (applied by ``runlog.read_metrics``).
@@ -48,7 +50,7 @@ import numpy as np
 
 from mosaic.trace.graph import Trajectory
 
-__all__ = ["rollout_metrics", "CONSOLE_ORDER", "VAL_SOURCE", "val_keys", "ci_keys", "upgrade_names"]
+__all__ = ["rollout_metrics", "CONSOLE_ORDER", "VAL_SOURCE", "val_keys", "ci_keys", "upgrade_names", "as_val_aux"]
 
 VAL_SOURCE = "deepsearch"
 """The data source in verl's validation names (``val-core/<source>/...``): the one environment."""
@@ -58,6 +60,14 @@ def val_keys(samples: int) -> tuple[str, str, str]:
     """(accuracy, 95 % CI low, high) names of a held-out evaluation with ``samples`` per question."""
     return (f"val-core/{VAL_SOURCE}/acc/mean@{samples}", f"val-aux/{VAL_SOURCE}/acc/ci_lo@{samples}",
             f"val-aux/{VAL_SOURCE}/acc/ci_hi@{samples}")
+
+
+def as_val_aux(metrics: dict[str, float]) -> dict[str, float]:
+    """A periodic validation's metrics as logged beside a training step: the accuracy names as they are, every
+    rollout metric under ``val-aux/`` so it never overwrites the training rollouts' metric of the same name
+    (runs before this logged them bare, over the training step's: ``mechanism.mechanism_series`` tells them
+    apart by the step's ``val-core/`` name)."""
+    return {k if k.startswith(("val-core/", "val-aux/")) else f"val-aux/{k}": v for k, v in metrics.items()}
 
 
 def ci_keys(key: str) -> tuple[str, str] | None:

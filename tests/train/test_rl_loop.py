@@ -370,3 +370,20 @@ def test_reset_mode_trains_with_each_partner_and_only_its_own_role(base_dir, tmp
     else:
         assert played and all(s.meta["role"] == 1 and not any(s.loss_mask) for s in played)
         assert all(any(s.loss_mask) for s in sessions if not s.meta.get("partner") and s.num_turns)
+
+
+def test_the_periodic_validation_is_logged_beside_the_training_rollouts_not_over_them(base_dir, tmp_path):
+    """A step with ``train.eval_every`` logs the validation rollouts' metrics under ``val-aux/`` and keeps the
+    training rollouts' own (issue 28: the mechanism report compares both; the validation's used to overwrite
+    the training values of that step)."""
+    from mosaic.train.runlog import read_metrics
+
+    cfg = _cfg(base_dir, tmp_path, "algo.estimator=mosaic", "train.steps=2", "train.eval_every=1", "train.save_every=0")
+    assert entrypoints.run_train(cfg) == 0
+    rows = {m["step"]: m for m in read_metrics(tmp_path / "run") if "step" in m}
+    first, second = rows[1], rows[2]
+    assert any(k.startswith("val-core/") for k in first) and not any(k.startswith("val-core/") for k in second)
+    for m in (first, second):
+        assert "session/per_traj" in m and "session/pos_gain_share/all" in m and "critic/score/mean" in m
+    assert "val-aux/session/per_traj" in first and "val-aux/session/pos_gain_share/all" in first
+    assert not any(k.startswith("val-aux/session/") for k in second)
