@@ -113,13 +113,21 @@ def _contrast(a: list[float], b: list[float]) -> dict | None:
     return {"diff": float(np.mean(a) - np.mean(b)), "p": seed_permutation_test(a, b), "seeds": (len(a), len(b))}
 
 
+def _single_session(g: dict) -> bool:
+    """Every trajectory of every seed one session (a single-session floor: no sessions to allocate, and an
+    arm-against-arm contrast with it says only that)."""
+    vals = [v for s in g["seeds"].values() for key in ("session/per_traj/success", "session/per_traj/failure")
+            for _, v in s.get("series", {}).get(key, [])]
+    return bool(vals) and all(v == 1.0 for v in vals)
+
+
 def mechanism_contrast(data: dict, phases: int = 4, window: int = 10) -> list[dict]:
-    """For each pair of arms of one setting (``arm/setting`` group keys, in grid order: first − second) and
+    """For each pair of multi-session arms of one setting (``arm/setting`` keys, in grid order: first − second) and
     each :data:`MECHANISM` metric: per phase of training (the logged steps cut into ``phases`` equal spans)
     the difference of the arms' mean level over seeds, and the difference of the seeds' change (last
     ``window`` steps − first), each with the exact permutation p over seeds; the change's p also Holm-adjusted
     over the pair's metrics. [] when no pair of arms logged the metrics."""
-    keys = list(data["groups"])
+    keys = [k for k, g in data["groups"].items() if not _single_session(g)]
     pairs = [(a, b) for i, a in enumerate(keys) for b in keys[i + 1:] if a.split("/", 1)[1:] == b.split("/", 1)[1:]]
     rows = []
     for a, b in pairs:
