@@ -109,8 +109,9 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     # The learning setting — 40 steps at lr 5e-5 with a KL anchor to the warm start (k3, beta 0.05) —
     # was chosen on the VALIDATION split only (reports/explore: 5 seeds per candidate and estimator; it
     # was ahead of lr 1e-4 x 20 steps + anchor with both estimators and above the warm start in 10 of 10
-    # runs, though not by a seed-level significant margin: docs/results.md). The grids of reports/ pin
-    # the earlier setting (lr 1e-4, 20 steps) in their own files.
+    # runs, though not by a seed-level significant margin: docs/results.md). reports/compaction and
+    # reports/forks pin the earlier setting (lr 1e-4, 20 steps) in their own files; the -seeds grids and
+    # reports/mechanism use this one.
     "cpu": {
         "model": {"source": "base", "embedded_preset": "tiny"},
         "data": {"n_eval_tasks": 128, "train_world_entities": 1000},

@@ -5,7 +5,7 @@ its paired difference to the warm start (hierarchical bootstrap interval, exact 
 seeds), sessions per trajectory by kind, the positive-gain share by kind, sampled tokens per trajectory
 and seconds per training step. Per pair of arms on the same questions, with **the training seed as the
 unit** (``mosaic.train.seedstats``): the difference with a hierarchical bootstrap interval (seeds, then
-questions), an exact permutation test over seeds (the headline p), Welch's test over seeds, the power of
+questions), a permutation test over seeds (the headline p; exact up to 200,000 splits), Welch's test over seeds, the power of
 the seed test to detect the paper's +3.5 points from the measured seed-to-seed SD and the seeds per arm
 for 80 %; the question-level exact sign test stays, labelled conditional on the trained models. Every
 p is Holm-corrected across the pairs shown. Every table ends with an A/A calibration: each arm with
@@ -17,6 +17,7 @@ pooled into one headline table (questions of every world together).
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import asdict
 from pathlib import Path
 from statistics import median
@@ -43,20 +44,39 @@ PAPER = {  # docs/algorithm.md §8 (Qwen3.5-4B, BrowseComp; one run, no interval
 }
 
 
-def _eval_record(d: Path, name: str) -> tuple[dict[str, float], dict, list[str | None]] | None:
+def _json(path: Path, problems: list[str]):
+    """``path``'s JSON; None (and a line in ``problems``) when it cannot be read: a file cut by a kill, edited
+    or overwritten is left out of the report, said, not a traceback."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        problems.append(f"{path}: unreadable ({type(exc).__name__}: {str(exc)[:80]})")
+        return None
+
+
+def _eval_record(d: Path, name: str, problems: list[str]) -> tuple[dict[str, float], dict, list[str | None]] | None:
     """An evaluation's per-question mean outcomes, its metrics file and every sample's answer (one read
-    of its JSONL); None when it has not run."""
+    of its JSONL); None when it has not run, or (said in ``problems``) when either file is damaged."""
     j, m = d / "evals" / f"{name}.jsonl", d / "evals" / f"{name}.json"
     if not (j.exists() and m.exists()):
         return None
     per: dict[str, list[float]] = {}
     answers: list[str | None] = []
-    for line in j.read_text().splitlines():
-        if line.strip():
-            r = json.loads(line)
-            per.setdefault(str(r["question_id"]), []).append(float(r["correct"]))
-            answers.append(r.get("answer"))
-    return {q: float(np.mean(v)) for q, v in per.items()}, json.loads(m.read_text()), answers
+    try:
+        for line in j.read_text().splitlines():
+            if line.strip():
+                r = json.loads(line)
+                per.setdefault(str(r["question_id"]), []).append(float(r["correct"]))
+                answers.append(r.get("answer"))
+    except (OSError, UnicodeDecodeError, ValueError, TypeError, KeyError) as exc:
+        problems.append(f"{j}: unreadable ({type(exc).__name__}: {str(exc)[:80]}); this evaluation is left out")
+        return None
+    meta = _json(m, problems)
+    return None if not isinstance(meta, dict) else ({q: float(np.mean(v)) for q, v in per.items()}, meta, answers)
+
+
+def _num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and bool(np.isfinite(v))
 
 
 def _health(answers: list[str | None], names: set[str]) -> dict[str, float]:
@@ -77,36 +97,37 @@ def _world_names(grid: Grid, setting: str, e) -> set[str]:
 
 
 def collect(grid: Grid, work: Path) -> dict:
-    """Everything finished in ``work``: per (arm, setting) the per-seed outcomes of each evaluation, metrics."""
+    """Everything finished in ``work``: per (arm, setting) the per-seed outcomes of each evaluation, metrics;
+    ``problems``: the damaged files left out."""
     groups: dict[str, dict] = {}
+    problems: list[str] = []
     for r in grid.runs:
         d = adopt(work, r, dump_config(r.config), rename=False)
         g = groups.setdefault(f"{r.arm}/{r.setting}", {"arm": r.arm, "setting": r.setting, "seeds": {}})
-        if not (d / DONE).exists():
+        if not (d / DONE).exists() or (done := _json(d / DONE, problems)) is None:
             continue
-        evals = {e.name: rec for e in grid.evals if (rec := _eval_record(d, e.name)) is not None}
-        metrics = read_metrics(d)
-        curve = [(m["step"], m.get("critic/score/mean")) for m in metrics if "step" in m]
-        ent = [m["actor/entropy"] for m in metrics if "actor/entropy" in m]
-        steps = [m["timing_s/step"] for m in metrics if "timing_s/step" in m]
+        evals = {e.name: rec for e in grid.evals if (rec := _eval_record(d, e.name, problems)) is not None}
+        metrics = [m for m in read_metrics(d) if "step" not in m or _num(m["step"])]
+        curve = [(m["step"], m.get("critic/score/mean")) for m in metrics if "step" in m and _num(m.get("critic/score/mean"))]
+        ent = [m["actor/entropy"] for m in metrics if _num(m.get("actor/entropy"))]
+        steps = [m["timing_s/step"] for m in metrics if _num(m.get("timing_s/step"))]
+        reused = _json(d / REUSED, problems) if (d / REUSED).exists() else None
         g["seeds"][r.seed] = {"evals": {k: v[:2] for k, v in evals.items()}, "curve": curve,
                               "series": mechanism_series(metrics),
                               "step_s": median(steps) if steps else float("nan"),
                               "entropy": (float(np.mean(ent[:3])), float(np.mean(ent[-3:]))) if ent else None,
-                              "answers": {k: v[2] for k, v in evals.items()},
-                              "done": json.loads((d / DONE).read_text()),
-                              "reused_from": json.loads((d / REUSED).read_text())["from"]
-                              if (d / REUSED).exists() else None}  # fmt: skip
+                              "answers": {k: v[2] for k, v in evals.items()}, "done": done,
+                              "reused_from": reused.get("from") if isinstance(reused, dict) else None}  # fmt: skip
     warm, warm_answers, read = {}, {}, {}
     for setting in grid.settings:
         d = warm_dir(work, grid, setting)
         shared = d in read  # settings may share one warm-start evaluation: read it once
         if not shared:
-            read[d] = {e.name: rec for e in grid.evals if (rec := _eval_record(d, e.name)) is not None}
+            read[d] = {e.name: rec for e in grid.evals if (rec := _eval_record(d, e.name, problems)) is not None}
         warm[setting] = {k: v[:2] for k, v in read[d].items()}
         if not shared:
             warm_answers[setting] = (str(d), {k: v[2] for k, v in read[d].items()})
-    return {"groups": groups, "warm": warm, "warm_answers": warm_answers}
+    return {"groups": groups, "warm": warm, "warm_answers": warm_answers, "problems": problems}
 
 
 def health_table(grid: Grid, data: dict) -> list[dict]:
@@ -305,7 +326,8 @@ def _md_pairs(family: list[dict], title: str, explain: bool = True) -> list[str]
     eff = 100 * (family[0].get("effect") or PAPER_EFFECT)
     out = ["", f"{title} (same questions; Holm within this table)" + (". **The unit is the training seed**: the "
            "interval is a hierarchical bootstrap (each arm's seeds resampled, then the questions) and the "
-           "headline p an exact permutation test over the per-seed accuracies. Power: of that test, from the "
+           "headline p a permutation test over the per-seed accuracies (exact: every split of the pooled seeds; "
+           "past 200,000 splits, 100,000 random ones, so p ≥ 1e-05). Power: of that test, from the "
            f"pair's pooled seed-to-seed SD, to detect ±{eff:.1f} points (the paper's compaction figure), and the "
            "seeds per arm it would need for 80 %. The question-level sign test is **conditional on the trained "
            "models**: it asks whether these particular checkpoints differ on these questions, not whether the "
@@ -376,6 +398,13 @@ def write_report(work: Path, out: Path) -> list[Path]:
     md = [f"# Grid `{grid.name}`", "", f"{results['runs_done']} of {results['runs']} runs finished. Arms: "
           + ", ".join(f"`{a}` ({' '.join(ov) or 'preset'})" for a, ov in grid.arms.items()) + f"; seeds {list(grid.seeds)}; "
           f"common overrides: `{' '.join(grid.common) or '-'}`.", ""]  # fmt: skip
+    for line in data["problems"]:
+        print(f"[mosaic] {line}", file=sys.stderr, flush=True)
+    if data["problems"]:
+        md += [f"**{len(data['problems'])} damaged file(s) left out** (a run without a readable `done.json` counts "
+               "as unfinished; delete a damaged file and rerun the grid to redo that piece):", ""]
+        md += [f"- `{Path(p).relative_to(work) if Path(p).is_relative_to(work) else p}`" for p in
+               (x.split(": unreadable")[0] for x in data["problems"])] + [""]
     reused = sorted({s["reused_from"] for g in data["groups"].values() for s in g["seeds"].values() if s.get("reused_from")})
     if reused:
         md += [f"{len(reused)} run(s) were trained once, by another grid with the same config, and copied here "

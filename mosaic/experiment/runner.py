@@ -97,10 +97,11 @@ def _same_eval_config(m: dict, eval_yaml: str) -> bool | None:
 
 
 def _eval_done(d: Path, e: EvalSpec, eval_yaml: str | None = None) -> bool:
-    """``e`` was run in ``d``: same key and, when ``eval_yaml`` is given, not under another evaluation config
-    (one that recorded none counts as done in its own grid)."""
+    """``e`` was run in ``d`` (its summary and its per-question records both there): same key and, when
+    ``eval_yaml`` is given, not under another evaluation config (one that recorded none counts as done in its
+    own grid)."""
     m = _read_eval(d / "evals" / f"{e.name}.json")
-    if m is None or m.get("key") != e.key():
+    if m is None or m.get("key") != e.key() or not (d / "evals" / f"{e.name}.jsonl").exists():
         return False
     return eval_yaml is None or _same_eval_config(m, eval_yaml) is not False
 

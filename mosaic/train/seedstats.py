@@ -384,7 +384,8 @@ def format_seed_comparison(c: SeedComparison, aa: dict[str, AACalibration], name
         f"{c.questions} questions",
         f"difference ({name_a} - {name_b}): {pct(c.diff)} points, 95% CI [{pct(c.lo)}, {pct(c.hi)}] "
         f"(hierarchical bootstrap: seeds, then questions)",
-        f"exact permutation test over seeds: p = {c.p_seeds:.4g}{floor}; Welch over seeds: p = {c.p_welch:.4g}",
+        f"{'exact' if math.comb(c.seeds_a + c.seeds_b, c.seeds_a) <= 200_000 else 'Monte Carlo (100,000 random splits)'} "
+        f"permutation test over seeds: p = {c.p_seeds:.4g}{floor}; Welch over seeds: p = {c.p_welch:.4g}",
         f"power of the seed test to detect {100 * c.effect:.1f} points: {c.power:.2f} (seed-to-seed SD "
         f"{pct(c.sd)} points); seeds per arm for 80 %: {need}",
         f"conditional on these trained models (questions as the unit): exact sign test p = {c.p_sign:.4g}; "

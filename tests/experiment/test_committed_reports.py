@@ -31,3 +31,33 @@ def test_every_committed_run_of_a_grid_is_still_done(work):
         assert done, f"none of the {len(runs_on_disk)} finished runs counts as done any more"
         lost = sorted(u.name for u in units if u.dir.name in runs_on_disk and u not in done)
         assert not lost, f"finished runs the grid no longer counts as done: {lost[:5]}"
+
+
+def test_a_damaged_work_dir_is_reported_not_a_traceback(tmp_path):
+    """A run killed mid-write or an edited file: the report leaves the damaged piece out and names it; the
+    runner redoes an evaluation whose per-question records are gone."""
+    import shutil
+
+    from mosaic.experiment.report import write_report
+    from mosaic.experiment.runner import _eval_done
+
+    work = tmp_path / "work"
+    shutil.copytree(ROOT / "reports" / "forks-seeds" / "work", work)
+    runs = sorted((work / "runs").glob("*-base-s*"))
+    a, b, c, d = (next(r for r in runs if f"{arm}-base-s{s}-" in r.name) for arm, s in
+                  (("mosaic", 3), ("mosaic", 4), ("broadcast", 3), ("broadcast", 4)))
+    (a / "evals" / "test.jsonl").write_text((a / "evals" / "test.jsonl").read_text()[:300])  # cut by a kill
+    (b / "evals" / "test.json").write_text("garbage")
+    (c / "done.json").write_text("{")
+    with open(d / "metrics.jsonl", "a") as fh:
+        fh.write('{"step": "x", "critic/score/mean": "y", "actor/entropy": "z"}\n')
+    write_report(work, tmp_path / "out")
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "**3 damaged file(s) left out**" in md
+    for p in (a / "evals" / "test.jsonl", b / "evals" / "test.json", c / "done.json"):
+        assert f"`{p.relative_to(work)}`" in md
+    grid = load_grid(work / "grid.yaml")
+    e = next(x for x in grid.evals if x.name == "test")
+    assert _eval_done(d, e)
+    (d / "evals" / "test.jsonl").unlink()
+    assert not _eval_done(d, e)
