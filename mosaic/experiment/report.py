@@ -351,9 +351,9 @@ def _md_pairs(family: list[dict], title: str, explain: bool = True) -> list[str]
 
 
 def _md_aa(aa: dict[str, dict]) -> list[str]:
-    """The A/A calibration: each arm with >= 4 seeds against itself."""
+    """The A/A calibration: each arm with >= 4 seeds against itself (a line saying so when none has)."""
     if not aa:
-        return []
+        return ["", "A/A calibration: none here (it needs an arm with at least 4 seeds: halves of 2)."]
     out = ["", "A/A calibration: each arm against itself, its seeds split into two equal halves every possible "
            "way (with an odd count, each seed left out in turn). Share of splits where each test gives "
            "p < 0.05 (for the interval: where it excludes 0); a valid test stays near 5 %, below it when the "
