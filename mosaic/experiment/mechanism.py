@@ -16,7 +16,7 @@ __all__ = ["MECHANISM", "mechanism_contrast", "mechanism_series", "mechanism_tab
 MECHANISM = (
     ("session/per_traj/success", "sessions per successful trajectory (training)"),
     ("session/per_traj/failure", "sessions per failed trajectory (training)"),
-    ("session/pos_gain_share/all", "positive-gain share (training; only arms that score gains)"),
+    ("session/pos_gain_share/all", "positive-gain share (training, where scored)"),
     ("session/end/answer", "answer rate (training)"),
     ("groups/mixed_share", "share of mixed groups (training)"),
     ("groups/all_fail_share", "share of all-fail groups (training)"),

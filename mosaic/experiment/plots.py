@@ -135,8 +135,8 @@ def mechanism_figure(plt, name: str, groups: dict):
     fig, axes = plt.subplots(rows, cols, figsize=(3.8 * cols, 2.7 * rows + 0.6), squeeze=False)
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, (title, arms) in zip(axes.flat, panels):
-        for i, (k, (steps, m)) in enumerate(arms.items()):
-            c = colours[i % len(colours)]
+        for k, (steps, m) in arms.items():  # an arm keeps its colour in every panel (some log a metric, some not)
+            c = colours[list(groups).index(k) % len(colours)]
             ax.plot(steps, np.nanmean(m, 0), color=c, linewidth=1.6, label=f"{k} ({len(m)})")
             if len(m) > 1:
                 ax.fill_between(steps, np.nanmin(m, 0), np.nanmax(m, 0), color=c, alpha=0.2)
