@@ -159,18 +159,21 @@ def _cell(c: dict | None) -> str:
 def md_contrast(rows: list[dict]) -> list[str]:
     if not rows:
         return []
-    spans = rows[0]["spans"]
+    n = len(rows[0]["spans"])
     out = ["### The mechanism, arm against arm", "",
-           "A − B of the mean over seeds per phase of training (steps in the span; the validation accuracy only "
-           "where it was logged), and of the seeds' change from their first to their last 10 logged steps. "
+           f"A − B of the mean over seeds per phase of training (the steps a metric was logged at, cut into {n} "
+           "equal spans: the column `steps` gives them; the validation's only where it ran), and of the seeds' "
+           "change from their first to their last 10 logged steps. "
            "**The unit is the training seed**: p is the permutation test over the per-seed values (exact: every "
            "split of the pooled seeds, so with S_a and S_b seeds never below 2 / C(S_a + S_b, S_a); past 200,000 "
            "splits, 100,000 random ones, p ≥ 1e-05); the change's p also Holm-adjusted over the metrics of the "
            "pair.", "",
-           "| A − B | metric | " + " | ".join(f"steps {lo}–{hi}" for lo, hi in spans) + " | change, p (Holm) |",
-           "| --- | --- | " + " | ".join("---" for _ in spans) + " | --- |"]
+           "| A − B | metric | steps | " + " | ".join(f"phase {i + 1}" for i in range(n)) + " | change, p (Holm) |",
+           "| --- | --- | --- | " + " | ".join("---" for _ in range(n)) + " | --- |"]
     for r in rows:
         ch = r["change"]
         change = "–" if ch is None else f"{ch['diff']:+.3f}, p {ch['p']:.2g} ({ch.get('p_holm', ch['p']):.2g})"
-        out.append(f"| {r['a']} − {r['b']} | {r['title']} | " + " | ".join(_cell(c) for c in r["phases"]) + f" | {change} |")
+        spans = ", ".join(f"{lo}–{hi}" for lo, hi in r["spans"])
+        out.append(f"| {r['a']} − {r['b']} | {r['title']} | {spans} | " + " | ".join(_cell(c) for c in r["phases"])
+                   + f" | {change} |")
     return out + [""]

@@ -126,7 +126,7 @@ def test_the_arms_mechanism_is_contrasted_over_seeds_per_phase():
     assert r["phases"][1]["diff"] == pytest.approx(1.0) and r["phases"][1]["p"] == pytest.approx(2 / 252)
     assert r["change"]["diff"] == pytest.approx(1.0) and r["change"]["p_holm"] == pytest.approx(2 / 252)
     md = "\n".join(md_contrast(rows))
-    assert "steps 21–40" in md and "broadcast/base − mosaic/base" in md
+    assert "| 1–20, 21–40 |" in md and "phase 2" in md and "broadcast/base − mosaic/base" in md
     assert mechanism_contrast({"groups": {"a/x": {"seeds": seeds(0.0)}, "b/y": {"seeds": seeds(1.0)}}}) == []
     single = {s: {"series": {"session/per_traj/success": [(t, 1.0) for t in range(1, 41)]}} for s in range(5)}
     data["groups"]["grpo/base"] = {"seeds": single}  # a single-session floor: nothing to allocate, no contrast
