@@ -122,11 +122,11 @@ def _single_session(g: dict) -> bool:
 
 
 def mechanism_contrast(data: dict, phases: int = 4, window: int = 10) -> list[dict]:
-    """For each pair of multi-session arms of one setting (``arm/setting`` keys, in grid order: first − second) and
-    each :data:`MECHANISM` metric: per phase of training (the logged steps cut into ``phases`` equal spans)
-    the difference of the arms' mean level over seeds, and the difference of the seeds' change (last
-    ``window`` steps − first), each with the permutation p over seeds (exact up to 200,000 splits); the change's p also Holm-adjusted
-    over the pair's metrics. [] when no pair of arms logged the metrics."""
+    """For each pair of multi-session arms of one setting (``arm/setting`` keys, in grid order: first −
+    second) and each :data:`MECHANISM` metric: per phase of training (the logged steps cut into ``phases``
+    equal spans) the difference of the arms' mean level over seeds, and the difference of the seeds' change
+    (last ``window`` steps − first), each with the permutation p over seeds (exact up to 200,000 splits);
+    the change's p also Holm-adjusted over the pair's metrics. [] when no pair of arms logged them."""
     keys = [k for k, g in data["groups"].items() if not _single_session(g)]
     pairs = [(a, b) for i, a in enumerate(keys) for b in keys[i + 1:] if a.split("/", 1)[1:] == b.split("/", 1)[1:]]
     rows = []

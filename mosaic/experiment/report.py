@@ -5,10 +5,10 @@ its paired difference to the warm start (hierarchical bootstrap interval, exact 
 seeds), sessions per trajectory by kind, the positive-gain share by kind, sampled tokens per trajectory
 and seconds per training step. Per pair of arms on the same questions, with **the training seed as the
 unit** (``mosaic.train.seedstats``): the difference with a hierarchical bootstrap interval (seeds, then
-questions), a permutation test over seeds (the headline p; exact up to 200,000 splits), Welch's test over seeds, the power of
-the seed test to detect the paper's +3.5 points from the measured seed-to-seed SD and the seeds per arm
-for 80 %; the question-level exact sign test stays, labelled conditional on the trained models. Every
-p is Holm-corrected across the pairs shown. Every table ends with an A/A calibration: each arm with
+questions), a permutation test over seeds (the headline p; exact up to 200,000 splits), Welch's test
+over seeds, the power of the seed test to detect the paper's +3.5 points from the measured seed-to-seed
+SD and the seeds per arm for 80 %; the question-level exact sign test stays, labelled conditional on the
+trained models. Every p is Holm-corrected across the pairs shown. Every table ends with an A/A calibration: each arm with
 >= 4 seeds against itself over every split of its seeds into halves, the share of splits where each
 test gives p < 0.05. The evaluations named ``pool`` (default: every ``test`` evaluation) are also
 pooled into one headline table (questions of every world together).
@@ -27,7 +27,9 @@ import numpy as np
 from mosaic.experiment.runner import DONE, REUSED, adopt, warm_dir
 from mosaic.config.loader import dump_config
 from mosaic.experiment.spec import Grid, load_grid
-from mosaic.experiment.mechanism import md_contrast, md_mechanism, mechanism_contrast, mechanism_series, mechanism_table
+from mosaic.experiment.mechanism import (
+    md_contrast, md_mechanism, mechanism_contrast, mechanism_series, mechanism_table,
+)
 from mosaic.train.runlog import read_metrics
 from mosaic.train.seedstats import PAPER_EFFECT, aa_calibration, compare_seeds, hierarchical_bootstrap, vs_reference
 from mosaic.train.stats import detectable_difference, holm, seed_question_ci, sign_test
@@ -54,7 +56,8 @@ def _json(path: Path, problems: list[str]):
         return None
 
 
-def _eval_record(d: Path, name: str, problems: list[str]) -> tuple[dict[str, float], dict, list[str | None]] | None:
+def _eval_record(d: Path, name: str, problems: list[str]
+                 ) -> tuple[dict[str, float], dict, list[str | None]] | None:
     """An evaluation's per-question mean outcomes, its metrics file and every sample's answer (one read
     of its JSONL); None when it has not run, or (said in ``problems``) when either file is damaged."""
     j, m = d / "evals" / f"{name}.jsonl", d / "evals" / f"{name}.json"
@@ -108,7 +111,8 @@ def collect(grid: Grid, work: Path) -> dict:
             continue
         evals = {e.name: rec for e in grid.evals if (rec := _eval_record(d, e.name, problems)) is not None}
         metrics = [m for m in read_metrics(d) if "step" not in m or _num(m["step"])]
-        curve = [(m["step"], m.get("critic/score/mean")) for m in metrics if "step" in m and _num(m.get("critic/score/mean"))]
+        curve = [(m["step"], m["critic/score/mean"]) for m in metrics
+                 if "step" in m and _num(m.get("critic/score/mean"))]
         ent = [m["actor/entropy"] for m in metrics if _num(m.get("actor/entropy"))]
         steps = [m["timing_s/step"] for m in metrics if _num(m.get("timing_s/step"))]
         reused = _json(d / REUSED, problems) if (d / REUSED).exists() else None
