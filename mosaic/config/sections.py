@@ -76,7 +76,8 @@ class ModelConfig(_Section):
     """Shape preset of the embedded model (``tiny`` or ``cpu``)."""
     base: str = ""
     """For ``source=base``: which shipped base model (a directory name under ``mosaic/assets/models``);
-    empty: ``<embedded_preset>-base``. ``tiny-base2`` knows every session kind (resets included) and has seen the service family (docs/models.md)."""
+    empty: ``<embedded_preset>-base``. ``tiny-base2`` knows every session kind (resets included) and has seen
+    the service family; ``tiny-svc`` is the service family's warm start (mosaic/assets/models/README.md)."""
     path: str = ""
     """Model directory for ``source=dir`` (weights + tokenizer, ``save_pretrained`` layout)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"

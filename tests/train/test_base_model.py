@@ -46,3 +46,21 @@ def test_base_model_solves_held_out_questions(base):
 
 
 MIN_VALIDATION_ACCURACY = 0.25
+
+
+def test_the_service_warm_start_solves_part_of_both_families(tmp_path):
+    """``tiny-svc`` (issue 29 item 5): the shipped tokenizer, and greedy through the harness it solves part of
+    the service family's validation episodes and part of deep search's validation questions."""
+    from mosaic.train.evaluate import evaluate
+
+    cache = [f"data.cache_dir={tmp_path}"]
+    svc = load_config("cpu-service", overrides=cache + ["model.base=tiny-svc"])
+    path = setup.base_model_dir(svc.model.embedded_preset, svc.model.base)
+    assert (path / "tokenizer.json").read_bytes() == (base_model_dir("tiny") / "tokenizer.json").read_bytes()
+    model, tok = setup.load_policy(path, device=torch.device("cpu"), dtype=torch.float32)
+    chat = setup.chat_format(tok)
+    r = evaluate(svc, model, tok, chat, setup.load_split(svc, "validation"), n_tasks=16, progress=False)
+    assert r.accuracy >= 2 / 16 and r.metrics["env/visits_correct"] > 0.4
+    deep = load_config("cpu", overrides=cache)
+    r = evaluate(deep, model, tok, chat, setup.load_split(deep, "validation"), n_tasks=16, progress=False)
+    assert r.accuracy >= 2 / 16
