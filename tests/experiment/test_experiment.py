@@ -283,10 +283,12 @@ def test_a_finished_run_without_its_weights_is_retrained_when_evaluations_are_mi
         (d / DONE).write_text('{"step_s": 1.0, "rollouts_per_step": 4}')
         (d / "metrics.jsonl").write_text('{"step": 1}\n')
     for r in (complete,):  # every evaluation done: nothing to do although its weights are gone
-        for e in g.evals:
+        for e in g.evals:  # (a finished evaluation: its summary and its per-question records)
             (run_dir(tmp_path, r) / "evals" / f"{e.name}.json").write_text(json.dumps({"key": e.key()}))
+            (run_dir(tmp_path, r) / "evals" / f"{e.name}.jsonl").write_text("")
     first = g.evals[0]
     (run_dir(tmp_path, lost) / "evals" / f"{first.name}.json").write_text(json.dumps({"key": first.key()}))
+    (run_dir(tmp_path, lost) / "evals" / f"{first.name}.jsonl").write_text("")
     (run_dir(tmp_path, kept) / "checkpoints/ckpt-3/model").mkdir(parents=True)  # weights here: evaluate only
     units = {u.run.key: u for u in plan(g, tmp_path) if u.run}
     assert units[lost.key].train and units[lost.key].retrain
