@@ -10,7 +10,7 @@ import numpy as np
 
 from mosaic.train.stats import holm, seed_permutation_test
 
-__all__ = ["MECHANISM", "mechanism_contrast", "mechanism_series", "mechanism_table", "md_contrast", "md_mechanism"]
+__all__ = ["MECHANISM", "finite_number", "mechanism_contrast", "mechanism_series", "mechanism_table", "md_contrast", "md_mechanism"]
 
 
 MECHANISM = (
@@ -30,13 +30,22 @@ MECHANISM = (
 ``val-core``: whichever held-out accuracy the run logged)."""
 
 
-def _value(m: dict, key: str):
-    """``key`` of one metrics line. Runs before ``as_val_aux`` logged the periodic validation's rollout
-    metrics bare, over the training step's: on such a line (a ``val-core/`` name, no ``val-aux/session/``
-    one) a bare name is the validation's, and the training rollouts' value of that step is lost."""
+def finite_number(v) -> bool:
+    """A real, finite number (not a bool, not NaN or inf): what a metrics line's step or value must be."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and bool(np.isfinite(v))
+
+
+def _legacy(m: dict) -> bool:
+    """Runs before ``as_val_aux`` logged the periodic validation's rollout metrics bare, over the training
+    step's: such a line has a ``val-core/`` name and no ``val-aux/session/`` one."""
+    return any(k.startswith("val-core/") for k in m) and not any(k.startswith("val-aux/session/") for k in m)
+
+
+def _value(m: dict, key: str, legacy: bool):
+    """``key`` of one metrics line; on a ``legacy`` line a bare name is the validation's, and the training
+    rollouts' value of that step is lost."""
     if key == "val-core":
         return next((x for k, x in m.items() if k.startswith("val-core/") and "/acc/mean@" in k), None)
-    legacy = any(k.startswith("val-core/") for k in m) and not any(k.startswith("val-aux/session/") for k in m)
     if key.startswith("val-aux/"):
         return m.get(key[len("val-aux/"):]) if legacy else m.get(key)
     return None if legacy else m.get(key)
@@ -46,11 +55,12 @@ def mechanism_series(metrics: list[dict]) -> dict[str, list[tuple[int, float]]]:
     """``{metric: [(step, value), ...]}`` of :data:`MECHANISM` from a run's metrics lines."""
     out: dict[str, list[tuple[int, float]]] = {}
     for m in metrics:
-        if not isinstance(m.get("step"), (int, float)) or isinstance(m["step"], bool):
+        if not finite_number(m.get("step")):
             continue
+        legacy = _legacy(m)
         for key, _ in MECHANISM:
-            v = _value(m, key)
-            if isinstance(v, (int, float)) and np.isfinite(v):
+            v = _value(m, key, legacy)
+            if finite_number(v):
                 out.setdefault(key, []).append((int(m["step"]), float(v)))
     return out
 

@@ -28,7 +28,7 @@ from mosaic.experiment.runner import DONE, REUSED, adopt, warm_dir
 from mosaic.config.loader import dump_config
 from mosaic.experiment.spec import Grid, load_grid
 from mosaic.experiment.mechanism import (
-    md_contrast, md_mechanism, mechanism_contrast, mechanism_series, mechanism_table,
+    finite_number as _num, md_contrast, md_mechanism, mechanism_contrast, mechanism_series, mechanism_table,
 )
 from mosaic.train.runlog import read_metrics
 from mosaic.train.seedstats import PAPER_EFFECT, aa_calibration, compare_seeds, hierarchical_bootstrap, vs_reference
@@ -76,10 +76,6 @@ def _eval_record(d: Path, name: str, problems: list[str]
         return None
     meta = _json(m, problems)
     return None if not isinstance(meta, dict) else ({q: float(np.mean(v)) for q, v in per.items()}, meta, answers)
-
-
-def _num(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and bool(np.isfinite(v))
 
 
 def _health(answers: list[str | None], names: set[str]) -> dict[str, float]:
