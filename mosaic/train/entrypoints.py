@@ -32,7 +32,7 @@ from mosaic.train.checkpoint import check_resume_config, find_latest, load_check
 from mosaic.config.loader import Config, ConfigError, dump_config, resolve_steps
 from mosaic.train.evaluate import evaluate, paired_outcomes
 from mosaic.train.hf_export import save_final_model, set_sampling_defaults
-from mosaic.train.metrics import VAL_SOURCE, as_val_aux
+from mosaic.train.metrics import as_val_aux
 from mosaic.train.optim import build_optimizer, build_scheduler
 from mosaic.train.rl import RLState, make_reference, rl_step
 from mosaic.train.sources import open_source
@@ -295,10 +295,11 @@ def _run_logger(cfg: Config, plan: RunPlan, steps: int, start: int) -> RunLogger
 
 
 def heldout_metrics(cfg: Config, res: dict) -> dict[str, float]:
-    """A held-out evaluation's accuracy and its interval, named for the sinks by its split
+    """A held-out evaluation's accuracy and its interval, named for the sinks by its family and split
     (``val-core/deepsearch-test/acc/mean@N``: apart from the periodic validation's names)."""
-    src = f"/{VAL_SOURCE}/"
-    return {k.replace(src, f"/{VAL_SOURCE}-{res['split']}/", 1): v for k, v in res["metrics"].items()
+    fam = cfg.data.family
+    src = f"/{fam}/"
+    return {k.replace(src, f"/{fam}-{res['split']}/", 1): v for k, v in res["metrics"].items()
             if k.startswith(("val-core/", "val-aux/")) and src in k}
 
 

@@ -87,7 +87,7 @@ def evaluate(cfg: Config, model, tokenizer, chat, split, *, n_tasks: int | None 
     acc = accuracy_ci([outcomes[t.id] for t in tasks])
     if out is not None:
         write_outcomes(out, trajs)
-    metrics.update(zip(val_keys(samples), (acc.accuracy, acc.lo, acc.hi)))
+    metrics.update(zip(val_keys(samples, cfg.data.family), (acc.accuracy, acc.lo, acc.hi)))
     return EvalResult(acc.accuracy, acc.lo, acc.hi, acc.n_questions, metrics, outcomes, time.perf_counter() - t0)
 
 

@@ -33,8 +33,9 @@ action, pooled; mutating actions per trajectory) |
 labels, of routed units in the action partition (docs/algorithm.md §5.1) |
 | ``session/end/<reason>`` | share of trajectories ending for each reason |
 | ``response_length/mean`` | trainable (sampled) tokens per trajectory |
-| ``val-core/deepsearch/acc/mean@<n>`` | held-out accuracy over n samples per question (verl's name) |
-| ``val-aux/deepsearch/acc/ci_lo@<n>``, ``ci_hi@<n>`` | its 95 % interval |
+| ``val-core/<family>/acc/mean@<n>`` | held-out accuracy over n samples per question (verl's name; ``<family>``: the
+task family, ``data.family``: ``deepsearch`` or ``service``) |
+| ``val-aux/<family>/acc/ci_lo@<n>``, ``ci_hi@<n>`` | its 95 % interval |
 | ``val-aux/<name>`` | on a step with the periodic validation (``train.eval_every``): any name above measured on
 the validation rollouts (e.g. ``val-aux/session/pos_gain_share/all``), beside the training rollouts' own |
 
@@ -53,13 +54,15 @@ from mosaic.trace.graph import Trajectory
 __all__ = ["rollout_metrics", "CONSOLE_ORDER", "VAL_SOURCE", "val_keys", "ci_keys", "upgrade_names", "as_val_aux"]
 
 VAL_SOURCE = "deepsearch"
-"""The data source in verl's validation names (``val-core/<source>/...``): the one environment."""
+"""The default data source in verl's validation names (``val-core/<source>/...``): the task family
+(``data.family``); runs before the service family named every evaluation so."""
 
 
-def val_keys(samples: int) -> tuple[str, str, str]:
-    """(accuracy, 95 % CI low, high) names of a held-out evaluation with ``samples`` per question."""
-    return (f"val-core/{VAL_SOURCE}/acc/mean@{samples}", f"val-aux/{VAL_SOURCE}/acc/ci_lo@{samples}",
-            f"val-aux/{VAL_SOURCE}/acc/ci_hi@{samples}")
+def val_keys(samples: int, source: str = VAL_SOURCE) -> tuple[str, str, str]:
+    """(accuracy, 95 % CI low, high) names of a held-out evaluation with ``samples`` per question on the task
+    family ``source``."""
+    return (f"val-core/{source}/acc/mean@{samples}", f"val-aux/{source}/acc/ci_lo@{samples}",
+            f"val-aux/{source}/acc/ci_hi@{samples}")
 
 
 def as_val_aux(metrics: dict[str, float]) -> dict[str, float]:

@@ -55,8 +55,9 @@ def test_eval_on_the_service_family_prints_its_outcome(tmp_path, capsys):
     out = capsys.readouterr()
     text = out.out + out.err
     assert "stale-action rate" in text and "visits handled right" in text, text[-2000:]
-    for k in ("env/stale_rate", "env/visits_correct", "env/answer_correct"):
+    for k in ("env/stale_rate", "env/visits_correct", "env/answer_correct", "val-core/service/acc/mean@1"):
         assert f"  {k}: " in out.out, k
+    assert "deepsearch" not in out.out  # (its accuracy once went by deep search's name)
 
 
 def test_eval_line_says_na_for_a_stale_rate_over_no_account_changes():
