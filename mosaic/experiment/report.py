@@ -10,7 +10,8 @@ over seeds, the power of the seed test to detect the paper's +3.5 points from th
 SD and the seeds per arm for 80 %; the question-level exact sign test stays, labelled conditional on the
 trained models. Every p is Holm-corrected across the pairs shown. Every table ends with an A/A calibration: each arm with
 >= 4 seeds against itself over every split of its seeds into halves, the share of splits where each
-test gives p < 0.05. The evaluations named ``pool`` (default: every ``test`` evaluation) are also
+test gives p < 0.05. With a ``baseline`` setting and two or more arms, a table of whether an arm's lead
+changes with the setting (:mod:`mosaic.experiment.interactions`). The evaluations named ``pool`` (default: every ``test`` evaluation) are also
 pooled into one headline table (questions of every world together).
 """
 
@@ -34,6 +35,7 @@ from mosaic.train.runlog import read_metrics
 from mosaic.train.seedstats import PAPER_EFFECT, aa_calibration, compare_seeds, hierarchical_bootstrap, vs_reference
 from mosaic.train.stats import detectable_difference, holm, seed_question_ci, sign_test
 from mosaic.experiment.plots import make_plots
+from mosaic.experiment.interactions import interaction_table, md_interactions
 
 __all__ = ["collect", "write_report"]
 
@@ -269,7 +271,7 @@ def _table(grid: Grid, data: dict, evals: list[str], label: str) -> dict:
         power = asdict(detectable_difference(max(cand, key=len)))
     aa = {k: asdict(aa_calibration(x)) for k, x in mats.items() if x.shape[0] >= 4}
     return {"label": label, "evals": evals, "arms": arms, "pairs": pairs, "ablations": ablations, "power": power,
-            "aa": aa}
+            "aa": aa, "interactions": interaction_table(arms, mats, qsets, grid.baseline)}
 
 
 def _pct(x: float) -> str:
@@ -278,8 +280,10 @@ def _pct(x: float) -> str:
 
 def _md_table(t: dict) -> list[str]:
     service = any("env" in r for r in t["arms"].values())
+    resets = any(r["sessions"].get("reset", 0) > 0 for r in t["arms"].values())  # (context-reset sessions)
     out = [f"### {t['label']}", "", "| arm | setting | seeds | questions | accuracy % [95 % CI] | warm start % | "
-           "Δ vs warm start [95 % CI], sign-flip p over seeds | seeds > warm | sessions/traj (main, compaction, subagent) | "
+           "Δ vs warm start [95 % CI], sign-flip p over seeds | seeds > warm | sessions/traj (main, compaction, "
+           f"subagent{', reset' if resets else ''}) | "
            "positive-gain share | sampled tokens/traj | s/step |"
            + (" stale-action rate % (visits handled right %) |" if service else ""),
            "|" + " --- |" * (13 if service else 12)]  # fmt: skip
@@ -295,7 +299,7 @@ def _md_table(t: dict) -> list[str]:
             + (f"{float(vw['diff']) * 100:+.1f} [{float(vw['lo']) * 100:+.1f}, {float(vw['hi']) * 100:+.1f}]"
                + (f", seeds p {vw['p_seeds']:.2g}" if "p_seeds" in vw else "") if vw else "–")
             + f" | {r.get('seeds_improving', '–')}/{r['seeds']} | {s.get('main', 0):.2f}, {s.get('compaction', 0):.2f}, "
-            f"{s.get('subagent', 0):.2f}"
+            f"{s.get('subagent', 0):.2f}" + (f", {s.get('reset', 0):.2f}" if resets else "")
             + (f" ({_pct(r['results_in_final'])} % of helpers' results in the final context)" if "results_in_final" in r else "")
             + f" | {r['pos_gain_share'].get('all', float('nan')):.3f} | "
             f"{r['tokens_per_traj']:.0f} | {r['step_s']:.1f} |{stale}")  # fmt: skip
@@ -309,6 +313,7 @@ def _md_table(t: dict) -> list[str]:
         if family:
             out += _md_pairs(family, title, explain)
             explain = False
+    out += md_interactions(t.get("interactions"))
     out += _md_aa(t.get("aa") or {})
     if t["power"]:
         pw = t["power"]

@@ -32,7 +32,7 @@ import numpy as np
 from mosaic.train.stats import seed_permutation_test, sign_flip_test, sign_test  # noqa: F401  (re-exported)
 
 __all__ = ["PAPER_EFFECT", "betainc", "t_cdf", "t_ppf", "welch_test", "seed_permutation_test",
-           "min_permutation_p", "hierarchical_bootstrap", "seed_power", "seeds_for_power", "half_splits",
+           "min_permutation_p", "hierarchical_bootstrap", "nested_means", "seed_power", "seeds_for_power", "half_splits",
            "AACalibration", "aa_calibration", "SeedComparison", "compare_seeds", "vs_reference", "pooled_sd",
            "seed_matrices", "format_seed_comparison"]  # fmt: skip
 
@@ -142,7 +142,7 @@ def hierarchical_bootstrap(a, b, *, ci: float = 0.95, n_boot: int = 4000, seed: 
             wa, wb, wq = _weights(rng, m, A.shape[0]), _weights(rng, m, B.shape[0]), _weights(rng, m, q)
             boot[lo : lo + m] = ((wa @ A - wb @ B) * wq).sum(1)
         else:
-            boot[lo : lo + m] = _nested(A, m, rng) - _nested(B, m, rng)
+            boot[lo : lo + m] = nested_means(A, m, rng) - nested_means(B, m, rng)
     lo_, hi_ = np.quantile(boot, [(1 - ci) / 2, (1 + ci) / 2])
     return float(lo_), float(hi_)
 
@@ -155,7 +155,7 @@ def _weights(rng, m: int, n: int) -> np.ndarray:
     return np.bincount(flat, minlength=m * n).reshape(m, n) / n
 
 
-def _nested(x: np.ndarray, m: int, rng) -> np.ndarray:
+def nested_means(x: np.ndarray, m: int, rng) -> np.ndarray:
     """``m`` nested bootstrap means of ``x`` (S, Q): seeds resampled, then questions within each seed."""
     s, q = x.shape
     rows = x[rng.integers(0, s, size=(m, s))] if s > 1 else np.broadcast_to(x, (m, 1, q))  # (m, S, Q)

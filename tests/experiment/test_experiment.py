@@ -355,6 +355,49 @@ def test_a_baseline_setting_is_compared_with_every_other_setting_arm_by_arm():
         parse_grid({**doc, "baseline": "nope"})
 
 
+def test_a_baseline_grid_reports_whether_an_arms_lead_changes_with_the_setting():
+    """Issue 30 item 5: with a baseline setting and two arms, the report gives (A - B under a setting) - (A - B
+    under the baseline) with the seed as the unit: a planted interaction is found with its sign, a setting
+    where the arms differ alike is not, and the A/A check of the test is printed; reset sessions get a column."""
+    import numpy as np
+
+    from mosaic.experiment.report import _md_table, _table
+
+    doc = {**QUICK_GRID, "settings": {"compaction": [], "reset": ["harness.mode=reset"], "single": ["harness.mode=single"]},
+           "baseline": "compaction"}
+    grid = parse_grid(doc)
+    rng = np.random.default_rng(0)
+    qs = [f"q{i}" for i in range(200)]
+
+    def seed(p, resets):
+        return {"evals": {"val": ({q: float(rng.random() < p) for q in qs},
+                                  {"metrics": {"session/count/main": 1.0, "session/count/reset": resets}})},
+                "step_s": 1.0}
+
+    acc = {("broadcast", "compaction"): 0.3, ("mosaic", "compaction"): 0.3, ("broadcast", "reset"): 0.3,
+           ("mosaic", "reset"): 0.6, ("broadcast", "single"): 0.2, ("mosaic", "single"): 0.2}
+    data = {"groups": {f"{a}/{s}": {"arm": a, "setting": s, "seeds": {k: seed(acc[a, s], 2.5 * (s == "reset"))
+                                                                        for k in range(4)}}
+                       for a, s in acc},
+            "warm": {}}
+    t = _table(grid, data, ["val"], "val")
+    rows = {r["setting"]: r for r in t["interactions"]["rows"]}
+    assert set(rows) == {"reset", "single"} and all(r["baseline"] == "compaction" for r in rows.values())
+    assert rows["reset"]["diff"] == pytest.approx(-0.3, abs=0.05) and rows["reset"]["p_welch"] < 0.001
+    assert rows["reset"]["hi"] < 0 and rows["reset"]["seeds"] == (4, 4, 4, 4)
+    assert rows["single"]["lo"] <= 0 <= rows["single"]["hi"] or rows["single"]["p_welch"] > 0.01
+    assert rows["reset"]["p_welch_holm"] >= rows["reset"]["p_welch"]
+    assert set(t["interactions"]["aa"]) == {f"{a}: {s} vs compaction" for a in ("broadcast", "mosaic")
+                                            for s in ("reset", "single")}
+    md = "\n".join(_md_table(t))
+    assert "(A − B under the setting) − (A − B under the baseline)" in md and "A/A check of this test" in md
+    assert "| broadcast − mosaic | reset vs compaction | 4, 4; 4, 4 |" in md
+    assert "subagent, reset) |" in md and ", 2.50 |" in md  # reset sessions per trajectory
+    assert parse_grid({**doc, "baseline": None}).baseline is None
+    t0 = _table(parse_grid({**doc, "baseline": None}), data, ["val"], "val")
+    assert t0["interactions"] is None and "A − B under the setting" not in "\n".join(_md_table(t0))
+
+
 def test_the_report_tests_seeds_and_prints_an_aa_calibration():
     """Pairs carry the seed-level tests (permutation, Welch), the power for the paper's +3.5 and the
     conditional sign test; every arm with >= 4 seeds gets an A/A row; arms with fewer get none."""
