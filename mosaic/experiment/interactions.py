@@ -1,4 +1,10 @@
-"""The report's interaction table: does one arm's lead over another change with the setting?
+"""The report's tables across settings: pairs of settings compared arm by arm (the grid's ``contrasts``), and
+whether one arm's lead over another changes with the setting.
+
+:func:`baseline_ablations`: each setting against the grid's ``baseline`` setting, arm by arm.
+:func:`setting_contrasts`: for each ``[A, B]`` of the grid's ``contrasts`` and each arm evaluated on the same
+questions under both, A − B as any pair of arms is compared (:func:`mosaic.train.seedstats.compare_seeds`: the
+seed as the unit). The interaction table:
 
 For a grid with a ``baseline`` setting and at least two arms (``experiments/reset-compare.yaml``: broadcast and
 mosaic under compaction, single, and resets), each other setting ``S`` and each pair of arms ``A``, ``B``
@@ -17,9 +23,39 @@ from dataclasses import asdict
 import numpy as np
 
 from mosaic.train.seedinteraction import aa_interaction, interaction
+from mosaic.train.seedstats import compare_seeds
 from mosaic.train.stats import holm
 
-__all__ = ["interaction_table", "md_interactions"]
+__all__ = ["baseline_ablations", "setting_contrasts", "interaction_table", "md_interactions"]
+
+
+def baseline_ablations(arms: dict[str, dict], mats: dict[str, np.ndarray], qsets: dict[str, list[str]],
+                       baseline: str | None) -> list[dict]:
+    """Each setting against the ``baseline`` setting, arm by arm (same questions, other runs): pairs
+    ``{"a", "b", "vs_baseline", **SeedComparison}`` (Holm is the caller's)."""
+    if not baseline:
+        return []
+    out = []
+    for a, row in arms.items():
+        b = next((k for k, r in arms.items() if r["arm"] == row["arm"] and r["setting"] == baseline), None)
+        if b is not None and a != b and qsets[a] == qsets[b]:
+            out.append({"a": a, "b": b, "vs_baseline": True, **asdict(compare_seeds(mats[a], mats[b]))})
+    return out
+
+
+def setting_contrasts(arms: dict[str, dict], mats: dict[str, np.ndarray], qsets: dict[str, list[str]],
+                      contrasts) -> list[dict]:
+    """Pairs ``{"a", "b", **SeedComparison}`` of one arm under two settings, for each ``(A, B)`` of
+    ``contrasts`` and each arm with runs under both on the same questions (Holm is the caller's)."""
+    cell = {(r["arm"], r["setting"]): k for k, r in arms.items()}
+    names = list(dict.fromkeys(r["arm"] for r in arms.values()))
+    out = []
+    for sa, sb in contrasts:
+        for arm in names:
+            ka, kb = cell.get((arm, sa)), cell.get((arm, sb))
+            if ka and kb and qsets[ka] == qsets[kb]:
+                out.append({"a": ka, "b": kb, "contrast": True, **asdict(compare_seeds(mats[ka], mats[kb]))})
+    return out
 
 
 def interaction_table(arms: dict[str, dict], mats: dict[str, np.ndarray], qsets: dict[str, list[str]],

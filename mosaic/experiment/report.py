@@ -35,7 +35,7 @@ from mosaic.train.runlog import read_metrics
 from mosaic.train.seedstats import PAPER_EFFECT, aa_calibration, compare_seeds, hierarchical_bootstrap, vs_reference
 from mosaic.train.stats import detectable_difference, holm, seed_question_ci, sign_test
 from mosaic.experiment.plots import make_plots
-from mosaic.experiment.interactions import interaction_table, md_interactions
+from mosaic.experiment.interactions import baseline_ablations, interaction_table, md_interactions, setting_contrasts
 
 __all__ = ["collect", "write_report"]
 
@@ -249,14 +249,9 @@ def _table(grid: Grid, data: dict, evals: list[str], label: str) -> dict:
             if arms[a]["setting"] != arms[b]["setting"] or qsets[a] != qsets[b]:
                 continue
             pairs.append({"a": a, "b": b, **asdict(compare_seeds(mats[a], mats[b]))})
-    ablations = []
-    if grid.baseline:  # each setting against the baseline setting, arm by arm (same questions, other runs)
-        for a in keys:
-            b = next((k for k in keys if arms[k]["arm"] == arms[a]["arm"] and arms[k]["setting"] == grid.baseline), None)
-            if b is None or a == b or qsets[a] != qsets[b]:
-                continue
-            ablations.append({"a": a, "b": b, "vs_baseline": True, **asdict(compare_seeds(mats[a], mats[b]))})
-    for family in (pairs, ablations):  # Holm within each table: arms against arms, settings against the baseline
+    ablations = baseline_ablations(arms, mats, qsets, grid.baseline)  # each setting vs the baseline, arm by arm
+    contrasts = setting_contrasts(arms, mats, qsets, grid.contrasts)  # the grid's own pairs of settings
+    for family in (pairs, ablations, contrasts):  # Holm within each table: arms, settings vs baseline, contrasts
         for name in ("p_sign", "p_seeds", "p_welch"):
             for p, adj in zip(family, holm([p[name] for p in family])):
                 p[f"{name}_holm"] = adj
@@ -271,7 +266,7 @@ def _table(grid: Grid, data: dict, evals: list[str], label: str) -> dict:
         power = asdict(detectable_difference(max(cand, key=len)))
     aa = {k: asdict(aa_calibration(x)) for k, x in mats.items() if x.shape[0] >= 4}
     return {"label": label, "evals": evals, "arms": arms, "pairs": pairs, "ablations": ablations, "power": power,
-            "aa": aa, "interactions": interaction_table(arms, mats, qsets, grid.baseline)}
+            "aa": aa, "contrasts": contrasts, "interactions": interaction_table(arms, mats, qsets, grid.baseline)}
 
 
 def _pct(x: float) -> str:
@@ -309,7 +304,8 @@ def _md_table(t: dict) -> list[str]:
                 "over the seeds' evaluations (those that logged it; docs/service.md)."]
     explain = True
     for family, title in ((t["pairs"], "Arms against each other within a setting"),
-                          (t.get("ablations") or [], "Each setting against the baseline setting, arm by arm")):
+                          (t.get("ablations") or [], "Each setting against the baseline setting, arm by arm"),
+                          (t.get("contrasts") or [], "The grid's pairs of settings (`contrasts`), arm by arm")):
         if family:
             out += _md_pairs(family, title, explain)
             explain = False

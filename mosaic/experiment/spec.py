@@ -15,6 +15,7 @@ seeds: [0, 1, 2, 3, 4]            # train.seed of each run
 reuse: [reports/explore/work]     # optional: other grids' work dirs whose finished runs of the same
                                   # config (same key, final checkpoint present) are copied, not retrained
 baseline: base                    # optional: a setting every other setting is compared with, arm by arm
+contrasts: [[lr2e-4, base]]       # optional: more pairs of settings compared with each other, arm by arm
 evals:                            # every run's final model, and the warm start once, on each
   - {name: test, split: test, data_seed: 0, n_tasks: 128, samples: 4, temperature: 0.5}
 ```
@@ -105,6 +106,9 @@ class Grid:
     list, both (intersected) or, when neither has one, the grid's ``seeds``."""
     baseline: str | None = None
     """A setting the report compares every other setting with, within each arm (an ablation table)."""
+    contrasts: tuple[tuple[str, str], ...] = ()
+    """More pairs of settings ``(A, B)`` the report compares, A − B within each arm (e.g. two agents
+    alternating against one context)."""
     runs: tuple[RunSpec, ...] = field(default=())
 
     def eval_overrides(self, setting: str) -> list[str]:
@@ -193,7 +197,7 @@ _SAME = object()
 def parse_grid(doc: Any, path: Path | None = None) -> Grid:
     """A validated :class:`Grid` from a parsed YAML document (every run config resolved)."""
     _need(isinstance(doc, dict), "(top)", "the grid file must hold a mapping")
-    known = {"name", "preset", "common", "arms", "settings", "seeds", "evals", "reuse", "baseline"}
+    known = {"name", "preset", "common", "arms", "settings", "seeds", "evals", "reuse", "baseline", "contrasts"}
     for k in doc:
         _need(k in known, str(k), f"unknown field (known: {', '.join(sorted(known))})")
     name = doc.get("name", path.stem if path else "grid")
@@ -213,9 +217,16 @@ def parse_grid(doc: Any, path: Path | None = None) -> Grid:
     baseline = doc.get("baseline")
     _need(baseline is None or (isinstance(baseline, str) and baseline in settings), "baseline",
           f"must name one of the settings ({', '.join(settings)})")
+    contrasts = doc.get("contrasts") or []
+    _need(isinstance(contrasts, list) and all(isinstance(c, list) and len(c) == 2 and c[0] != c[1]
+                                              and all(isinstance(x, str) and x in settings for x in c)
+                                              for c in contrasts), "contrasts",
+          f"must be a list of [SETTING, SETTING] pairs of two different settings ({', '.join(settings)})")
+    _need(len({tuple(c) for c in contrasts}) == len(contrasts), "contrasts", "pairs must be unique")
     g = Grid(name=name, preset=preset, common=_overrides(doc.get("common"), "common"), arms=arms,
              settings=settings, seeds=seeds, evals=ev, path=path, arm_seeds=arm_seeds,
-             setting_seeds=setting_seeds, reuse=tuple(Path(x) for x in reuse), baseline=baseline)  # fmt: skip
+             setting_seeds=setting_seeds, reuse=tuple(Path(x) for x in reuse), baseline=baseline,
+             contrasts=tuple((a, b) for a, b in contrasts))  # fmt: skip
     runs = []
     all_seeds = set(seeds).union(*arm_seeds.values(), *setting_seeds.values())
     for seed in sorted(all_seeds):  # seed-major: a half-done grid has every arm

@@ -364,7 +364,7 @@ def test_a_baseline_grid_reports_whether_an_arms_lead_changes_with_the_setting()
     from mosaic.experiment.report import _md_table, _table
 
     doc = {**QUICK_GRID, "settings": {"compaction": [], "reset": ["harness.mode=reset"], "single": ["harness.mode=single"]},
-           "baseline": "compaction"}
+           "baseline": "compaction", "contrasts": [["reset", "single"]]}
     grid = parse_grid(doc)
     rng = np.random.default_rng(0)
     qs = [f"q{i}" for i in range(200)]
@@ -393,6 +393,16 @@ def test_a_baseline_grid_reports_whether_an_arms_lead_changes_with_the_setting()
     assert "(A − B under the setting) − (A − B under the baseline)" in md and "A/A check of this test" in md
     assert "| broadcast − mosaic | reset vs compaction | 4, 4; 4, 4 |" in md
     assert "subagent, reset) |" in md and ", 2.50 |" in md  # reset sessions per trajectory
+    # the grid's own pair of settings, arm by arm: reset - single (mosaic +40 points, broadcast +10)
+    got = {(c["a"], c["b"]): c for c in t["contrasts"]}
+    assert set(got) == {("broadcast/reset", "broadcast/single"), ("mosaic/reset", "mosaic/single")}
+    assert got["mosaic/reset", "mosaic/single"]["diff"] == pytest.approx(0.4, abs=0.06)
+    assert all(c["p_seeds_holm"] >= c["p_seeds"] for c in t["contrasts"])
+    assert md.index("The grid's pairs of settings (`contrasts`)") < md.index("| mosaic/reset − mosaic/single |")
+    for bad in ([["reset"]], [["reset", "reset"]], [["reset", "nope"]], [["reset", "single"], ["reset", "single"]],
+                "reset-single"):
+        with pytest.raises(GridError, match="contrasts"):
+            parse_grid({**doc, "contrasts": bad})
     assert parse_grid({**doc, "baseline": None}).baseline is None
     t0 = _table(parse_grid({**doc, "baseline": None}), data, ["val"], "val")
     assert t0["interactions"] is None and "A − B under the setting" not in "\n".join(_md_table(t0))
