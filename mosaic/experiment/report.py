@@ -97,6 +97,18 @@ def _world_names(grid: Grid, setting: str, e) -> set[str]:
     return setup.load_split(cfg, e.split).world.names()
 
 
+def _metrics(d: Path, done: dict, problems: list[str]) -> list[dict]:
+    """A finished run's per-step metrics; none (and a line in ``problems``) when ``metrics.jsonl`` lacks steps
+    its ``done.json`` counts (cut by a kill, edited): its evaluations still count, its series are left out."""
+    metrics = [m for m in read_metrics(d) if "step" not in m or _num(m["step"])]
+    want, got = done.get("steps") if isinstance(done, dict) else None, {m["step"] for m in metrics if "step" in m}
+    if isinstance(want, int) and not isinstance(want, bool) and len(got) < want:
+        problems.append(f"{d / 'metrics.jsonl'}: unreadable ({len(got)} of the {want} steps in done.json: its "
+                        "per-step series are left out, its evaluations kept)")
+        return []
+    return metrics
+
+
 def collect(grid: Grid, work: Path) -> dict:
     """Everything finished in ``work``: per (arm, setting) the per-seed outcomes of each evaluation, metrics;
     ``problems``: the damaged files left out."""
@@ -108,7 +120,7 @@ def collect(grid: Grid, work: Path) -> dict:
         if not (d / DONE).exists() or (done := _json(d / DONE, problems)) is None:
             continue
         evals = {e.name: rec for e in grid.evals if (rec := _eval_record(d, e.name, problems)) is not None}
-        metrics = [m for m in read_metrics(d) if "step" not in m or _num(m["step"])]
+        metrics = _metrics(d, done, problems)
         curve = [(m["step"], m["critic/score/mean"]) for m in metrics
                  if "step" in m and _num(m.get("critic/score/mean"))]
         ent = [m["actor/entropy"] for m in metrics if _num(m.get("actor/entropy"))]
@@ -403,7 +415,8 @@ def write_report(work: Path, out: Path) -> list[Path]:
         print(f"[mosaic] {line}", file=sys.stderr, flush=True)
     if data["problems"]:
         md += [f"**{len(data['problems'])} damaged file(s) left out** (a run without a readable `done.json` counts "
-               "as unfinished; delete a damaged file and rerun the grid to redo that piece):", ""]
+               "as unfinished, one whose `metrics.jsonl` lacks steps keeps its evaluations but not its per-step "
+               "series; delete a damaged evaluation or `done.json` and rerun the grid to redo that piece):", ""]
         md += [f"- `{Path(p).relative_to(work) if Path(p).is_relative_to(work) else p}`" for p in
                (x.split(": unreadable")[0] for x in data["problems"])] + [""]
     reused = sorted({s["reused_from"] for g in data["groups"].values() for s in g["seeds"].values() if s.get("reused_from")})

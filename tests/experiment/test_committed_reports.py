@@ -44,18 +44,26 @@ def test_a_damaged_work_dir_is_reported_not_a_traceback(tmp_path):
     work = tmp_path / "work"
     shutil.copytree(ROOT / "reports" / "forks-seeds" / "work", work)
     runs = sorted((work / "runs").glob("*-base-s*"))
-    a, b, c, d = (next(r for r in runs if f"{arm}-base-s{s}-" in r.name) for arm, s in
-                  (("mosaic", 3), ("mosaic", 4), ("broadcast", 3), ("broadcast", 4)))
+    a, b, c, d, f = (next(r for r in runs if f"{arm}-base-s{s}-" in r.name) for arm, s in
+                     (("mosaic", 3), ("mosaic", 4), ("broadcast", 3), ("broadcast", 4), ("mosaic", 5)))
     (a / "evals" / "test.jsonl").write_text((a / "evals" / "test.jsonl").read_text()[:300])  # cut by a kill
     (b / "evals" / "test.json").write_text("garbage")
     (c / "done.json").write_text("{")
-    with open(d / "metrics.jsonl", "a") as fh:
+    with open(d / "metrics.jsonl", "a") as fh:  # a bad extra line: skipped, every step still there
         fh.write('{"step": "x", "critic/score/mean": "y", "actor/entropy": "z"}\n')
+    text = (f / "metrics.jsonl").read_text()
+    (f / "metrics.jsonl").write_text(text[: len(text) // 2])  # cut: steps missing, evaluations intact
     write_report(work, tmp_path / "out")
     md = (tmp_path / "out" / "report.md").read_text()
-    assert "**3 damaged file(s) left out**" in md
-    for p in (a / "evals" / "test.jsonl", b / "evals" / "test.json", c / "done.json"):
+    assert "**4 damaged file(s) left out**" in md
+    for p in (a / "evals" / "test.jsonl", b / "evals" / "test.json", c / "done.json", f / "metrics.jsonl"):
         assert f"`{p.relative_to(work)}`" in md
+    assert f"`{(d / 'metrics.jsonl').relative_to(work)}`" not in md
+    import json
+
+    res = json.loads((tmp_path / "out" / "results.json").read_text())
+    mosaic = res["tables"][0]["arms"]["mosaic/base"]
+    assert mosaic["seeds"] == 8  # s3 and s4 lost an evaluation; s5 keeps its evaluations without its series
     grid = load_grid(work / "grid.yaml")
     e = next(x for x in grid.evals if x.name == "test")
     assert _eval_done(d, e)
