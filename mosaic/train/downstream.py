@@ -231,8 +231,8 @@ def _how(t: Trajectory, p: DownstreamPlan, direct: dict[int, float]) -> list[str
     for k in range(len(t.sessions)):
         if k == p.final:
             out.append("final")
-        elif t.ground_truth is None:
-            out.append("none")
+        elif t.ground_truth is None:  # (a group without a success under algo.gain_reference=group)
+            out.append("no_reference")
         elif k in direct:
             out.append("direct")
         elif k in p.missing:
@@ -256,7 +256,7 @@ def score_downstream(
 ) -> DownstreamResult:
     """Downstream credit of every session of ``trajs`` (docs/algorithm.md §4.10), with ``model`` (the rollout
     policy, no gradient). ``gains``: (S,) immediate gains in flatten order (the propagation's shares);
-    trajectories whose ``ground_truth`` is None get no probe (their ``D`` is 0, ``how`` = ``none``).
+    trajectories whose ``ground_truth`` is None get no probe (their ``D`` is 0, ``how`` = ``no_reference``).
     ``cached``: the final state encoded once per trajectory, every ablation extends its cache from where they
     part; ``reference``: every sequence re-encoded from scratch (the tests hold the two together)."""
     t0 = time.perf_counter()
@@ -293,15 +293,21 @@ def score_downstream(
         off += n
     stats.num_probes = stats.num_unique_states = len(hosts)
     stats.seconds = time.perf_counter() - t0
+    return DownstreamResult(downstream=torch.tensor(out, dtype=torch.float32), how=how, loglik_final=lfinal,
+                            stats=stats, metrics=_dag_metrics(trajs, how, stats, len(hosts)))
+
+
+def _dag_metrics(trajs: Sequence[Trajectory], how: list[str], stats: ScoreStats, probes: int) -> dict[str, float]:
     c = Counter(how)
-    sub = [h for h, s in zip(how, (s for t in trajs for s in t.sessions)) if s.kind == "subagent"]
-    metrics = {"timing_s/score_downstream": stats.seconds, "dag/probes": float(len(hosts)),
+    metrics = {"timing_s/score_downstream": stats.seconds, "dag/probes": float(probes),
                "dag/tokens_encoded": float(stats.tokens_encoded),
-               **{f"dag/{key}": float(c.get(key, 0)) for key in ("direct", "propagated", "missing", "none")}}
+               **{f"dag/{key}": float(c.get(key, 0)) for key in ("direct", "propagated", "missing", "none",
+                                                                 "no_reference")}}
+    # helpers of probed trajectories (no_reference: whether their result is in F was not looked at)
+    sub = [h for h, s in zip(how, (s for t in trajs for s in t.sessions)) if s.kind == "subagent" and h != "no_reference"]
     if sub:  # a helper's result in the final state's tokens (not dropped by a compaction, not aborted)
         metrics["dag/subagent_result_in_final_share"] = sum(h == "direct" for h in sub) / len(sub)
-    return DownstreamResult(downstream=torch.tensor(out, dtype=torch.float32), how=how, loglik_final=lfinal,
-                            stats=stats, metrics=metrics)
+    return metrics
 
 
 async def downstream_from_logprobs(traj: Trajectory, probe, logprob_fn, gains: Sequence[float], *,

@@ -21,7 +21,7 @@ gives it, without a model or a tokenizer::
                    "mask": [runs],            # loss_mask as run lengths, starting with a False run
                    "gain": 0.12,              # L(after) - L(before), nats per answer token; null where not scored
                    "downstream": 0.3,         # optional: the downstream credit D (§4.10), when it was scored
-                   "downstream_how": "direct",  # how D was obtained: direct | propagated | missing | none
+                   "downstream_how": "direct",  # how D was obtained: direct | propagated | missing | none | no_reference
                    "turn_gains": [...],       # per turn, only when scored
                    "adv": {"broadcast": 0.87, "mosaic": 0.91, ...},     # session-level estimators
                    "turn_adv": {"fold": [0.87, -0.13], ...}}]}         # turn-level, one per turn

@@ -67,7 +67,7 @@ def _ints(v, what: str, *, lo: int = 0) -> None:
         raise ViewError(f"{what}: must be a list of integers >= {lo}")
 
 
-DOWNSTREAM_HOW = ("direct", "propagated", "missing", "none")
+DOWNSTREAM_HOW = ("direct", "propagated", "missing", "none", "no_reference")
 """How a session's downstream credit was obtained (``mosaic.train.downstream``)."""
 
 

@@ -76,6 +76,32 @@ def test_cached_matches_reference_and_is_direct_under_forks(forks):
     assert fast.stats.tokens_encoded < ref.stats.tokens_encoded
 
 
+def test_a_trajectory_without_a_reference_is_counted_apart_not_as_a_cut_off_helper(forks):
+    """Under ``algo.gain_reference=group`` a group without a success has no target: its sessions are not
+    probed, ``how`` says ``no_reference`` (not ``none``, a helper cut off with its trajectory), and the share of
+    helpers' results in the final state counts only the probed trajectories' helpers."""
+    import copy
+
+    chat, _, out = forks
+    trajs = [copy.copy(t) for t in out["fork"]]
+    probed = score_downstream(trajs, tiny_model(vocab_size=len(chat.tokenizer), seed=5), chat.answer_probe,
+                              [0.0] * sum(len(t.sessions) for t in trajs), empty_result_ids=chat.tool_delta(""),
+                              header_ids=chat.generation_header_ids)  # fmt: skip
+    trajs[0].ground_truth = None
+    res = score_downstream(trajs, tiny_model(vocab_size=len(chat.tokenizer), seed=5), chat.answer_probe,
+                           [0.0] * sum(len(t.sessions) for t in trajs), empty_result_ids=chat.tool_delta(""),
+                           header_ids=chat.generation_header_ids)  # fmt: skip
+    n0 = len(trajs[0].sessions)
+    assert res.how[:n0] == ["final" if s.is_final else "no_reference" for s in trajs[0].sessions]
+    assert res.metrics["dag/no_reference"] == sum(h == "no_reference" for h in res.how) >= 1
+    assert res.metrics["dag/none"] == probed.metrics["dag/none"] - sum(h == "none" for h in probed.how[:n0])
+    assert float(res.downstream[:n0].abs().sum()) == 0.0
+    sub = [h for h, s in zip(res.how, (s for t in trajs for s in t.sessions)) if s.kind == "subagent"
+           and h != "no_reference"]  # fmt: skip
+    if sub:
+        assert res.metrics["dag/subagent_result_in_final_share"] == sum(h == "direct" for h in sub) / len(sub)
+
+
 def test_compaction_chain_propagates_and_matches_reference(forks):
     chat, _, out = forks
     trajs = [t for t in out["compaction+fork"] if t.meta["compactions"] > 0]
