@@ -101,6 +101,8 @@ def _dispatch(args) -> int:
             print("mosaic experiment report: give the grid's work dir (runs/experiments/<grid>)", file=sys.stderr)
             return EXIT_USAGE
         work = Path(args.rest[0])
+        if work.name == "grid.yaml" and work.is_file():  # (the grid file inside the work dir: its dir was meant)
+            work = work.parent
         if not (work / "grid.yaml").is_file():
             print(f"mosaic experiment report: {work} is not a grid work dir (no grid.yaml)", file=sys.stderr)
             return EXIT_USAGE

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -38,6 +39,8 @@ from mosaic.config.loader import Config, config_diff, dump_config, load_config
 __all__ = ["Unit", "plan", "run_grid", "print_plan", "DONE", "run_dir", "warm_dir"]
 
 DONE = "done.json"
+_GROUP = re.compile(r"-s\d+-[0-9a-f]{8}$")
+"""A run dir's seed and key (``<arm>-<setting>-s<seed>-<key>``): removed, the arm and setting remain."""
 PRIOR_STEP_S_PER_ROLLOUT = 12.4 / 32
 """Prior cost before anything ran here: the CPU preset's measured RL step (12.4 s for 4 x 8 rollouts)."""
 PRIOR_EVAL_S_PER_TRAJ = 0.18
@@ -161,6 +164,21 @@ def reusable(grid: Grid, r: RunSpec, text: str) -> Path | None:
     return None
 
 
+def reuse_notes(grid: Grid, units: list[Unit]) -> list[str]:
+    """Why ``reuse:`` copies less than it could: a work dir that does not exist, and runs to train although a
+    finished run of the same config lies in a reuse dir without its weights (checkpoints are not committed,
+    so on a fresh clone every reused run is trained again)."""
+    out = [f"reuse: {w} does not exist here (nothing is reused from it)" for w in grid.reuse if not (w / "runs").is_dir()]
+    for w in (w for w in grid.reuse if (w / "runs").is_dir()):
+        bare = [u.name for u in units if u.train and u.run is not None and any(
+            (c / DONE).exists() and not any((c / "checkpoints").glob("ckpt-*/model"))
+            for c in (w / "runs").glob(f"*-{u.run.key[:8]}"))]  # fmt: skip
+        if bare:
+            out.append(f"reuse: {len(bare)} run(s) to train here finished in {w} with the same config but without "
+                       f"their weights (checkpoints are not committed): trained again, e.g. {bare[0]}")
+    return out
+
+
 def plan(grid: Grid, work: Path, *, rename: bool = False, arms: Sequence[str] | None = None) -> list[Unit]:
     """Every unit of the grid with what is left to do (warm-start evaluations first); ``rename`` takes
     over run dirs made under an older key (:func:`adopt`), else they are only reported. ``arms`` keeps
@@ -204,13 +222,14 @@ def plan(grid: Grid, work: Path, *, rename: bool = False, arms: Sequence[str] | 
 def measured_costs(work: Path, *more: Path) -> dict[str, float]:
     """Seconds per rollout of a training step and per evaluation trajectory, from what ran in ``work``
     (and in ``more`` work dirs, e.g. the grids a grid reuses runs from)."""
-    step, per_traj = [], []
+    step, per_traj, by_group = [], [], {}
     for done in (d for w in (work, *more) for d in (w / "runs").glob(f"*/{DONE}")):
         try:
             d = json.loads(done.read_text())
             step.append(d["step_s"] / max(1, d["rollouts_per_step"]))
-        except (OSError, ValueError, KeyError):
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
             continue
+        by_group.setdefault(_GROUP.sub("", done.parent.name), []).append(step[-1])
     for meta in (m for w in (work, *more) for m in w.glob("**/evals/*.json")):
         try:
             d = json.loads(meta.read_text())
@@ -219,7 +238,8 @@ def measured_costs(work: Path, *more: Path) -> dict[str, float]:
             continue
     return {"step_s_per_rollout": median(step) if step else PRIOR_STEP_S_PER_ROLLOUT,
             "eval_s_per_traj": median(per_traj) if per_traj else PRIOR_EVAL_S_PER_TRAJ,
-            "measured_runs": len(step), "measured_evals": len(per_traj)}  # fmt: skip
+            "measured_runs": len(step), "measured_evals": len(per_traj),
+            "by_group": {k: median(v) for k, v in by_group.items()}}  # fmt: skip
 
 
 def unit_cost(u: Unit, costs: dict[str, float]) -> float:
@@ -227,7 +247,8 @@ def unit_cost(u: Unit, costs: dict[str, float]) -> float:
     if u.train and u.run is not None:
         t = u.run.config.train
         steps = t.steps or 20
-        s += steps * t.batch_tasks * t.group_size * costs["step_s_per_rollout"]
+        per = costs.get("by_group", {}).get(_GROUP.sub("", u.run.name), costs["step_s_per_rollout"])
+        s += steps * t.batch_tasks * t.group_size * per  # (an arm's own runs when some finished: CAPO costs more)
     return s
 
 
@@ -260,6 +281,8 @@ def print_plan(grid: Grid, units: list[Unit], work: Path, jobs: int, out=None) -
         if u.drift:
             print(f"    warning: finished under another resolved config (a default changed?): {'; '.join(u.drift)}",
                   file=out)  # fmt: skip
+    for note in reuse_notes(grid, units):
+        print(f"  note: {note}", file=out)
     print(f"estimated cost: {total / 60:.1f} CPU-job minutes, about {total / 60 / max(1, min(jobs, sum(u.todo for u in units))):.1f} min wall with "
           f"--jobs {jobs} (per-rollout step {costs['step_s_per_rollout']:.2f} s, per eval trajectory "
           f"{costs['eval_s_per_traj']:.3f} s; {src})", file=out, flush=True)  # fmt: skip

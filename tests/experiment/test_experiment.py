@@ -219,7 +219,13 @@ def test_a_run_finished_in_another_grid_is_copied_not_retrained(tmp_path, capsys
     units = {u.run.seed if u.run else None: u for u in plan(second, work) if u.run and u.run.arm == with_ckpt.arm}
     assert units[with_ckpt.seed].reuse_from == run_dir(first, with_ckpt) and not units[with_ckpt.seed].train
     print_plan(second, plan(second, work), work, 1)
-    assert "copied, not retrained" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "copied, not retrained" in out
+    # the run without weights is trained again, and the plan says why (a fresh clone has no checkpoints)
+    assert "1 run(s) to train here finished in" in out and "without their weights" in out
+    gone = parse_grid({**QUICK_GRID, "reuse": [str(tmp_path / "nowhere")]})
+    print_plan(gone, plan(gone, work), work, 1)
+    assert f"reuse: {tmp_path / 'nowhere'} does not exist here" in capsys.readouterr().out
     assert not work.exists()  # a plan copies nothing
     by_key = {u.run.key: u for u in plan(second, work, rename=True) if u.run}
     got = by_key[with_ckpt.key]
@@ -465,3 +471,29 @@ def test_service_arms_get_a_stale_action_column_deep_search_arms_none():
     assert "| 20.0 (50.0) |" in md and "| 5.0 (50.0) |" in md
     plain = "\n".join(_md_table(_table(grid, data([None, None], [None, None]), ["val"], "val")))
     assert "stale-action" not in plain
+
+
+def test_the_cost_estimate_uses_each_arms_own_finished_runs(tmp_path):
+    """A costly arm (CAPO's two backward passes) is estimated from its own finished runs, not the grid's
+    median; an arm with none yet takes the median of every run; a damaged done.json is skipped."""
+    from mosaic.experiment.runner import DONE, measured_costs, plan, run_dir, unit_cost
+
+    g = parse_grid(QUICK_GRID)
+    work = tmp_path / "w"
+    slow, fast = (next(r for r in g.runs if r.arm == a and r.seed == g.seeds[0]) for a in ("mosaic", "broadcast"))
+    for r, s in ((slow, 40.0), (fast, 10.0)):
+        run_dir(work, r).mkdir(parents=True)
+        (run_dir(work, r) / DONE).write_text(json.dumps({"step_s": s, "rollouts_per_step": 4}))
+    bad = run_dir(work, next(r for r in g.runs if r not in (slow, fast)))
+    bad.mkdir(parents=True)
+    (bad / DONE).write_text('["not", "a", "mapping"]')
+    costs = measured_costs(work)
+    assert costs["measured_runs"] == 2 and costs["step_s_per_rollout"] == 25.0 / 4
+    units = {u.name: u for u in plan(g, work) if u.run is not None}
+    other_mosaic = next(u for u in units.values() if u.run.arm == "mosaic" and u.run.seed != g.seeds[0])
+    other_broadcast = next(u for u in units.values() if u.run.arm == "broadcast" and u.run.seed != g.seeds[0])
+    t = other_mosaic.run.config.train
+    rollouts = (t.steps or 20) * t.batch_tasks * t.group_size
+    evals = sum(e.n_tasks * e.samples for e in other_mosaic.evals) * costs["eval_s_per_traj"]
+    assert unit_cost(other_mosaic, costs) == pytest.approx(evals + rollouts * 10.0)
+    assert unit_cost(other_broadcast, costs) == pytest.approx(evals + rollouts * 2.5)
