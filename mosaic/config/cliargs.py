@@ -141,7 +141,7 @@ def add_config_args(p: argparse.ArgumentParser, *, overrides: bool = True) -> No
     ``section.field=value`` overrides: the same on ``train``, ``sft``, ``eval``, ``pretrain``,
     ``data`` and ``rollout``."""
     p.add_argument("--config", metavar="YAML", help="YAML file of config sections (merged over the preset)")
-    p.add_argument("--preset", help="base preset: cpu (default), smollm2, paper")
+    p.add_argument("--preset", help="base preset: cpu (default), cpu-service, smollm2, paper")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     p.add_argument("--help-config", action="store_true",
                    help="print every config key with its value under the preset and its docstring, then exit")

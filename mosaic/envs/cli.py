@@ -382,7 +382,7 @@ def register(subparsers) -> None:
     data = subparsers.add_parser("data", help="the task data (deep search; data.family=service): generate, "
                                                "show, search, score, export, import, calibrate")
     sub = data.add_subparsers(dest="data_command", metavar="SUBCOMMAND")
-    data.add_argument("--preset", help="base preset for --help-config / --print-config: cpu (default), smollm2, paper")
+    data.add_argument("--preset", help="base preset for --help-config / --print-config: cpu (default), cpu-service, smollm2, paper")
     data.add_argument("--help-config", action="store_true",
                       help="print the data section's keys (what every sub-command takes as data.field=value), then exit")
     data.add_argument("--print-config", action="store_true", help="print the resolved data section, then exit")

@@ -40,9 +40,11 @@ class EvalResult:
 
     def line(self, name: str = "eval") -> str:
         m = self.metrics
+        pos = m.get("session/pos_gain_share/all", float("nan"))
         return (f"{name}: accuracy {100 * self.accuracy:.1f} % [95 % CI {100 * self.lo:.1f}, {100 * self.hi:.1f}] "
                 f"on {self.n_questions} questions; sessions/traj {m.get('session/per_traj', float('nan')):.2f}; "
-                f"positive-gain share {m.get('session/pos_gain_share/all', float('nan')):.2f}"
+                + (f"positive-gain share {pos:.2f}" if pos == pos else "positive-gain share n/a (no scored non-final "
+                   "session)")
                 + (f"; stale-action rate {self._stale(m)}, visits handled right {100 * m['env/visits_correct']:.1f} %"
                    if "env/stale_rate" in m else ""))
 

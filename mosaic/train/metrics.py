@@ -36,6 +36,8 @@ labels, of routed units in the action partition (docs/algorithm.md §5.1) |
 | ``val-core/<family>/acc/mean@<n>`` | held-out accuracy over n samples per question (verl's name; ``<family>``: the
 task family, ``data.family``: ``deepsearch`` or ``service``) |
 | ``val-aux/<family>/acc/ci_lo@<n>``, ``ci_hi@<n>`` | its 95 % interval |
+| ``val-core/<family>-<split>/acc/mean@<n>`` (and its ``val-aux/`` interval) | the warm start's (step 0) and the final
+model's evaluation on ``train.heldout_split``: to TensorBoard, wandb and the console, not ``metrics.jsonl`` |
 | ``val-aux/<name>`` | on a step with the periodic validation (``train.eval_every``): any name above measured on
 the validation rollouts (e.g. ``val-aux/session/pos_gain_share/all``), beside the training rollouts' own |
 

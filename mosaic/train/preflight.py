@@ -14,7 +14,7 @@ from pathlib import Path
 
 from mosaic.config.cliargs import output_error
 
-__all__ = ["train_error", "sft_error", "eval_error", "family_error", "warm_start_error"]
+__all__ = ["train_error", "train_notes", "sft_error", "eval_error", "family_error", "warm_start_error"]
 
 
 def _key(name: str) -> str:
@@ -109,6 +109,19 @@ def train_error(cfg) -> str | None:
         bad = ((_input_file_error("sft.data", cfg.sft.data) if cfg.sft.data else None)
                or output_error(_key("sft.output_dir"), cfg.sft.output_dir, is_dir=True))
     return bad
+
+
+def train_notes(cfg) -> list[str]:
+    """What ``mosaic train`` says before it starts about a config that runs but may not do what its name
+    suggests: a session-credit estimator under ``harness.mode=single`` (one session per trajectory: no session
+    term, as a grid's single-context setting compares on purpose)."""
+    from mosaic.core.estimators import ESTIMATORS
+
+    est = ESTIMATORS[cfg.algo.estimator]
+    if cfg.harness.mode == "single" and (est.needs_gains or "downstream" in est.needs):
+        return [f"harness.mode=single makes one session per trajectory: {est.name}'s session term is 0 here (every "
+                "session is final), so it trains on its trajectory term alone"]
+    return []
 
 
 def eval_error(cfg, checkpoint: str | None) -> str | None:

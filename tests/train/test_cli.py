@@ -118,3 +118,16 @@ def test_compare_mismatch_suggests_the_cli_flag(tmp_path, capsys):
     assert err.startswith("mosaic compare: ") and "pass --intersect to compare the common ones" in err, err
     assert "on_mismatch" not in err and len(err.strip().splitlines()) == 1
     assert main(["compare", str(a), str(b), "--n-boot", "10", "--intersect"]) == 0
+
+
+def test_train_notes_a_session_credit_estimator_without_sessions():
+    """``harness.mode=single`` with an estimator whose session term reads gains or downstream credit runs (a
+    grid's single-context setting compares it on purpose) but says that its session term is 0 there."""
+    from mosaic.config.loader import load_config
+    from mosaic.train.preflight import train_notes
+
+    for est in ("mosaic", "mosaic-dag"):
+        notes = train_notes(load_config("cpu", overrides=["harness.mode=single", f"algo.estimator={est}"]))
+        assert len(notes) == 1 and f"{est}'s session term is 0" in notes[0]
+    assert train_notes(load_config("cpu", overrides=["harness.mode=single", "algo.estimator=grpo"])) == []
+    assert train_notes(load_config("cpu", overrides=["algo.estimator=mosaic-dag", "harness.mode=fork"])) == []

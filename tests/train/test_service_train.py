@@ -68,5 +68,8 @@ def test_eval_line_says_na_for_a_stale_rate_over_no_account_changes():
     idle = EvalResult(0.0, 0.0, 0.1, 4, {**base, "env/actions": 0.0}).line()
     acted = EvalResult(0.5, 0.1, 0.9, 4, {**base, "env/stale_rate": 0.25, "env/actions": 2.0}).line()
     assert "stale-action rate n/a (no account changes)" in idle
-    assert "stale-action rate 25.0 %" in acted and "n/a" not in acted
+    assert "stale-action rate 25.0 %" in acted and "n/a (no account" not in acted
     assert "stale" not in EvalResult(0.5, 0.1, 0.9, 4, {}).line()  # deep search: no such figures
+    # single-session rollouts score no gain: the share is n/a, not "nan"
+    assert "positive-gain share n/a" in EvalResult(0.5, 0.1, 0.9, 4, {}).line()
+    assert "positive-gain share 0.40" in EvalResult(0.5, 0.1, 0.9, 4, {"session/pos_gain_share/all": 0.4}).line()
