@@ -4,9 +4,8 @@ whether one arm's lead over another changes with the setting.
 :func:`baseline_ablations`: each setting against the grid's ``baseline`` setting, arm by arm.
 :func:`setting_contrasts`: for each ``[A, B]`` of the grid's ``contrasts`` and each arm evaluated on the same
 questions under both, A − B as any pair of arms is compared (:func:`mosaic.train.seedstats.compare_seeds`: the
-seed as the unit). The interaction table:
-
-For a grid with a ``baseline`` setting and at least two arms (``experiments/reset-compare.yaml``: broadcast and
+seed as the unit).
+:func:`interaction_table`: for a grid with a ``baseline`` setting and at least two arms (``experiments/reset-compare.yaml``: broadcast and
 mosaic under compaction, single, and resets), each other setting ``S`` and each pair of arms ``A``, ``B``
 evaluated on the same questions in ``S`` and in the baseline give
 ``(A − B under S) − (A − B under the baseline)``, with the training seed as the unit
