@@ -11,7 +11,8 @@ SD and the seeds per arm for 80 %; the question-level exact sign test stays, lab
 trained models. Every p is Holm-corrected across the pairs shown. Every table ends with an A/A calibration: each arm with
 >= 4 seeds against itself over every split of its seeds into halves, the share of splits where each
 test gives p < 0.05. With a ``baseline`` setting and two or more arms, a table of whether an arm's lead
-changes with the setting (:mod:`mosaic.experiment.interactions`). The evaluations named ``pool`` (default: every ``test`` evaluation) are also
+changes with the setting (:mod:`mosaic.experiment.interactions`); on the service family its outcomes arm
+against arm (:mod:`mosaic.experiment.outcomes`). The evaluations named ``pool`` (default: every ``test`` evaluation) are also
 pooled into one headline table (questions of every world together).
 """
 
@@ -36,6 +37,7 @@ from mosaic.train.seedstats import PAPER_EFFECT, aa_calibration, compare_seeds, 
 from mosaic.train.stats import detectable_difference, holm, seed_question_ci, sign_test
 from mosaic.experiment.plots import make_plots
 from mosaic.experiment.interactions import baseline_ablations, interaction_table, md_interactions, setting_contrasts
+from mosaic.experiment.outcomes import md_outcomes, outcome_pairs
 
 __all__ = ["collect", "write_report"]
 
@@ -278,7 +280,8 @@ def _table(grid: Grid, data: dict, evals: list[str], label: str) -> dict:
         power = asdict(detectable_difference(max(cand, key=len)))
     aa = {k: asdict(aa_calibration(x)) for k, x in mats.items() if x.shape[0] >= 4}
     return {"label": label, "evals": evals, "arms": arms, "pairs": pairs, "ablations": ablations, "power": power,
-            "aa": aa, "contrasts": contrasts, "interactions": interaction_table(arms, mats, qsets, grid.baseline)}
+            "aa": aa, "contrasts": contrasts, "interactions": interaction_table(arms, mats, qsets, grid.baseline),
+            "outcomes": outcome_pairs(data["groups"], [(p["a"], p["b"]) for p in pairs], evals)}
 
 
 def _pct(x: float) -> str:
@@ -314,6 +317,7 @@ def _md_table(t: dict) -> list[str]:
         out += ["", "Stale-action rate: mutating actions whose arguments rely on a field an event changed after the "
                 "agent last saw it, per mutating action, pooled over each evaluation's trajectories, then averaged "
                 "over the seeds' evaluations (those that logged it; docs/service.md)."]
+        out += md_outcomes(t.get("outcomes") or [])
     explain = True
     for family, title in ((t["pairs"], "Arms against each other within a setting"),
                           (t.get("ablations") or [], "Each setting against the baseline setting, arm by arm"),

@@ -470,7 +470,43 @@ def test_service_arms_get_a_stale_action_column_deep_search_arms_none():
     assert "stale-action rate % (visits handled right %)" in md
     assert "| 20.0 (50.0) |" in md and "| 5.0 (50.0) |" in md
     plain = "\n".join(_md_table(_table(grid, data([None, None], [None, None]), ["val"], "val")))
-    assert "stale-action" not in plain
+    assert "stale-action" not in plain and "The family's outcomes" not in plain
+
+
+def test_service_outcomes_are_compared_arm_against_arm_with_the_seed_as_the_unit():
+    """The stale-action rate and visits handled right, per seed (mean over the evaluations, an evaluation with
+    no mutating action left out of the rate), arm against arm: difference, bootstrap interval over seeds, exact
+    permutation p over seeds, Holm."""
+
+    from mosaic.experiment.outcomes import outcome_pairs, per_seed
+    from mosaic.experiment.report import _md_table, _table
+
+    grid = parse_grid({**QUICK_GRID})
+    qs = [f"q{i}" for i in range(20)]
+
+    def seed(stale, actions=2.0):
+        m = {"env/stale_rate": stale, "env/visits_correct": 0.5, "env/actions": actions}
+        return {"evals": {"val": ({q: 0.0 for q in qs}, {"metrics": m}),
+                          "val2": ({q: 1.0 for q in qs}, {"metrics": {**m, "env/stale_rate": 0.0, "env/actions": 0.0}})},
+                "step_s": 1.0}
+
+    groups = {"broadcast/base": {"arm": "broadcast", "setting": "base",
+                                 "seeds": {k: seed(v) for k, v in enumerate([0.30, 0.32, 0.28, 0.31, 0.29])}},
+              "mosaic/base": {"arm": "mosaic", "setting": "base",
+                              "seeds": {k: seed(v) for k, v in enumerate([0.10, 0.12, 0.09, 0.11, 0.10])}}}
+    # the second evaluation changed nothing on the accounts: its 0.0 is no rate and is left out
+    assert per_seed(groups["mosaic/base"]["seeds"], ["val", "val2"], "env/stale_rate") == pytest.approx(
+        [0.10, 0.12, 0.09, 0.11, 0.10])
+    rows = outcome_pairs(groups, [("broadcast/base", "mosaic/base")], ["val", "val2"])
+    stale = next(r for r in rows if r["metric"] == "env/stale_rate")
+    assert stale["diff"] == pytest.approx(0.196) and stale["lo"] > 0.15 and stale["hi"] < 0.25
+    assert stale["p_seeds"] == pytest.approx(2 / 252) and stale["seeds_a"] == stale["seeds_b"] == 5
+    visits = next(r for r in rows if r["metric"] == "env/visits_correct")
+    assert visits["diff"] == 0.0 and visits["p_seeds"] == 1.0
+    assert [r["p_seeds_holm"] for r in rows] == pytest.approx([min(1, 2 * stale["p_seeds"]), 1.0])
+    t = _table(grid, {"groups": groups, "warm": {}}, ["val", "val2"], "pooled")
+    md = "\n".join(_md_table(t))
+    assert "| broadcast/base − mosaic/base | stale-action rate | 5 + 5 | +19.6 [" in md
 
 
 def test_the_cost_estimate_uses_each_arms_own_finished_runs(tmp_path):
