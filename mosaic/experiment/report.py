@@ -323,7 +323,7 @@ def _md_table(t: dict) -> list[str]:
                           (t.get("ablations") or [], "Each setting against the baseline setting, arm by arm"),
                           (t.get("contrasts") or [], "The grid's pairs of settings (`contrasts`), arm by arm")):
         if family:
-            out += _md_pairs(family, title, explain)
+            out += _md_pairs(family, title, explain, side="arm" if family is t["pairs"] else "setting")
             explain = False
     out += md_interactions(t.get("interactions"))
     out += _md_aa(t.get("aa") or {})
@@ -338,7 +338,7 @@ def _md_table(t: dict) -> list[str]:
     return out + [""]
 
 
-def _md_pairs(family: list[dict], title: str, explain: bool = True) -> list[str]:
+def _md_pairs(family: list[dict], title: str, explain: bool = True, side: str = "arm") -> list[str]:
     """A table of pairs; the training seed is the unit of the headline test and of the interval."""
     eff = 100 * (family[0].get("effect") or PAPER_EFFECT)
     out = ["", f"{title} (same questions; Holm within this table)" + (". **The unit is the training seed**: the "
@@ -350,7 +350,7 @@ def _md_pairs(family: list[dict], title: str, explain: bool = True) -> list[str]
            "models**: it asks whether these particular checkpoints differ on these questions, not whether the "
            "two training settings do." if explain else ":"), "",
            "| A − B | seeds | Δ points [95 % CI] | seed permutation p (Holm) | Welch p over seeds (Holm) | "
-           "seed SD (points) | power (seeds/arm for 80 %) | sign test on questions, conditional p (Holm) | "
+           f"seed SD (points) | power (seeds/{side} for 80 %) | sign test on questions, conditional p (Holm) | "
            "wins/losses/ties |", "|" + " --- |" * 9]  # fmt: skip
     for p in family:
         welch = f"{p['p_welch']:.3g} ({p['p_welch_holm']:.3g})" if p["p_welch"] == p["p_welch"] else "–"

@@ -11,11 +11,12 @@ arms:                             # arm name -> overrides (the estimator, the ha
 settings:                         # optional: setting name -> overrides (e.g. a learning-rate sweep)
   base: []
   lr2e-4: {overrides: [optim.lr=2e-4], seeds: [0, 1, 2]}    # a setting with its own seeds
+  lr5e-5: [optim.lr=5e-5]
 seeds: [0, 1, 2, 3, 4]            # train.seed of each run
 reuse: [reports/explore/work]     # optional: other grids' work dirs whose finished runs of the same
                                   # config (same key, final checkpoint present) are copied, not retrained
 baseline: base                    # optional: a setting every other setting is compared with, arm by arm
-contrasts: [[lr2e-4, base]]       # optional: more pairs of settings compared with each other, arm by arm
+contrasts: [[lr2e-4, lr5e-5]]     # optional: more pairs of settings compared with each other, arm by arm
 evals:                            # every run's final model, and the warm start once, on each
   - {name: test, split: test, data_seed: 0, n_tasks: 128, samples: 4, temperature: 0.5}
 ```
@@ -222,7 +223,10 @@ def parse_grid(doc: Any, path: Path | None = None) -> Grid:
                                               and all(isinstance(x, str) and x in settings for x in c)
                                               for c in contrasts), "contrasts",
           f"must be a list of [SETTING, SETTING] pairs of two different settings ({', '.join(settings)})")
-    _need(len({tuple(c) for c in contrasts}) == len(contrasts), "contrasts", "pairs must be unique")
+    _need(len({frozenset(c) for c in contrasts}) == len(contrasts), "contrasts",
+          "pairs must be unique (a pair and its reverse are one comparison)")
+    _need(not any(baseline in c for c in contrasts), "contrasts",
+          f"a pair with the baseline setting ({baseline}) is already in the baseline table")
     g = Grid(name=name, preset=preset, common=_overrides(doc.get("common"), "common"), arms=arms,
              settings=settings, seeds=seeds, evals=ev, path=path, arm_seeds=arm_seeds,
              setting_seeds=setting_seeds, reuse=tuple(Path(x) for x in reuse), baseline=baseline,

@@ -15,13 +15,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from statistics import NormalDist
-
 import numpy as np
 
-from mosaic.train.seedstats import PAPER_EFFECT, betainc, half_splits, nested_means
+from mosaic.train.seedstats import PAPER_EFFECT, betainc, half_splits, nested_means, t_cdf, t_ppf
 
-__all__ = ["Interaction", "interaction", "aa_interaction"]
+__all__ = ["Interaction", "interaction", "contrast_power", "aa_interaction"]
 
 
 def _contrast_welch(means: list[np.ndarray], signs: tuple[float, ...]) -> tuple[np.ndarray, np.ndarray]:
@@ -34,7 +32,9 @@ def _contrast_welch(means: list[np.ndarray], signs: tuple[float, ...]) -> tuple[
         df = se2**2 / sum(v**2 / (m.shape[-1] - 1) for v, m in zip(parts, means))
         t2 = est**2 / se2
         p = betainc(np.where(se2 > 0, df, 1.0) / 2.0, 0.5, np.where(se2 > 0, df / (df + t2), 1.0))
-    return np.where(se2 > 0, p, np.where(np.abs(est) > 0, 0.0, 1.0)), df
+    # every cell without spread: the contrast is exact, 0 (to rounding of the means) or not
+    tol = 1e-12 * (1 + sum(np.abs(m).max(-1) for m in means))
+    return np.where(se2 > 0, p, np.where(np.abs(est) > tol, 0.0, 1.0)), df
 
 
 @dataclass(frozen=True)
@@ -59,18 +59,34 @@ class Interaction:
     effect: float
 
 
+def contrast_power(sd: float, seeds: list[int], effect: float = PAPER_EFFECT, alpha: float = 0.05) -> float:
+    """Power of the two-sided contrast test at ``alpha`` to detect an interaction of ``effect`` when every cell's
+    runs have standard deviation ``sd``: the shifted central t approximation (as
+    :func:`mosaic.train.seedstats.seed_power`), ``δ = effect / (sd √Σ 1/S_c)``, with the Welch-Satterthwaite df
+    of equal cell variances, ``(Σ 1/S_c)² / Σ (1/S_c)² / (S_c − 1)``. NaN without spread."""
+    if not sd > 0:
+        return float("nan")
+    inv = [1 / n for n in seeds]
+    df = sum(inv) ** 2 / sum(v**2 / (n - 1) for v, n in zip(inv, seeds))
+    ncp = abs(effect) / (sd * math.sqrt(sum(inv)))
+    tc = t_ppf(1 - alpha / 2, df)
+    return float(1 - t_cdf(tc - ncp, df) + t_cdf(-tc - ncp, df))
+
+
 def interaction(a1, b1, a2, b2, *, ci: float = 0.95, n_boot: int = 4000, seed: int = 0,
                 effect: float = PAPER_EFFECT, alpha: float = 0.05) -> Interaction:  # fmt: skip
     """``(mean(a1) - mean(b1)) - (mean(a2) - mean(b2))`` for four (S_c, Q) matrices on the same questions
     (arm A and B under setting 1, then under setting 2): the estimate, its nested bootstrap interval (as
     :func:`hierarchical_bootstrap` with ``questions="within"``, over four cells), and a Welch-type test of the
-    contrast of per-seed accuracies. ``power``: of that test (normal-t approximation as :func:`seed_power`)
-    to detect an interaction of ``effect``."""
+    contrast of per-seed accuracies. ``power``: of that test to detect an interaction of ``effect``
+    (:func:`contrast_power`; the default ``effect`` is the paper's main compaction effect, for scale)."""
     cells = [np.asarray(x, dtype=np.float64) for x in (a1, b1, a2, b2)]
-    if any(c.ndim != 2 for c in cells) or len({c.shape[1] for c in cells}) != 1:
+    if any(c.ndim != 2 for c in cells) or len({c.shape[1] for c in cells}) != 1 or cells[0].shape[1] == 0:
         raise ValueError(f"need four (S, Q) matrices on the same questions, got {[c.shape for c in cells]}")
     if any(c.shape[0] < 2 for c in cells):
         raise ValueError(f"every cell needs at least 2 seeds, got {[c.shape[0] for c in cells]}")
+    if not all(np.isfinite(c).all() for c in cells):
+        raise ValueError("the per-question outcomes must be finite numbers (a NaN or inf in a cell)")
     signs = (1.0, -1.0, -1.0, 1.0)
     rng, boot = np.random.default_rng(seed), np.empty(n_boot)
     for lo in range(0, n_boot, 500):
@@ -81,11 +97,7 @@ def interaction(a1, b1, a2, b2, *, ci: float = 0.95, n_boot: int = 4000, seed: i
     p, df = _contrast_welch(means, signs)
     dof = sum(len(m) - 1 for m in means)
     sd = math.sqrt(sum(((m - m.mean()) ** 2).sum() for m in means) / dof)
-    se = sd * math.sqrt(sum(1 / len(m) for m in means))
-    power = float("nan")
-    if se > 0:
-        z = NormalDist().inv_cdf(1 - alpha / 2)
-        power = NormalDist().cdf(effect / se - z) + NormalDist().cdf(-effect / se - z)
+    power = contrast_power(sd, [len(m) for m in means], effect, alpha)
     return Interaction(float(sum(s * m.mean() for s, m in zip(signs, means))), float(lo_), float(hi_), float(p),
                        float(df), tuple(len(m) for m in means), cells[0].shape[1], sd, power, effect)  # fmt: skip
 
@@ -95,7 +107,12 @@ def aa_interaction(x, y, *, alpha: float = 0.05, max_pairs: int = 4000, seed: in
     (S_y, Q), each split into equal halves (:func:`half_splits`), and ``(x_1 - x_2) - (y_1 - y_2)`` tested
     as if the halves were two arms; every pair of splits (``max_pairs`` random pairs when there are more).
     The interaction is 0 by construction: the share with p < ``alpha`` is the test's false-positive rate."""
-    x, y = np.asarray(x, dtype=np.float64).mean(1), np.asarray(y, dtype=np.float64).mean(1)
+    x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
+    if x.ndim != 2 or y.ndim != 2 or x.shape[1] != y.shape[1]:
+        raise ValueError(f"need two (S, Q) matrices on the same questions, got {x.shape} and {y.shape}")
+    if not (np.isfinite(x).all() and np.isfinite(y).all()):
+        raise ValueError("the per-question outcomes must be finite numbers (a NaN or inf in a cell)")
+    x, y = x.mean(1), y.mean(1)
     if min(len(x), len(y)) < 4:
         raise ValueError(f"A/A of the interaction needs at least 4 seeds per setting, got {len(x)} and {len(y)}")
     (xa, xb), (ya, yb) = half_splits(len(x)), half_splits(len(y))

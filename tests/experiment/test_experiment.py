@@ -396,7 +396,7 @@ def test_a_baseline_grid_reports_whether_an_arms_lead_changes_with_the_setting()
     assert set(t["interactions"]["aa"]) == {f"{a}: {s} vs compaction" for a in ("broadcast", "mosaic")
                                             for s in ("reset", "single")}
     md = "\n".join(_md_table(t))
-    assert "(A − B under the setting) − (A − B under the baseline)" in md and "A/A check of this test" in md
+    assert "(A − B under the setting) − (A − B under the baseline)" in md and "A/A check of the test" in md
     assert "| broadcast − mosaic | reset vs compaction | 4, 4; 4, 4 |" in md
     assert "subagent, reset) |" in md and ", 2.50 |" in md  # reset sessions per trajectory
     # the grid's own pair of settings, arm by arm: reset - single (mosaic +40 points, broadcast +10)
@@ -406,7 +406,7 @@ def test_a_baseline_grid_reports_whether_an_arms_lead_changes_with_the_setting()
     assert all(c["p_seeds_holm"] >= c["p_seeds"] for c in t["contrasts"])
     assert md.index("The grid's pairs of settings (`contrasts`)") < md.index("| mosaic/reset − mosaic/single |")
     for bad in ([["reset"]], [["reset", "reset"]], [["reset", "nope"]], [["reset", "single"], ["reset", "single"]],
-                "reset-single"):
+                [["reset", "single"], ["single", "reset"]], [["reset", "compaction"]], "reset-single"):
         with pytest.raises(GridError, match="contrasts"):
             parse_grid({**doc, "contrasts": bad})
     assert parse_grid({**doc, "baseline": None}).baseline is None

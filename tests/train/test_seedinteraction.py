@@ -41,7 +41,7 @@ def test_a_planted_interaction_is_found_and_an_additive_world_is_not():
     rng = np.random.default_rng(0)
     q = rng.normal(0, 0.15, 384)
     # A leads B by 15 points under setting 1 and by 0 under setting 2: interaction +15 points (the contrast's
-    # standard error here is ~2.5 points: seed SD ~4 points over four cells of 10)
+    # standard error here is ~2 points: seed SD ~3 points over four cells of 10)
     planted = interaction(_world(rng, 0.50, 10, 384, q), _world(rng, 0.35, 10, 384, q),
                           _world(rng, 0.30, 10, 384, q), _world(rng, 0.30, 10, 384, q))  # fmt: skip
     assert planted.p_welch < 0.01 and planted.lo > 0 and planted.diff == pytest.approx(0.15, abs=0.06)
@@ -67,3 +67,30 @@ def test_aa_interaction_stays_near_its_nominal_rate_and_refuses_too_few_seeds():
         interaction(np.ones((3, 5)), np.ones((3, 5)), np.ones((3, 4)), np.ones((3, 5)))
     with pytest.raises(ValueError, match="at least 2 seeds"):
         interaction(np.ones((1, 5)), np.ones((3, 5)), np.ones((3, 5)), np.ones((3, 5)))
+
+
+def test_degenerate_cells_give_an_honest_p_or_a_clear_error():
+    """Cells without spread: a contrast that is 0 up to the rounding of the means has p 1 (not 0); a real one p 0.
+    A NaN or inf outcome is an error, not a p of 1; the A/A check refuses them too."""
+    const = [np.full((4, 10), v) for v in (0.7, 0.6, 0.3, 0.2)]  # (0.7 - 0.6) - (0.3 - 0.2) = 0 up to rounding
+    r = interaction(*const, n_boot=100)
+    assert abs(r.diff) < 1e-12 and r.p_welch == 1.0
+    assert interaction(np.full((4, 10), 0.9), *const[1:], n_boot=100).p_welch == 0.0
+    bad = np.full((4, 10), 0.5)
+    bad[1, 3] = np.nan
+    with pytest.raises(ValueError, match="finite"):
+        interaction(bad, *const[1:])
+    with pytest.raises(ValueError, match="finite"):
+        aa_interaction(np.where(np.isnan(bad), np.inf, bad), np.full((4, 10), 0.5))
+    with pytest.raises(ValueError, match="same questions"):
+        aa_interaction(np.ones((4, 10)), np.ones((4, 9)))
+
+
+def test_the_power_is_the_shifted_t_approximation_and_falls_with_fewer_seeds():
+    from mosaic.train.seedinteraction import contrast_power
+
+    # 10 seeds per cell, seed SD 2.7 points: the contrast's SE is 1.7 points; ~half the time 3.5 points is found
+    assert 0.4 < contrast_power(0.027, [10, 10, 10, 10], 0.035) < 0.65
+    p = [contrast_power(0.027, [n] * 4, 0.035) for n in (2, 3, 5, 10, 20)]
+    assert p == sorted(p) and p[0] < 0.12  # 2 seeds per cell: almost no power (df 4)
+    assert np.isnan(contrast_power(0.0, [5] * 4))
