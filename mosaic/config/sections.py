@@ -146,6 +146,10 @@ class DataConfig(_Section):
             self._need(getattr(self, name) == 0 or 14 <= getattr(self, name) <= 1_000_000, name,
                        "must be in [14, 1000000] (two entities per type at least), or 0: the preset's")
         self._need(self.visits <= 1000, "visits", "must be <= 1000 (or 0: the preset's)")
+        if self.family == "service":  # one user per task, generated up front; the Parquet export's bound too
+            for name in ("n_train_tasks", "n_eval_tasks"):
+                self._need(getattr(self, name) <= 100_000, name, "must be <= 100000 for the service family (users "
+                           "per split, generated before any work)")
         self._need(0 <= self.seed <= SEED_MAX, "seed", f"must be in [0, {SEED_MAX}]")
         self._need(self.events_between >= -1, "events_between", "must be >= 0 (or -1: the preset's)")
         self._need(self.unannounced_share == -1.0 or 0.0 <= self.unannounced_share <= 1.0, "unannounced_share",

@@ -94,17 +94,19 @@ def evaluate(cfg: Config, model, tokenizer, chat, split, *, n_tasks: int | None 
 
 
 def write_outcomes(path: str | Path, trajs: Sequence[Trajectory]) -> Path:
-    """One JSON line per question sample: what ``mosaic compare`` reads."""
+    """One JSON line per question sample: what ``mosaic compare`` reads; a service episode's outcome (state
+    match, visits handled right, stale actions: why a right answer can still fail) under ``env``."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     tmp = p.with_name(p.name + ".tmp")
     with open(tmp, "w") as fh:
         for t in trajs:
-            fh.write(json.dumps({
-                "question_id": t.task_id, "trajectory": t.id, "correct": bool(t.success), "reward": t.reward,
-                "answer": t.answer, "ground_truth": t.ground_truth, "end_reason": t.end_reason,
-                "sessions": t.count_kinds(),
-            }) + "\n")
+            row = {"question_id": t.task_id, "trajectory": t.id, "correct": bool(t.success), "reward": t.reward,
+                   "answer": t.answer, "ground_truth": t.ground_truth, "end_reason": t.end_reason,
+                   "sessions": t.count_kinds()}
+            if isinstance(t.meta.get("env"), dict):
+                row["env"] = t.meta["env"]
+            fh.write(json.dumps(row, default=str) + "\n")
     tmp.replace(p)
     return p
 

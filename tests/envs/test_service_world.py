@@ -57,6 +57,18 @@ def test_knobs_shape_the_episodes():
     assert all(e.unannounced == len(e.events) for e in loud)
 
 
+def test_more_events_than_can_happen_make_fuller_gaps_not_a_crash_and_long_episodes_are_not_cut():
+    """``events_between`` beyond what a gap can hold (each once-per-gap kind used, no order left to move) stops
+    the gap there; an episode of many visits is not cut by a fixed turn cap: the expert still solves it."""
+    eps = generate_episodes(ServiceConfig(seed=3, n_users=20, visits=3, events_between=50))
+    assert all(3 <= len(e.events_before(v)) < 50 for e in eps for v in (1, 2))  # (move, card, channel: always)
+    long = generate_episodes(ServiceConfig(seed=4, n_users=4, visits=25))
+    for e in eps[:5] + long:
+        env = ServiceEnv()
+        out = run_episode(env, e, ServiceExpert(True))
+        assert out.success and out.stale_actions == 0, (e.id, len(e.visits))
+
+
 @pytest.mark.parametrize("bad", [{"n_users": 0}, {"visits": 0}, {"events_between": -1},
                                  {"unannounced_share": 1.5}, {"orders_per_user": 99}, {"name_partition": (3, 3)}])
 def test_bad_knobs_are_refused(bad):
@@ -111,3 +123,12 @@ def test_split_configs_refuse_a_foreign_partition():
         load_service_split("test", cfg)
     with pytest.raises(ValueError, match="preset"):
         service_config("train", "huge")
+
+
+def test_a_service_split_of_more_users_than_the_family_generates_is_refused_before_any_work():
+    from mosaic.config.loader import ConfigError, load_config
+
+    for key in ("data.n_train_tasks", "data.n_eval_tasks"):
+        with pytest.raises(ConfigError, match="<= 100000 for the service family"):
+            load_config("cpu-service", overrides=[f"{key}=200000"])
+    assert load_config("cpu", overrides=["data.n_train_tasks=200000"]).data.n_train_tasks == 200000  # deep search

@@ -51,10 +51,14 @@ def test_eval_on_the_service_family_prints_its_outcome(tmp_path, capsys):
     cfg = load_config("cpu-service", overrides=[
         f"data.cache_dir={tmp_path / 'cache'}", "data.eval_split=validation", "data.n_eval_tasks=2",
         "train.eval_samples=1", "train.eval_temperature=0.5", f"train.run_dir={tmp_path / 'run'}"])  # fmt: skip
-    assert entrypoints.run_eval(cfg, None, None) == 0
+    assert entrypoints.run_eval(cfg, None, str(tmp_path / "outcomes.jsonl")) == 0
     out = capsys.readouterr()
     text = out.out + out.err
     assert "stale-action rate" in text and "visits handled right" in text, text[-2000:]
+    import json
+
+    rows = [json.loads(x) for x in (tmp_path / "outcomes.jsonl").read_text().splitlines()]
+    assert rows and all(isinstance(r.get("env"), dict) and "reward" in r["env"] for r in rows)  # why it failed
     for k in ("env/stale_rate", "env/visits_correct", "env/answer_correct", "val-core/service/acc/mean@1"):
         assert f"  {k}: " in out.out, k
     assert "deepsearch" not in out.out  # (its accuracy once went by deep search's name)

@@ -319,14 +319,16 @@ class ServiceExpert:
         return text
 
 
-def run_episode(env: ServiceEnv, episode, agent, *, key: str | None = None, max_turns: int = 100):
+def run_episode(env: ServiceEnv, episode, agent, *, key: str | None = None, max_turns: int | None = None):
     """Run ``agent`` (anything with ``act(episode, transcript)``) on ``episode``; returns the outcome.
+    ``max_turns``: default 20 per visit plus 20 (the expert takes 9-19 turns for two visits), so a long
+    episode is not cut by a fixed cap.
 
     The loop a harness runs, without tokens: a message with an answer ends the rollout; one without a
     well-formed tool call gets an error message; a :class:`ToolError` becomes the tool's reply."""
     key = key or episode.id
     transcript = [("user", env.open(key, episode))]
-    for _ in range(max_turns):
+    for _ in range(max_turns if max_turns is not None else 20 * len(episode.visits) + 20):
         text = agent.act(episode, transcript)
         transcript.append(("assistant", text))
         if extract_answer(text)[1] in ("ok", "empty"):

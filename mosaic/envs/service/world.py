@@ -52,7 +52,8 @@ class ServiceConfig:
     visits: int = 3
     """Visits per episode (the last one ends with the question)."""
     events_between: int = 2
-    """World events between two consecutive visits."""
+    """World events between two consecutive visits (at most as many as can happen: each of plan lapse, move,
+    card and channel once per gap, and an order shipped or delivered while one is left to)."""
     unannounced_share: float = 0.5
     """Probability that an event is not announced by the user (visible only in the backend)."""
     orders_per_user: int = 3
@@ -188,7 +189,9 @@ def _card(rng: random.Random, old: str = "") -> str:
 
 
 def _draw_event(rng: random.Random, truth: dict, used: set[str], cfg: ServiceConfig, names: _Names,
-                cities: list[str], day: int, visit: int) -> Event:
+                cities: list[str], day: int, visit: int) -> Event | None:
+    """One event of a gap between visits; None when no kind of event can happen any more in this gap (every
+    once-per-gap kind used and no order left to ship or deliver): the gap then has fewer events."""
     orders = truth["orders"]
     kinds = [k for k, ok in (
         ("ship", any(o["status"] == "placed" for o in orders.values())),
@@ -196,6 +199,8 @@ def _draw_event(rng: random.Random, truth: dict, used: set[str], cfg: ServiceCon
         ("lapse", truth["plan_status"] == "active" and "lapse" not in used),
         ("move", "move" not in used), ("card", "card" not in used), ("channel", "channel" not in used),
     ) if ok]
+    if not kinds:
+        return None
     kind = rng.choice(kinds)
     used.add(kind)
     announced = rng.random() >= cfg.unannounced_share
@@ -281,6 +286,8 @@ def generate_episode(rng: random.Random, cfg: ServiceConfig, names: _Names, citi
             used: set[str] = set()
             for k in range(cfg.events_between):
                 e = _draw_event(rng, truth, used, cfg, names, cities, day + k + 1, v)
+                if e is None:  # (more events asked than can happen between two visits)
+                    break
                 if e.in_backend:
                     apply_event(truth, e)
                 gap.append(e)
