@@ -28,8 +28,22 @@ from mosaic.train.stats import holm
 __all__ = ["baseline_ablations", "setting_contrasts", "interaction_table", "md_interactions", "MIN_SEEDS"]
 
 MIN_SEEDS = 4
-"""Seeds every cell of an interaction needs: with 2-3 per cell the nested bootstrap interval misses a true 0
-in 5-13 % of simulated grids and the test has almost no power (docs/stats.md)."""
+"""Seeds every cell of an interaction needs (at least the 4 the A/A check's halves need): with 2-3 per cell the
+nested bootstrap interval misses a true 0 in 5-13 % of simulated grids and the test has almost no power
+(docs/stats.md)."""
+
+
+def _cells(arms: dict[str, dict], mats: dict[str, np.ndarray], min_seeds: int = 1
+           ) -> tuple[dict[tuple[str, str], str], list[str]]:
+    """``{(arm, setting): key}`` of the groups with at least ``min_seeds`` seeds, and the arm names in order."""
+    cell = {(r["arm"], r["setting"]): k for k, r in arms.items() if mats[k].shape[0] >= min_seeds}
+    return cell, list(dict.fromkeys(r["arm"] for r in arms.values()))
+
+
+def _compare(pairs, mats: dict[str, np.ndarray], qsets: dict[str, list[str]], tag: str) -> list[dict]:
+    """``{"a", "b", tag: True, **SeedComparison}`` for each ``(a, b)`` of group keys on the same questions."""
+    return [{"a": a, "b": b, tag: True, **asdict(compare_seeds(mats[a], mats[b]))}
+            for a, b in pairs if qsets[a] == qsets[b]]
 
 
 def baseline_ablations(arms: dict[str, dict], mats: dict[str, np.ndarray], qsets: dict[str, list[str]],
@@ -38,38 +52,31 @@ def baseline_ablations(arms: dict[str, dict], mats: dict[str, np.ndarray], qsets
     ``{"a", "b", "vs_baseline", **SeedComparison}`` (Holm is the caller's)."""
     if not baseline:
         return []
-    out = []
-    for a, row in arms.items():
-        b = next((k for k, r in arms.items() if r["arm"] == row["arm"] and r["setting"] == baseline), None)
-        if b is not None and a != b and qsets[a] == qsets[b]:
-            out.append({"a": a, "b": b, "vs_baseline": True, **asdict(compare_seeds(mats[a], mats[b]))})
-    return out
+    cell, _ = _cells(arms, mats)
+    pairs = [(a, cell[r["arm"], baseline]) for a, r in arms.items()
+             if r["setting"] != baseline and (r["arm"], baseline) in cell]
+    return _compare(pairs, mats, qsets, "vs_baseline")
 
 
 def setting_contrasts(arms: dict[str, dict], mats: dict[str, np.ndarray], qsets: dict[str, list[str]],
                       contrasts) -> list[dict]:
-    """Pairs ``{"a", "b", **SeedComparison}`` of one arm under two settings, for each ``(A, B)`` of
+    """Pairs ``{"a", "b", "contrast", **SeedComparison}`` of one arm under two settings, for each ``(A, B)`` of
     ``contrasts`` and each arm with runs under both on the same questions (Holm is the caller's)."""
-    cell = {(r["arm"], r["setting"]): k for k, r in arms.items()}
-    names = list(dict.fromkeys(r["arm"] for r in arms.values()))
-    out = []
-    for sa, sb in contrasts:
-        for arm in names:
-            ka, kb = cell.get((arm, sa)), cell.get((arm, sb))
-            if ka and kb and qsets[ka] == qsets[kb]:
-                out.append({"a": ka, "b": kb, "contrast": True, **asdict(compare_seeds(mats[ka], mats[kb]))})
-    return out
+    cell, names = _cells(arms, mats)
+    pairs = [(cell[arm, sa], cell[arm, sb]) for sa, sb in contrasts for arm in names
+             if (arm, sa) in cell and (arm, sb) in cell]
+    return _compare(pairs, mats, qsets, "contrast")
 
 
 def interaction_table(arms: dict[str, dict], mats: dict[str, np.ndarray], qsets: dict[str, list[str]],
                       baseline: str | None) -> dict | None:
     """Rows of the interaction table and its A/A check from a report table's ``arms`` (key -> row with
     ``arm`` and ``setting``), per-seed matrices ``mats`` and question ids ``qsets``; None when the grid has no
-    baseline or no pair of arms in a second setting."""
+    baseline or no pair of arms in a second setting. Cells need :data:`MIN_SEEDS` seeds (also what the A/A
+    check's halves need)."""
     if not baseline:
         return None
-    cell = {(r["arm"], r["setting"]): k for k, r in arms.items() if mats[k].shape[0] >= MIN_SEEDS}
-    names = list(dict.fromkeys(r["arm"] for r in arms.values()))
+    cell, names = _cells(arms, mats, MIN_SEEDS)
     settings = [s for s in dict.fromkeys(r["setting"] for r in arms.values()) if s != baseline]
     rows, aa = [], {}
     for s in settings:
@@ -82,7 +89,7 @@ def interaction_table(arms: dict[str, dict], mats: dict[str, np.ndarray], qsets:
                              **asdict(interaction(*(mats[k] for k in keys)))})
         for a in names:
             ks, kb = cell.get((a, s)), cell.get((a, baseline))
-            if ks and kb and min(mats[ks].shape[0], mats[kb].shape[0]) >= 4 and qsets[ks] == qsets[kb]:
+            if ks and kb and qsets[ks] == qsets[kb]:
                 aa[f"{a}: {s} vs {baseline}"] = aa_interaction(mats[ks], mats[kb])
     if not rows:
         return None

@@ -258,10 +258,9 @@ def _heldout_eval(cfg: Config, run_dir: Path, name: str, model, tok, chat, split
         res = json.loads(meta.read_text())
         _log(f"warm start on {where} (cached): {100 * res['accuracy']:.1f} %")
         return res
-    label = "warm start" if name == "warmstart" else "after RL"
+    label, what = ("warm start", "the warm start") if name == "warmstart" else ("after RL", "the model after RL")
     n_tasks = cfg.data.n_eval_tasks or len(split.tasks)
-    _log(f"evaluating {'the warm start' if name == 'warmstart' else 'the model after RL'} on {where}: {n_tasks} "
-         f"questions x {cfg.train.eval_samples} samples")
+    _log(f"evaluating {what} on {where}: {n_tasks} questions x {cfg.train.eval_samples} samples")
     r = evaluate(cfg, model, tok, chat, split, n_tasks=n_tasks,
                  samples=cfg.train.eval_samples, temperature=cfg.train.eval_temperature,
                  out=run_dir / f"eval_{name}.jsonl", partner_model=partner_model,

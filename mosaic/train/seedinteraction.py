@@ -15,26 +15,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
 import numpy as np
 
-from mosaic.train.seedstats import PAPER_EFFECT, betainc, half_splits, nested_means, t_cdf, t_ppf
+from mosaic.train.seedstats import (
+    PAPER_EFFECT, contrast_welch, half_splits, nested_means, pooled_sd, t_cdf, t_ppf,
+)
 
 __all__ = ["Interaction", "interaction", "contrast_power", "aa_interaction"]
-
-
-def _contrast_welch(means: list[np.ndarray], signs: tuple[float, ...]) -> tuple[np.ndarray, np.ndarray]:
-    """Two-sided p and Welch-Satterthwaite df of the contrast ``sum_c signs[c] * mean(cell c)`` of independent
-    cells, over the last axis of each ``means[c]`` (..., S_c); vectorised over the leading axes."""
-    parts = [m.var(-1, ddof=1) / m.shape[-1] for m in means]
-    est = sum(s * m.mean(-1) for s, m in zip(signs, means))
-    se2 = sum(parts)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        df = se2**2 / sum(v**2 / (m.shape[-1] - 1) for v, m in zip(parts, means))
-        t2 = est**2 / se2
-        p = betainc(np.where(se2 > 0, df, 1.0) / 2.0, 0.5, np.where(se2 > 0, df / (df + t2), 1.0))
-    # every cell without spread: the contrast is exact, 0 (to rounding of the means) or not
-    tol = 1e-12 * (1 + sum(np.abs(m).max(-1) for m in means))
-    return np.where(se2 > 0, p, np.where(np.abs(est) > tol, 0.0, 1.0)), df
 
 
 @dataclass(frozen=True)
@@ -94,9 +82,8 @@ def interaction(a1, b1, a2, b2, *, ci: float = 0.95, n_boot: int = 4000, seed: i
         boot[lo : lo + m] = sum(s * nested_means(c, m, rng) for s, c in zip(signs, cells))
     lo_, hi_ = np.quantile(boot, [(1 - ci) / 2, (1 + ci) / 2])
     means = [c.mean(1) for c in cells]
-    p, df = _contrast_welch(means, signs)
-    dof = sum(len(m) - 1 for m in means)
-    sd = math.sqrt(sum(((m - m.mean()) ** 2).sum() for m in means) / dof)
+    p, df = contrast_welch(means, signs)
+    sd = pooled_sd(*cells)
     power = contrast_power(sd, [len(m) for m in means], effect, alpha)
     return Interaction(float(sum(s * m.mean() for s, m in zip(signs, means))), float(lo_), float(hi_), float(p),
                        float(df), tuple(len(m) for m in means), cells[0].shape[1], sd, power, effect)  # fmt: skip
@@ -123,5 +110,5 @@ def aa_interaction(x, y, *, alpha: float = 0.05, max_pairs: int = 4000, seed: in
         i, j = i[pick], j[pick]
     cells = [np.stack([x[m] for m in xa])[i], np.stack([x[m] for m in xb])[i],
              np.stack([y[m] for m in ya])[j], np.stack([y[m] for m in yb])[j]]  # fmt: skip
-    p, _ = _contrast_welch(cells, (1.0, -1.0, -1.0, 1.0))
+    p, _ = contrast_welch(cells, (1.0, -1.0, -1.0, 1.0))
     return {"pairs": int(len(i)), "rate_welch": float((p < alpha).mean()), "seeds": (len(x), len(y))}

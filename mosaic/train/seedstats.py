@@ -32,7 +32,7 @@ import numpy as np
 from mosaic.train.stats import seed_permutation_test, sign_flip_test, sign_test  # noqa: F401  (re-exported)
 
 __all__ = ["PAPER_EFFECT", "betainc", "t_cdf", "t_ppf", "welch_test", "seed_permutation_test",
-           "min_permutation_p", "hierarchical_bootstrap", "nested_means", "seed_power", "seeds_for_power", "half_splits",
+           "min_permutation_p", "hierarchical_bootstrap", "nested_means", "contrast_welch", "seed_power", "seeds_for_power", "half_splits",
            "AACalibration", "aa_calibration", "SeedComparison", "compare_seeds", "vs_reference", "pooled_sd",
            "seed_matrices", "format_seed_comparison"]  # fmt: skip
 
@@ -92,17 +92,25 @@ def t_ppf(p: float, df: float) -> float:
     return (lo + hi) / 2
 
 
+def contrast_welch(means: list[np.ndarray], signs: tuple[float, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """Two-sided p and Welch-Satterthwaite df of the contrast ``sum_c signs[c] * mean(cell c)`` of independent
+    cells, over the last axis of each ``means[c]`` (..., S_c); vectorised over the leading axes. Two cells with
+    signs (1, -1) are Welch's two-sample test. Every cell without spread: the contrast is exact, p 1 when it
+    is 0 up to the rounding of the means, else 0."""
+    parts = [m.var(-1, ddof=1) / m.shape[-1] for m in means]
+    est = sum(s * m.mean(-1) for s, m in zip(signs, means))
+    se2 = sum(parts)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        df = se2**2 / sum(v**2 / (m.shape[-1] - 1) for v, m in zip(parts, means))
+        t2 = est**2 / se2
+        p = betainc(np.where(se2 > 0, df, 1.0) / 2.0, 0.5, np.where(se2 > 0, df / (df + t2), 1.0))
+    tol = 1e-12 * (1 + sum(np.abs(m).max(-1) for m in means))
+    return np.where(se2 > 0, p, np.where(np.abs(est) > tol, 0.0, 1.0)), df
+
+
 def _welch(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Two-sided Welch p over the last axis of ``a`` (..., S_a) and ``b`` (..., S_b)."""
-    na, nb = a.shape[-1], b.shape[-1]
-    va, vb = a.var(-1, ddof=1) / na, b.var(-1, ddof=1) / nb
-    diff = a.mean(-1) - b.mean(-1)
-    se2 = va + vb
-    with np.errstate(divide="ignore", invalid="ignore"):
-        df = se2**2 / (va**2 / (na - 1) + vb**2 / (nb - 1))
-        t2 = diff**2 / se2
-        p = betainc(np.where(se2 > 0, df, 1.0) / 2.0, 0.5, np.where(se2 > 0, df / (df + t2), 1.0))
-    return np.where(se2 > 0, p, np.where(np.abs(diff) > 0, 0.0, 1.0))
+    return contrast_welch([a, b], (1.0, -1.0))[0]
 
 
 def welch_test(a, b) -> float:
@@ -322,14 +330,14 @@ class SeedComparison:
     min_p_seeds: float
 
 
-def pooled_sd(a: np.ndarray, b: np.ndarray) -> float:
-    """Pooled standard deviation of per-seed accuracies (NaN when neither arm has 2 seeds)."""
-    ma, mb = a.mean(1), b.mean(1)
-    dof = (len(ma) - 1) + (len(mb) - 1)
+def pooled_sd(*arms: np.ndarray) -> float:
+    """Pooled standard deviation of per-seed accuracies over the arms' (S, Q) matrices (NaN when no arm has 2
+    seeds)."""
+    means = [a.mean(1) for a in arms]
+    dof = sum(len(m) - 1 for m in means)
     if dof <= 0:
         return float("nan")
-    ss = (((ma - ma.mean()) ** 2).sum() if len(ma) > 1 else 0.0) + (((mb - mb.mean()) ** 2).sum() if len(mb) > 1 else 0.0)
-    return math.sqrt(ss / dof)
+    return math.sqrt(sum(((m - m.mean()) ** 2).sum() for m in means if len(m) > 1) / dof)
 
 
 def compare_seeds(a, b, *, ci: float = 0.95, n_boot: int = 4000, seed: int = 0, effect: float = PAPER_EFFECT,
