@@ -269,7 +269,7 @@ class AlgoConfig(_Section):
     capo: bool = False
     """CAPO (docs/algorithm.md §5.1): each turn's action-label tokens and argument tokens update their own
     partitions of the decoder's linear units (chosen per micro-batch by which token type activates each unit
-    more); a second backward pass per micro-batch. Built-in trainer only (``mosaic train``)."""
+    more); a second backward pass per micro-batch. ``mosaic train`` and the TRL trainer; not verl."""
     skip_uniform_groups: bool = False
     """Drop groups whose rewards are all equal before scoring and the update (DAPO-style filtering, no
     resampling). Group-relative estimators give such groups zero advantage anyway (they only dilute the

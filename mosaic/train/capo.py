@@ -33,7 +33,7 @@ from typing import Callable, Sequence
 import torch
 
 __all__ = ["action_span", "action_mask", "batch_action_mask", "piece_fn", "ActivationMeter", "positions",
-           "routed_modules", "routed_backward"]
+           "meter_for", "routed_modules", "routed_grads", "routed_backward", "routed_loss"]
 
 _CALL = re.compile(r'<tool_call>\s*\{\s*"name"\s*:\s*"[^"]*"')
 _ANSWER = re.compile(r"<\s*answer\s*>", re.I)  # (any case and spacing, as the reward's extraction reads it)
@@ -147,10 +147,18 @@ def positions(batch, mask: torch.Tensor) -> torch.Tensor:
     return out.clamp(max=1.0)
 
 
-def routed_backward(model, loss_action: torch.Tensor, loss_args: torch.Tensor,
-                    parts: dict[str, torch.Tensor] | None) -> dict[str, float]:  # fmt: skip
-    """Accumulate into ``.grad`` the routed gradient (module docstring, rule 3); ``parts`` None = one
-    partition (every parameter shared: the plain gradient of ``loss_action + loss_args``). Returns metrics."""
+def meter_for(model, batch, piece: Callable[[int], str]) -> tuple[torch.Tensor, ActivationMeter]:
+    """For one collated micro-batch: its action tokens ((R, Lc) bool, trained tokens only) and the meter to
+    run its forward under (rules 1 and 2)."""
+    act = batch_action_mask(batch.completion_ids.cpu(), batch.loss_mask.cpu(), piece).to(batch.loss_mask.device)
+    act &= batch.loss_mask
+    return act, ActivationMeter(model, positions(batch, act), positions(batch, batch.loss_mask & ~act))
+
+
+def routed_grads(model, loss_action: torch.Tensor, loss_args: torch.Tensor,
+                 parts: dict[str, torch.Tensor] | None) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], dict[str, float]]:  # fmt: skip
+    """The routed gradient (module docstring, rule 3) as (parameter, gradient) pairs, and metrics;
+    ``parts`` None = one partition (every parameter shared: the plain gradient of ``loss_action + loss_args``)."""
     params = [p for p in model.parameters() if p.requires_grad]
     ga = torch.autograd.grad(loss_action, params, retain_graph=True, allow_unused=True)
     gb = torch.autograd.grad(loss_args, params, allow_unused=True)
@@ -161,21 +169,39 @@ def routed_backward(model, loss_action: torch.Tensor, loss_args: torch.Tensor,
                 for p in (m.weight, m.bias):
                     if p is not None:
                         rows[id(p)] = parts[name]
-    n_units = n_action = 0
+    out = []
     for p, a, b in zip(params, ga, gb):
         a = torch.zeros_like(p) if a is None else a
         b = torch.zeros_like(p) if b is None else b
         unit = rows.get(id(p))
         if unit is None:
-            g = a + b
+            out.append((p, a + b))
         else:
             keep = unit.to(p.device).view(-1, *([1] * (p.dim() - 1)))
-            g = torch.where(keep, a, b)
+            out.append((p, torch.where(keep, a, b)))
+    units = list((parts or {}).values())
+    return out, {"capo/action_units": float(sum(int(u.sum()) for u in units)),
+                 "capo/units": float(sum(u.numel() for u in units))}
+
+
+def routed_backward(model, loss_action: torch.Tensor, loss_args: torch.Tensor,
+                    parts: dict[str, torch.Tensor] | None) -> dict[str, float]:  # fmt: skip
+    """Accumulate the routed gradient (:func:`routed_grads`) into ``.grad``; returns metrics."""
+    pairs, metrics = routed_grads(model, loss_action, loss_args, parts)
+    for p, g in pairs:
         p.grad = g if p.grad is None else p.grad + g
-    for u in (parts or {}).values():
-        n_units += u.numel()
-        n_action += int(u.sum())
-    return {"capo/action_units": float(n_action), "capo/units": float(n_units)}
+    return metrics
+
+
+def routed_loss(model, loss_action: torch.Tensor, loss_args: torch.Tensor,
+                parts: dict[str, torch.Tensor] | None) -> tuple[torch.Tensor, dict[str, float]]:  # fmt: skip
+    """For engines that run one ``backward`` over the loss they are given (TRL's training step, with its
+    loss scaling, gradient accumulation and DDP all-reduce left in place): a tensor whose value is
+    ``loss_action + loss_args`` and whose gradient is the routed gradient, ``sum_p <p, g_p>`` with ``g``
+    detached, shifted to the loss's value. Returns it and metrics."""
+    pairs, metrics = routed_grads(model, loss_action, loss_args, parts)
+    lin = sum((p * g.detach()).sum() for p, g in pairs)
+    return lin - lin.detach() + (loss_action + loss_args).detach(), metrics
 
 
 def share_metrics(m: dict[str, float]) -> dict[str, float]:

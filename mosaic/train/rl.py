@@ -123,10 +123,7 @@ def _accumulate_gradients(st: RLState, packed, w_rows: torch.Tensor, *, temperat
         batch = collate(packed, micro, pad_id=st.tokenizer.pad_token_id).to(st.device)
         meter = None
         if cfg.algo.capo:  # §5.1: token types, and the units each activates more (this forward's activations)
-            act = capo.batch_action_mask(batch.completion_ids.cpu(), batch.loss_mask.cpu(), st.piece).to(st.device)
-            act &= batch.loss_mask
-            meter = capo.ActivationMeter(st.model, capo.positions(batch, act),
-                                         capo.positions(batch, batch.loss_mask & ~act))  # fmt: skip
+            act, meter = capo.meter_for(st.model, batch, st.piece)
         with meter if meter is not None else contextlib.nullcontext():
             lp, ent = logprobs(st.model, micro, batch, with_entropy=True)
         if agree is not None:

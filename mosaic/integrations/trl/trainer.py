@@ -12,7 +12,9 @@ scheduler, ``accelerate`` / DDP, logging, checkpoints):
   sessions, one training row per session (prefix sessions packed as in our trainer).
 - ``compute_loss``: Mosaic's PPO clip-higher loss (:func:`mosaic.core.loss.policy_loss`) with those
   per-token weights and advantages, the recorded sampling log-probs as the old policy, times the
-  number of processes (DDP averages gradients, so the ranks' sums add up to the global loss).
+  number of processes (DDP averages gradients, so the ranks' sums add up to the global loss). With
+  ``algo.capo=true``, a loss of the same value whose gradient is CAPO's routed one
+  (:func:`mosaic.train.capo.routed_loss`), so TRL's single backward trains it.
 
 Why not ``rollout_func`` or ``environment_factory``: both produce one completion per prompt row and
 leave the advantage to TRL's group normalisation, which has no sessions, no per-session advantage and
@@ -29,6 +31,7 @@ used (the estimator, the loss weights and ``harness.max_new_tokens`` replace the
 
 from __future__ import annotations
 
+import contextlib
 import time
 from types import SimpleNamespace
 from typing import Any
@@ -40,6 +43,7 @@ from trl import GRPOConfig, GRPOTrainer
 from mosaic.core.estimators import get_estimator
 from mosaic.core.loss import policy_loss
 from mosaic.integrations.trl.batch import Scope, concat_scores, rank_batch, row_tensors, sample_indices
+from mosaic.train import capo
 from mosaic.train.batch import Scores, score_for
 from mosaic.train.downstream import group_references
 from mosaic.train.batching import RowBatch, completion_logprobs
@@ -69,9 +73,6 @@ def check_args(args: GRPOConfig, cfg: Config) -> None:
         raise ValueError("eval_strategy: evaluate checkpoints with `mosaic eval` (TRL's eval loop has no harness)")
     if args.num_generations < 2:
         raise ValueError("num_generations must be >= 2 (the group size of the outcome advantage)")
-    if cfg.algo.capo:
-        raise ValueError("algo.capo: CAPO routes two backward passes to different units, and TRL's step runs one "
-                         "backward over one loss; train with CAPO in `mosaic train`")  # fmt: skip
 
 
 def _combine(per_rank: list[dict[str, float]]) -> dict[str, float]:
@@ -98,6 +99,7 @@ class MosaicGRPOTrainer(GRPOTrainer):
         self.rollouts = rollouts
         self.scope = scope
         self.estimator = get_estimator(mosaic.algo.estimator)
+        self.piece = capo.piece_fn(processing_class) if mosaic.algo.capo else None  # (CAPO's token types)
         self.chat = chat_format(processing_class) if (self.estimator.needs_gains or
                                                       "turn_gains" in self.estimator.needs) else None
 
@@ -182,17 +184,36 @@ class MosaicGRPOTrainer(GRPOTrainer):
         b = RowBatch(**{k: inputs[k] for k in ("input_ids", "attention_mask", "completion_ids", "loss_mask",
                                                "old_logprobs", "prompt_lens", "completion_lens", "advantages",
                                                "token_rows")})  # fmt: skip
-        lp, ent = completion_logprobs(model, b, temperature=self.temperature, with_entropy=True)
+        core, act, meter = self.accelerator.unwrap_model(model), None, contextlib.nullcontext()
+        if self.mosaic.algo.capo:  # docs/algorithm.md §5.1: token types, and the units each activates more
+            act, meter = capo.meter_for(core, b, self.piece)
+        with meter:
+            lp, ent = completion_logprobs(model, b, temperature=self.temperature, with_entropy=True)
         ref_lp = None
         if self.beta != 0.0:
             with torch.no_grad():
                 ref_lp, _ = completion_logprobs(self.ref_model, b, temperature=self.temperature)
-        a = self.mosaic.algo
-        res = policy_loss(lp, b.old_logprobs, b.advantages, b.loss_mask, inputs["token_weights"],
-                          clip_low=self.epsilon_low, clip_high=self.epsilon_high, clip_ratio_c=a.clip_ratio_c,
-                          ref_logprobs=ref_lp, kl_coef=self.beta, entropy=ent)  # fmt: skip
+        kw = dict(clip_low=self.epsilon_low, clip_high=self.epsilon_high, clip_ratio_c=self.mosaic.algo.clip_ratio_c,
+                  ref_logprobs=ref_lp, kl_coef=self.beta)  # fmt: skip
+        w = inputs["token_weights"]
+        res = policy_loss(lp, b.old_logprobs, b.advantages, b.loss_mask, w, entropy=ent, **kw)
+        loss = res.loss
+        if act is not None:  # one backward (TRL's): a loss whose gradient is the routed one
+            la = policy_loss(lp, b.old_logprobs, b.advantages, b.loss_mask, w * act, **kw).loss
+            lb = policy_loss(lp, b.old_logprobs, b.advantages, b.loss_mask, w * ~act, **kw).loss
+            loss, m = capo.routed_loss(core, la, lb, meter.partitions())
+            self._log_capo(m["capo/action_units"], m["capo/units"], float(act.sum()), float(b.loss_mask.sum()))
         self._log_loss_metrics(res.metrics)
-        return res.loss * self.accelerator.num_processes
+        return loss * self.accelerator.num_processes
+
+    def _log_capo(self, *counts: float) -> None:
+        """CAPO's two shares over all ranks: units in the action partition, trained tokens that are action tokens."""
+        a_units, units, a_tok, tok = self.accelerator.reduce(
+            torch.tensor(counts, dtype=torch.float64, device=self.accelerator.device), reduction="sum").tolist()
+        if units:
+            self._metrics["train"]["capo/action_unit_share"].append(a_units / units)
+        if tok:
+            self._metrics["train"]["capo/action_token_share"].append(a_tok / tok)
 
     def _log_loss_metrics(self, metrics: dict[str, float]) -> None:
         """Weighted metrics add up over ranks and chunks (TRL averages the chunks' values: scaled back);

@@ -48,14 +48,14 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="session")
 def trl_run(trl_python, recorded, tmp_path_factory):
-    """``run(processes, scope) -> out_dir``: one TRL step on the recorded batch (cached per arguments)."""
-    done: dict[tuple[int, str], Path] = {}
+    """``run(processes, scope, capo) -> out_dir``: one TRL step on the recorded batch (cached per arguments)."""
+    done: dict[tuple[int, str, bool], Path] = {}
 
-    def run(processes: int, scope: str = "global") -> Path:
-        if (processes, scope) in done:
-            return done[(processes, scope)]
-        out = tmp_path_factory.mktemp(f"trl-{processes}-{scope}")
-        script = [str(HERE / "runner.py"), str(recorded), str(out), "--scope", scope]
+    def run(processes: int, scope: str = "global", capo: bool = False) -> Path:
+        if (processes, scope, capo) in done:
+            return done[(processes, scope, capo)]
+        out = tmp_path_factory.mktemp(f"trl-{processes}-{scope}" + ("-capo" if capo else ""))
+        script = [str(HERE / "runner.py"), str(recorded), str(out), "--scope", scope] + (["--capo"] if capo else [])
         if processes == 1:
             cmd = [str(trl_python), *script]
         else:  # accelerate's --cpu launches one process; --multi_gpu runs torchrun, use_cpu=True makes it gloo
@@ -66,7 +66,7 @@ def trl_run(trl_python, recorded, tmp_path_factory):
         env |= {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
         res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1500)
         assert res.returncode == 0, f"TRL runner failed ({processes} processes, {scope}):\n{res.stderr[-4000:]}"
-        done[(processes, scope)] = out
+        done[(processes, scope, capo)] = out
         return out
 
     return run

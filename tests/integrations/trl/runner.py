@@ -1,13 +1,13 @@
 """One TRL step of ``MosaicGRPOTrainer`` on a recorded batch; run inside ``.venv-trl`` (``python`` or
 ``accelerate launch --cpu --num_processes N``).
 
-    runner.py TRAJS.jsonl OUT_DIR [--scope global|rank]
+    runner.py TRAJS.jsonl OUT_DIR [--scope global|rank] [--capo]
 
 Trains the shipped base model one step (plain SGD, so parameter changes are proportional to the
 gradient: Adam's first step would turn tiny round-off differences into full ``lr``-sized steps)
 and writes ``OUT_DIR/params.pt`` (rank 0: the parameters after the step) and
 ``OUT_DIR/batch-rank<r>.pt`` (every rank: the input ids, loss mask, per-token advantages and weights
-the loss was given), plus ``OUT_DIR/metrics-rank<r>.json`` (TRL's logged metrics).
+the loss was given, and the rest of the row batch), plus ``OUT_DIR/metrics-rank<r>.json`` (TRL's logged metrics).
 """
 
 from __future__ import annotations
@@ -31,6 +31,9 @@ from mosaic.train import setup  # noqa: E402
 from mosaic.config.loader import load_config  # noqa: E402
 
 LR = 0.05
+KEYS = ("input_ids", "attention_mask", "completion_ids", "loss_mask", "old_logprobs", "prompt_lens",
+        "completion_lens", "advantages", "token_rows", "token_weights")
+"""What each ``compute_loss`` call is given and the runner keeps (a ``RowBatch`` and the token weights)."""
 
 
 class Capturing(MosaicGRPOTrainer):
@@ -40,8 +43,7 @@ class Capturing(MosaicGRPOTrainer):
     logged: list[dict]
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        self.captured.append({k: inputs[k].detach().cpu() for k in ("input_ids", "attention_mask", "prompt_lens",
-                                                                    "loss_mask", "advantages", "token_weights")})
+        self.captured.append({k: inputs[k].detach().cpu() for k in KEYS})
         return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
     def log(self, logs, start_time=None):
@@ -54,10 +56,11 @@ def main() -> None:
     p.add_argument("trajs")
     p.add_argument("out")
     p.add_argument("--scope", default="global", choices=["global", "rank"])
+    p.add_argument("--capo", action="store_true", help="algo.capo=true (CAPO's routed gradient)")
     a = p.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    cfg = load_config("cpu", overrides=OVERRIDES)
+    cfg = load_config("cpu", overrides=OVERRIDES + (["algo.capo=true"] if a.capo else []))
     model, tok = setup.build_base_model(cfg, torch.device("cpu"), torch.float32)
     rollouts = RecordedRollouts(a.trajs)
     tasks = rollouts.tasks()
