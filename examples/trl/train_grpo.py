@@ -28,6 +28,7 @@ from trl import GRPOConfig  # noqa: E402
 from mosaic.integrations.trl import HarnessRollouts, MosaicGRPOTrainer, task_dataset  # noqa: E402
 from mosaic.train import setup  # noqa: E402
 from mosaic.config.loader import load_config  # noqa: E402
+from mosaic.config.values import ConfigError  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -41,7 +42,10 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     a = parse_args()
-    cfg = load_config("cpu", overrides=a.set)
+    try:
+        cfg = load_config("cpu", overrides=a.set)
+    except ConfigError as exc:  # a bad --set: one line, as `mosaic train` says it
+        raise SystemExit(f"error: {exc}") from None
     model, tok = setup.build_base_model(cfg, torch.device("cpu"), torch.float32)
     split = setup.load_split(cfg, "train")
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -62,10 +66,13 @@ def main() -> None:
         weight_decay=cfg.optim.weight_decay, adam_beta1=cfg.optim.betas[0], adam_beta2=cfg.optim.betas[1],
         max_grad_norm=cfg.optim.grad_clip, optim="adamw_torch",
     )  # fmt: skip
-    trainer = MosaicGRPOTrainer(
-        model=model, args=args, processing_class=tok, train_dataset=task_dataset(split.tasks),
-        mosaic=cfg, rollouts=HarnessRollouts(split, cfg.harness, batch_size=cfg.rollout.batch_size),
-    )  # fmt: skip
+    try:
+        trainer = MosaicGRPOTrainer(
+            model=model, args=args, processing_class=tok, train_dataset=task_dataset(split.tasks),
+            mosaic=cfg, rollouts=HarnessRollouts(split, cfg.harness, batch_size=cfg.rollout.batch_size),
+        )  # fmt: skip
+    except ValueError as exc:  # a TRL setting this trainer cannot honour (check_args): one line
+        raise SystemExit(f"error: {exc}") from None
     trainer.train()
     trainer.save_model(a.output_dir)
 

@@ -67,6 +67,7 @@ class ResetSessions:
         live.session.meta["notes_before"] = list(run.notes)
         if role is not None:
             live.session.meta["role"] = role
+            live.session.meta["role_text"] = cfg.reset_roles[role]  # (what its system prompt told it)
             if cfg.partner_plays(role):
                 live.session.meta["partner"] = cfg.partner  # its tokens are not trained (loss mask 0)
         live.turn_start = boundary

@@ -22,6 +22,10 @@ successful and failed trajectories apart (absent when the batch has none of them
 split by outcome (only mixed groups carry a trajectory advantage) |
 | ``session/gain/<kind>`` | mean information gain of non-final sessions of a kind |
 | ``session/pos_gain_share/<kind>`` | share of non-final sessions of a kind with gain > 0 |
+| ``session/pos_downstream_share/<kind>`` | the same for the downstream credit (``mosaic-dag``, docs/algorithm.md §4.10) |
+| ``session/no_reference_share``, ``score/groups_without_reference`` | ``algo.gain_reference=group``: share of the
+batch's sessions (final ones included) in groups with no success, so no probe target; the number of such groups
+(docs/algorithm.md §4.11) |
 | ``session/compactions``, ``session/forks`` | per trajectory (mean) |
 | ``session/subagent_result_in_final`` | of the helpers' sessions, the share whose result is still in the final
 state (not dropped by a later compaction, not aborted; from the graph, no model) |

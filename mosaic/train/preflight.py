@@ -119,8 +119,9 @@ def train_notes(cfg) -> list[str]:
 
     est = ESTIMATORS[cfg.algo.estimator]
     if cfg.harness.mode == "single" and (est.needs_gains or "downstream" in est.needs):
+        extra = " (and algo.gain_reference=group has nothing to score)" if cfg.algo.gain_reference == "group" else ""
         return [f"harness.mode=single makes one session per trajectory: {est.name}'s session term is 0 here (every "
-                "session is final), so it trains on its trajectory term alone"]
+                f"session is final), so it trains on its trajectory term alone{extra}"]
     return []
 
 

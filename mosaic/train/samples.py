@@ -17,6 +17,7 @@ gives it, without a model or a tokenizer::
                                               # parent p's prompt + completion (stored once; n >= 32)
                    "fork_at": 57,             # optional, a fork: the parent's token count where it left
                   "notes": {"before": [..], "after": [..]},  # optional, a reset session's workspace
+                  "role": {"index": 0, "text": "..", "partner": null},  # optional, a reset session's role
                    "prompt": [ids], "completion": [ids],
                    "mask": [runs],            # loss_mask as run lengths, starting with a False run
                    "gain": 0.12,              # L(after) - L(before), nats per answer token; null where not scored
@@ -167,6 +168,9 @@ def _session_record(t: Trajectory, s, flat: int, u_off: list[int], adv: dict, le
     if "notes_before" in s.meta or "notes_after" in s.meta:  # a reset session's workspace (mode=reset)
         rec["notes"] = {"before": list(s.meta.get("notes_before", [])),
                         "after": list(s.meta.get("notes_after", []))}
+    if type(s.meta.get("role")) is int:  # one of two alternating roles (harness.reset_roles), who played it
+        rec["role"] = {"index": s.meta["role"], "text": str(s.meta.get("role_text", "")),
+                       "partner": s.meta.get("partner")}  # fmt: skip
     rec["prompt"] = prompt
     rec["completion"] = list(s.completion_ids)
     rec["mask"] = mask_runs(s.loss_mask)

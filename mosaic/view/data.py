@@ -95,6 +95,10 @@ def _check_session(s, k: int) -> None:
         raise ViewError(f"sessions[{k}].turn_adv: must map estimator names to lists of numbers")
     if "turn_gains" in s and s["turn_gains"] is not None and not _numbers(s["turn_gains"]):
         raise ViewError(f"sessions[{k}].turn_gains: must be a list of numbers")
+    r = s.get("role")
+    if r is not None and not (isinstance(r, dict) and type(r.get("index")) is int and isinstance(r.get("text", ""), str)
+                              and (r.get("partner") is None or isinstance(r.get("partner"), str))):  # fmt: skip
+        raise ViewError(f"sessions[{k}].role: must be {{index: int, text: str, partner: str or null}}, got {r!r}")
     if s.get("downstream") is not None and not _numbers([s["downstream"]]):
         raise ViewError(f"sessions[{k}].downstream: must be a number or null")
     if s.get("downstream_how") is not None and s["downstream_how"] not in DOWNSTREAM_HOW:

@@ -170,3 +170,36 @@ def test_downstream_credit_is_shown_beside_the_immediate_gain(chromium, tmp_path
         b.wait_for("!document.getElementById('transcript').hidden")
         assert "downstream credit" in b.eval("document.querySelector('#transcript header').innerText")
         assert b.page_errors() == []
+
+
+def test_reset_sessions_show_their_role_and_workspace(chromium, tmp_path):
+    """Issue 30: a ``harness.mode=reset`` run with two roles (the second played by a frozen partner) shows
+    each reset session's role on its node and in its transcript, with the workspace notes it started from."""
+    from mosaic.config.loader import load_config
+    from mosaic.train import entrypoints
+
+    d = tmp_path / "run"
+    cfg = load_config("cpu", overrides=[
+        f"data.cache_dir={tmp_path / 'cache'}", "data.n_train_tasks=8", "train.steps=1", "harness.mode=reset",
+        "harness.reset_k=2", 'harness.reset_roles=["searcher: note what you find", "solver: answer"]',
+        "harness.partner=frozen", "train.batch_tasks=2", "train.group_size=2", "train.heldout_split=none",
+        "train.tensorboard=false", "train.rollout_samples=4", f"train.run_dir={d}",
+    ])  # fmt: skip
+    assert entrypoints.run_train(cfg) == 0
+    recs = [json.loads(x) for x in (d / "samples.jsonl").read_text().splitlines()]
+    two = [(i, r) for i, r in enumerate(recs) if len(r["sessions"]) >= 2]
+    assert two, "no trajectory reset: nothing to show"
+    i, r = two[0]
+    assert [s["role"]["index"] for s in r["sessions"][:2]] == [0, 1]
+    assert r["sessions"][1]["role"] == {"index": 1, "text": "solver: answer", "partner": "frozen"}
+    assert main(["view", str(d)]) == 0
+    with Browser(chromium) as b:
+        b.open(d / "view.html")
+        node = f"article[data-traj='{i}'] g.node[data-s='1']"
+        assert b.eval(f"document.querySelector(\"{node} text\").textContent").endswith("reset r2*")
+        b.click(node)
+        b.wait_for("!document.getElementById('transcript').hidden")
+        head = b.eval("document.querySelector('#transcript header').innerText")
+        assert "role 2 (solver: answer), played by the frozen partner (not trained)" in head, head
+        assert "workspace notes:" in head
+        assert b.page_errors() == []

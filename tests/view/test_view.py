@@ -251,3 +251,13 @@ def test_a_tokenizer_path_that_is_not_one_is_named(tmp_path, capsys):
     assert capsys.readouterr().err.strip() == f"mosaic view: --tokenizer {tmp_path / 'nope'}: no such directory"
     assert main(["view", str(d), "--tokenizer", str(tmp_path)]) == 2
     assert "no tokenizer files in this directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("role", [{"index": "1"}, {"index": 0, "text": 3}, {"index": 0, "partner": 5}, "solver"])
+def test_a_malformed_role_is_named(role):
+    from mosaic.view.data import check_sample
+
+    ok = {"kind": "reset", "parent": None, "prompt": [1], "completion": [2], "mask": [0, 1]}
+    check_sample({"sessions": [{**ok, "role": {"index": 0, "text": "searcher", "partner": None}}]})
+    with pytest.raises(ViewError, match=r"sessions\[0\]\.role"):
+        check_sample({"sessions": [{**ok, "role": role}]})

@@ -83,6 +83,11 @@
     return [s.parent, u];  // the parent's turn that starts at (or holds) the fork point
   }
   const forkText = (f) => `forks from session ${esc(f[0])}` + (f[1] === null ? " (turn not recorded)" : ` at its turn ${f[1]}`);
+  function roleText(s) {  // a reset session's role (harness.reset_roles) and who played it
+    const r = s.role;
+    if (!r || !Number.isInteger(r.index)) return "";
+    return `role ${r.index + 1}${r.text ? ` (${r.text})` : ""}` + (r.partner ? `, played by the ${r.partner} partner (not trained)` : "");
+  }
   function notesText(s) {  // a reset session's workspace: what it started from and what it added
     const n = s.notes;
     if (!n || !Array.isArray(n.before) || !Array.isArray(n.after)) return "";
@@ -162,11 +167,11 @@
       const f = forkTurn(t, k);
       nodes += `<g class="node${dim}${s.final ? " final" : ""}" data-traj="${ti}" data-s="${k}" tabindex="0">` +
         `<title>session ${k}: ${esc(s.kind)}, ended by ${esc(s.end)}, ${fmtInt(s.turns)} turn(s)` +
-        (f ? `, ${forkText(f)}` : "") + (isNum(s.gain) ? `; information gain ${fmt(s.gain)} ${GAIN_UNIT}` : "") +
+        (f ? `, ${forkText(f)}` : "") + (roleText(s) ? `, ${esc(roleText(s))}` : "") + (isNum(s.gain) ? `; information gain ${fmt(s.gain)} ${GAIN_UNIT}` : "") +
         (isNum(s.downstream) ? `; downstream credit ${fmt(s.downstream)} ${GAIN_UNIT} (${esc(s.downstream_how || "?")})` : "") +
         (disagrees(s) ? "; the two disagree in sign" : "") + `</title>` +
         `<rect x="${x(p)}" y="${y(p)}" width="${W}" height="${H}" rx="6" fill="${esc(kindColour(s.kind))}"/>` +
-        `<text x="${x(p) + 6}" y="${y(p) + 16}">${k} ${esc(s.kind)}</text>` +
+        `<text x="${x(p) + 6}" y="${y(p) + 16}">${k} ${esc(s.kind)}${s.role && Number.isInteger(s.role.index) ? ` r${s.role.index + 1}${s.role.partner ? "*" : ""}` : ""}</text>` +
         `<text x="${x(p) + 6}" y="${y(p) + 32}" class="sub">${esc(g)}</text></g>`;
     });
     const w = 12 + cols * (W + GX) - GX, h = 12 + rows * (H + GY) - GY;
@@ -333,7 +338,7 @@
       `<header><button id="close" title="close">×</button><b>${esc(t.trajectory)}</b><br>` +
       `session ${k}: <span class="kind"${bg(kindColour(s.kind))}>${esc(s.kind)}</span> ` +
       `${s.parent === null ? "root" : forkTurn(t, k) ? forkText(forkTurn(t, k)) : `${esc(s.edge)} from session ${esc(s.parent)}`} · ended by ${esc(s.end)} · ${fmtInt(s.turns)} turn(s)` +
-      (forks.length ? ` · forks ${esc(forks.join(", "))}` : "") + `<br>` +
+      (forks.length ? ` · forks ${esc(forks.join(", "))}` : "") + (roleText(s) ? ` · ${esc(roleText(s))}` : "") + `<br>` +
       `information gain <b>${s.final ? "final session (none)" : fmt(s.gain)}</b>${s.final || !isNum(s.gain) ? "" : ` ${GAIN_UNIT}`} · ` +
       (isNum(s.downstream) ? `downstream credit <b>${fmt(s.downstream)}</b> ${GAIN_UNIT} (${esc(s.downstream_how || "?")})${disagrees(s) ? " <b>disagrees in sign</b>" : ""} · ` : "") +
       `advantage (${esc(est)}) <b>${fmt(sessionAdv(s, est))}</b> · ` +
