@@ -82,21 +82,23 @@ def _eval_record(d: Path, name: str, problems: list[str]
     return None if not isinstance(meta, dict) else ({q: float(np.mean(v)) for q, v in per.items()}, meta, answers)
 
 
-def _health(answers: list[str | None], names: set[str]) -> dict[str, float]:
+def _health(answers: list[str | None], names: set[str] | None) -> dict[str, float]:
     """How intact the policy is: the share of trajectories that answered at all, and the share of given
     answers that are an exact entity name of the world (the tiny model's multi-token name copying is the
-    first thing that breaks when RL steps are too large)."""
+    first thing that breaks when RL steps are too large); NaN where the family has no entity names."""
     given = [a for a in answers if a]
-    return {"answered": len(given) / max(1, len(answers)),
-            "exact_name": sum(a in names for a in given) / max(1, len(given))}  # fmt: skip
+    exact = float("nan") if names is None else sum(a in names for a in given) / max(1, len(given))
+    return {"answered": len(given) / max(1, len(answers)), "exact_name": exact}
 
 
-def _world_names(grid: Grid, setting: str, e) -> set[str]:
+def _world_names(grid: Grid, setting: str, e) -> set[str] | None:
+    """The entity names of an evaluation's deep-search world; None for a family without one (service)."""
     from mosaic.train import setup  # torch: only when a report is written
     from mosaic.config.loader import load_config
 
     cfg = load_config(grid.preset, overrides=[*grid.eval_overrides(setting), *e.overrides()])
-    return setup.load_split(cfg, e.split).world.names()
+    world = getattr(setup.load_split(cfg, e.split), "world", None)
+    return None if world is None else world.names()
 
 
 def _metrics(d: Path, done: dict, problems: list[str]) -> list[dict]:
@@ -175,7 +177,7 @@ def health_table(grid: Grid, data: dict) -> list[dict]:
         rows.append({"arm": g["arm"], "setting": g["setting"], "seeds": len(seeds),
                      "answered": float(np.mean([h["answered"] for h in hs])),
                      "exact_name": float(np.mean([h["exact_name"] for h in hs])),
-                     "exact_name_min": float(min(h["exact_name"] for h in hs)),
+                     "exact_name_min": float(min((h["exact_name"] for h in hs), key=lambda x: (x != x, x))),
                      "entropy_start": float(np.mean([a for a, _ in ent])) if ent else float("nan"),
                      "entropy_end": float(np.mean([b for _, b in ent])) if ent else float("nan")})  # fmt: skip
     return rows
@@ -285,7 +287,7 @@ def _table(grid: Grid, data: dict, evals: list[str], label: str) -> dict:
 
 
 def _pct(x: float) -> str:
-    return f"{100 * x:.1f}"
+    return "–" if x != x else f"{100 * x:.1f}"
 
 
 def _md_table(t: dict) -> list[str]:

@@ -473,6 +473,23 @@ def test_service_arms_get_a_stale_action_column_deep_search_arms_none():
     assert "stale-action" not in plain and "The family's outcomes" not in plain
 
 
+def test_health_table_of_a_service_grid_has_no_entity_names_and_does_not_crash():
+    """The service family has no world of entity names: the report's health table gives the answer rate and
+    '–' for the exact-name share (it crashed on ``ServiceSplit.world`` before)."""
+    from mosaic.experiment.report import _md_health, health_table
+
+    grid = parse_grid({**QUICK_GRID, "preset": "cpu-service", "common": ["data.n_eval_tasks=4"],
+                       "evals": [{"name": "val", "split": "validation", "n_tasks": 4, "samples": 1}]})
+    seeds = {k: {"answers": {"val": ["shipped", None, "gold", "x"]}, "entropy": (0.5, 0.4)} for k in range(2)}
+    data = {"groups": {"broadcast/base": {"arm": "broadcast", "setting": "base", "seeds": seeds}},
+            "warm_answers": {"base": ("warm", {"val": ["a", None]})}}
+    rows = health_table(grid, data)
+    assert [r["answered"] for r in rows] == [0.5, 0.75]
+    assert all(r["exact_name"] != r["exact_name"] for r in rows)  # NaN: not measured
+    md = "\n".join(_md_health(rows))
+    assert "| broadcast | base | 2 | 75.0 | – (–) | 0.500 → 0.400 |" in md
+
+
 def test_service_outcomes_are_compared_arm_against_arm_with_the_seed_as_the_unit():
     """The stale-action rate and visits handled right, per seed (mean over the evaluations, an evaluation with
     no mutating action left out of the rate), arm against arm: difference, bootstrap interval over seeds, exact
