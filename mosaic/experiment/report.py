@@ -293,7 +293,8 @@ def _pct(x: float) -> str:
 def _md_table(t: dict) -> list[str]:
     service = any("env" in r for r in t["arms"].values())
     resets = any(r["sessions"].get("reset", 0) > 0 for r in t["arms"].values())  # (context-reset sessions)
-    out = [f"### {t['label']}", "", "| arm | setting | seeds | questions | accuracy % [95 % CI] | warm start % | "
+    items = "episodes" if service else "questions"
+    out = [f"### {t['label']}", "", f"| arm | setting | seeds | {items} | accuracy % [95 % CI] | warm start % | "
            "Δ vs warm start [95 % CI], sign-flip p over seeds | seeds > warm | sessions/traj (main, compaction, "
            f"subagent{', reset' if resets else ''}) | "
            "positive-gain share | sampled tokens/traj | s/step |"

@@ -467,10 +467,10 @@ def test_service_arms_get_a_stale_action_column_deep_search_arms_none():
     t = _table(grid, data([0.1, 0.3], [0.05, 0.05]), ["val"], "val")
     assert t["arms"]["broadcast/base"]["env"]["stale_rate"] == pytest.approx(0.2)
     md = "\n".join(_md_table(t))
-    assert "stale-action rate % (visits handled right %)" in md
+    assert "stale-action rate % (visits handled right %)" in md and "| seeds | episodes |" in md
     assert "| 20.0 (50.0) |" in md and "| 5.0 (50.0) |" in md
     plain = "\n".join(_md_table(_table(grid, data([None, None], [None, None]), ["val"], "val")))
-    assert "stale-action" not in plain and "The family's outcomes" not in plain
+    assert "stale-action" not in plain and "The family's outcomes" not in plain and "| seeds | questions |" in plain
 
 
 def test_health_table_of_a_service_grid_has_no_entity_names_and_does_not_crash():
