@@ -83,9 +83,10 @@
     return [s.parent, u];  // the parent's turn that starts at (or holds) the fork point
   }
   const forkText = (f) => `forks from session ${esc(f[0])}` + (f[1] === null ? " (turn not recorded)" : ` at its turn ${f[1]}`);
-  function roleText(s) {  // a reset session's role (harness.reset_roles) and who played it
+  const hasRole = (s) => !!s.role && Number.isInteger(s.role.index);  // a reset session with harness.reset_roles
+  function roleText(s) {  // its role and who played it
+    if (!hasRole(s)) return "";
     const r = s.role;
-    if (!r || !Number.isInteger(r.index)) return "";
     return `role ${r.index + 1}${r.text ? ` (${r.text})` : ""}` + (r.partner ? `, played by the ${r.partner} partner (not trained)` : "");
   }
   function notesText(s) {  // a reset session's workspace: what it started from and what it added
@@ -171,7 +172,7 @@
         (isNum(s.downstream) ? `; downstream credit ${fmt(s.downstream)} ${GAIN_UNIT} (${esc(s.downstream_how || "?")})` : "") +
         (disagrees(s) ? "; the two disagree in sign" : "") + `</title>` +
         `<rect x="${x(p)}" y="${y(p)}" width="${W}" height="${H}" rx="6" fill="${esc(kindColour(s.kind))}"/>` +
-        `<text x="${x(p) + 6}" y="${y(p) + 16}">${k} ${esc(s.kind)}${s.role && Number.isInteger(s.role.index) ? ` r${s.role.index + 1}${s.role.partner ? "*" : ""}` : ""}</text>` +
+        `<text x="${x(p) + 6}" y="${y(p) + 16}">${k} ${esc(s.kind)}${hasRole(s) ? ` r${s.role.index + 1}${s.role.partner ? "*" : ""}` : ""}</text>` +
         `<text x="${x(p) + 6}" y="${y(p) + 32}" class="sub">${esc(g)}</text></g>`;
     });
     const w = 12 + cols * (W + GX) - GX, h = 12 + rows * (H + GY) - GY;
