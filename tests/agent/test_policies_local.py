@@ -7,6 +7,8 @@ import torch
 
 from _tiny import tiny_model
 from mosaic.agent.policies.local import LocalPolicy, LocalPolicyConfig, sample_next
+import mosaic.agent.policies.local as local_mod
+from mosaic.agent.policies.prefill import prefill
 from mosaic.agent.policy import GenRequest, Policy
 
 TEXTS = [
@@ -229,8 +231,40 @@ def test_identical_prompts_are_prefilled_once(model_tok, prompts):
     assert a.cache_stats["shared_prefill_rows"] == 3
     assert len({tuple(r.token_ids) for r in out[:4]}) > 1  # independent draws
     b = LocalPolicy(model, tok, LocalPolicyConfig(temperature=1.0, seed=7, prefix_cache=False))
-    b._prefill_shared = b._prefill  # no sharing
-    ref = b.generate(reqs)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(local_mod, "prefill_shared", prefill)  # every row prefilled
+        ref = b.generate(reqs)
+    assert b.cache_stats["shared_prefill_rows"] == 0
+    for x, y in zip(out, ref):
+        assert x.token_ids == y.token_ids
+        assert x.logprobs == pytest.approx(y.logprobs, abs=1e-4)
+
+
+def test_identical_prompts_after_a_cached_prefix_are_prefilled_once(model_tok, prompts):
+    """Rollouts that took the same action and got the same tool result send equal prompts whose start is
+    cached: they are prefilled once too, with the same draws as prefilling each row after its prefix."""
+    model, tok = model_tok
+    tool = tok("<|im_end|>\n<|im_start|>tool\nresult: Oranthi<|im_end|>\n<|im_start|>assistant\n",
+               add_special_tokens=False)["input_ids"]
+
+    def run(share: bool):
+        pol = LocalPolicy(model, tok, LocalPolicyConfig(temperature=1.0, seed=3, shared_prefix=True,
+                                                         shared_prefix_min=4))
+        first = pol.generate([GenRequest(f"s{k}", prompts[1], 5) for k in range(3)])
+        nxt = prompts[1] + first[0].token_ids + tool  # every row goes on from row 0's turn
+        with pytest.MonkeyPatch.context() as mp:
+            if not share:
+                mp.setattr(local_mod, "prefill_shared", prefill)
+            before = dict(pol.cache_stats)
+            out = pol.generate([GenRequest(f"t{k}", nxt, 6) for k in range(3)] + [GenRequest("o", prompts[0], 6)])
+        st = {k: pol.cache_stats[k] - before.get(k, 0) for k in pol.cache_stats}
+        return out, st
+
+    out, st = run(True)
+    ref, st_ref = run(False)
+    assert st["shared_prefill_rows"] == 2 and st_ref["shared_prefill_rows"] == 0
+    assert st["hits"] >= 3 and st["prefilled_tokens"] < st_ref["prefilled_tokens"]
+    assert len({tuple(r.token_ids) for r in out[:3]}) > 1  # each row still draws on its own
     for x, y in zip(out, ref):
         assert x.token_ids == y.token_ids
         assert x.logprobs == pytest.approx(y.logprobs, abs=1e-4)
