@@ -96,11 +96,13 @@ def _ragged_requests(tok, n: int = 12) -> list[GenRequest]:
 
 @pytest.mark.parametrize("slab", [True, False])
 def test_grouped_prefill_equals_one_padded_block(model_tok, slab):
-    """Prefill in groups of similar rows: the same next-token logits and the same KV at every valid position as
-    one left-padded block, cached prefixes of different lengths included (second turn)."""
+    """Prefill in groups of similar rows, and the lean forward (``fast_decode``) of one block or of the groups:
+    the same next-token logits and the same KV at every valid position as one left-padded block through
+    ``model(...)``, cached prefixes of different lengths included (second turn)."""
     model, tok = model_tok
     pols = [LocalPolicy(model, tok, LocalPolicyConfig(temperature=0.0, prefill_group=g, prefill_pad_waste=0.0,
-                                                      slab_cache=slab)) for g in (0, 4)]
+                                                      slab_cache=slab, fast_decode=fast))
+            for g, fast in ((0, False), (4, False), (0, True), (4, True))]
     reqs = _ragged_requests(tok)
     tool = tok("<|im_end|>\nresult " * 3, add_special_tokens=False)["input_ids"]
     for turn in range(2):
@@ -115,18 +117,20 @@ def test_grouped_prefill_equals_one_padded_block(model_tok, slab):
                 if p is not None:
                     pol._store(reqs[i].session_key, p[0].ids, p[0].kv)
             outs.append((logits, batch.mask[:, : batch.length], kv))
-        (l0, m0, kv0), (l1, m1, kv1) = outs
-        assert torch.equal(m0, m1)
-        torch.testing.assert_close(l1, l0, rtol=1e-4, atol=1e-4)
-        for (k0, v0), (k1, v1) in zip(kv0, kv1):
-            torch.testing.assert_close(k1, k0, rtol=1e-4, atol=1e-4)
-            torch.testing.assert_close(v1, v0, rtol=1e-4, atol=1e-4)
+        l0, m0, kv0 = outs[0]
+        for l1, m1, kv1 in outs[1:]:
+            assert torch.equal(m0, m1)
+            torch.testing.assert_close(l1, l0, rtol=1e-4, atol=1e-4)
+            for (k0, v0), (k1, v1) in zip(kv0, kv1):
+                torch.testing.assert_close(k1, k0, rtol=1e-4, atol=1e-4)
+                torch.testing.assert_close(v1, v0, rtol=1e-4, atol=1e-4)
         gen = [pol.generate(reqs) for pol in pols]
-        assert [r.token_ids for r in gen[0]] == [r.token_ids for r in gen[1]]
+        assert all([r.token_ids for r in gen[0]] == [r.token_ids for r in other] for other in gen[1:])
         assert turn == 0 or pols[1].cache_stats["hits"] > 0
         reqs = [GenRequest(r.session_key, r.prompt_ids + x.token_ids + tool[: 2 + i % 5], r.max_new_tokens)
                 for i, (r, x) in enumerate(zip(reqs, gen[0]))]
     assert pols[1].cache_stats["prefill_groups"] >= 6 and "prefill_groups" not in pols[0].cache_stats
+    assert pols[3].cache_stats["prefill_groups"] >= 6
 
 
 def _llama(seed: int = 0):
@@ -142,7 +146,8 @@ def _llama(seed: int = 0):
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 @pytest.mark.parametrize("padded", [True, False])
 def test_fast_decode_step_gives_the_models_logits(model_tok, arch, padded):
-    """:class:`DecodeStep` against ``model(...)``: the same logits to float rounding and the same cache, step after step."""
+    """:class:`DecodeStep` against ``model(...)``: the same logits to float rounding and the same cache, for a
+    prefill block without and then with a cache before it (padded rows included), then step after step."""
     from mosaic.agent.policies.fastdecode import decode_step_for
     from mosaic.agent.policies.kvcache import SlabCache
 
@@ -156,9 +161,20 @@ def test_fast_decode_step_gives_the_models_logits(model_tok, arch, padded):
     if padded:
         mask[1, :3] = 0
         mask[3, :1] = 0
+        mask[2, 4:5] = 0  # a pad inside the second block ([pad][prefix][pad][suffix], as a prefill lays rows out)
     pos = (mask[:, :T0].cumsum(1) - 1).clamp(min=0)
+    pre = [SlabCache(model.config.num_hidden_layers, T0) for _ in range(2)]
     caches = [SlabCache(model.config.num_hidden_layers, T0 + 4) for _ in range(2)]
     with torch.inference_mode():
+        for a, b in ((0, 4), (4, T0)):  # a prefill block with no cache before it, then one after a cache
+            ref = model(input_ids=ids[:, a:b], attention_mask=mask[:, :b], position_ids=pos[:, a:b],
+                        past_key_values=pre[0], use_cache=True).logits[:, -1, :]
+            got = step(ids[:, a:b], mask[:, :b], pos[:, a:b], pre[1])
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-4)
+        valid = mask[:, :T0].bool()  # (a padded query position's own output is never read)
+        for x, y in zip(pre[0].layers, pre[1].layers):
+            for u, w in ((x.keys, y.keys), (x.values, y.values)):
+                torch.testing.assert_close(w.transpose(1, 2)[valid], u.transpose(1, 2)[valid], rtol=1e-5, atol=1e-4)
         for c in caches:
             model(input_ids=ids, attention_mask=mask[:, :T0], position_ids=pos, past_key_values=c, use_cache=True)
         nxt = pos[:, -1:] + 1
@@ -248,3 +264,36 @@ def test_decode_attention_grouped_products_and_the_half_precision_kernel_agree()
     torch.testing.assert_close(_attend(q, k, v, keep, 32 ** -0.5), ref, rtol=1e-5, atol=1e-5)
     half = _attend(q.bfloat16(), k.bfloat16(), v.bfloat16(), keep, 32 ** -0.5)
     torch.testing.assert_close(half.float(), ref, rtol=0, atol=2e-2)
+
+
+def test_fast_step_is_rebuilt_when_the_weights_change(model_tok):
+    """The lean forward keeps its joined projections only while the weights are the ones it joined: after an
+    in-place update (an optimizer step) and after a tensor is swapped, it gives the updated model's logits."""
+    import copy
+
+    from mosaic.agent.policies.kvcache import SlabCache
+
+    model = copy.deepcopy(model_tok[0])
+    pol = LocalPolicy(model, model_tok[1], LocalPolicyConfig(temperature=0.0))
+    step = pol.fast_step()
+    assert step is not None and pol.fast_step() is step  # reused while nothing changed
+    ids = torch.randint(3, model.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(0))
+    mask, pos = torch.ones(2, 6, dtype=torch.long), torch.arange(6).expand(2, 6)
+
+    def agree() -> None:
+        with torch.inference_mode():
+            ref = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -1, :]
+            got = pol.fast_step()(ids, mask, pos, SlabCache(model.config.num_hidden_layers, 6))
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-4)
+
+    agree()
+    with torch.no_grad():
+        model.model.layers[0].self_attn.k_proj.weight.mul_(3.0)  # in place, as an optimizer step
+        model.model.layers[-1].mlp.up_proj.weight.add_(0.05)
+    assert pol.fast_step() is not step
+    agree()
+    step = pol.fast_step()
+    layer = model.model.layers[1].self_attn.q_proj
+    layer.weight = torch.nn.Parameter(layer.weight.detach() * -1.0)  # a new tensor, its version count at 0
+    assert pol.fast_step() is not step
+    agree()

@@ -58,7 +58,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from mosaic.agent.policies.fastdecode import decode_step_for
+from mosaic.agent.policies.fastdecode import DecodeStep, decode_step_for
 from mosaic.agent.policies.kvcache import KV, PrefixEntry, full_attention, join_batches
 from mosaic.agent.policies.prefill import prefill, prefill_shared
 from mosaic.agent.policies.running import Call, Rows
@@ -113,9 +113,10 @@ class LocalPolicyConfig:
     prefill_pad_waste: float = 0.1
     """Group the prefill when one padded block would spend more than this share of its attention on padding."""
     fast_decode: bool = True
-    """Decode steps of Llama/Qwen2-family models run their layers' operations directly
+    """Decode steps and prefill blocks of Llama/Qwen2-family models run their layers' operations directly
     (:mod:`~mosaic.agent.policies.fastdecode`: the model's own logits, without ``transformers``' per-call
-    overhead); other models, or a model with hooks, always go through ``model(...)``."""
+    overhead or its copies of grouped keys and values); other models, or a model with hooks, always go
+    through ``model(...)``."""
     continuous_batching: bool = False
     """More requests than ``max_batch_size`` (or a server's queue) decode as one running batch: rows that finish
     leave it and waiting rows join (prefilled, then laid out beside the live rows), so the batch stays full
@@ -161,6 +162,7 @@ class LocalPolicy:
         self._cache: OrderedDict[str, PrefixEntry] = OrderedDict()  # LRU, oldest first
         self._cached_tokens = 0
         self._weights_version = self._version()
+        self._fast: DecodeStep | None = None
         self.cache_stats = {"hits": 0, "misses": 0, "reused_tokens": 0, "prefilled_tokens": 0,
                             "evictions": 0, "invalidations": 0, "shared_prefill_rows": 0,
                             "joined_rows": 0, "joins_shifted": 0}
@@ -332,6 +334,15 @@ class LocalPolicy:
             return req.max_new_tokens
         return min(req.max_new_tokens, self.max_positions - len(req.prompt_ids))
 
+    def fast_step(self) -> DecodeStep | None:
+        """The lean forward of decode steps and prefill blocks (:mod:`~mosaic.agent.policies.fastdecode`) for
+        this policy's model, kept while its weights are unchanged; None when ``fast_decode`` is off or the
+        model is not one it reproduces."""
+        if not self.config.fast_decode:
+            return None
+        self._fast = decode_step_for(self.model, self._fast)
+        return self._fast
+
     def _prefill(self, reqs: list[GenRequest], prefixes: list[tuple[PrefixEntry, int] | None], room: int = 0):
         """:func:`~mosaic.agent.policies.prefill.prefill`: (last logits (B, V), :class:`DecodeBatch`)."""
         return prefill(self, reqs, prefixes, room)
@@ -347,7 +358,7 @@ class LocalPolicy:
         rows_.add(idx, [self._max_new(call.requests[i]) for i in idx])
         logits, batch = prefill_shared(self, [call.requests[i] for i in idx], [call.prefixes[i] for i in idx],
                                        int(rows_.max_new.max()))
-        step = decode_step_for(self.model) if self.config.fast_decode else None
+        step = self.fast_step()
         cap = self.config.max_batch_size
         while True:
             act = batch.live_index()

@@ -105,11 +105,15 @@ def prefill_block(pol, reqs: list[GenRequest], prefixes: list[tuple[PrefixEntry,
     pol.cache_stats["reused_tokens"] += sum(cached)
     pol.cache_stats["prefilled_tokens"] += sum(suffix)
     input_ids, mask, positions = (t.to(pol.device) for t in (input_ids, mask, positions))
-    out = pol.model(input_ids=input_ids, attention_mask=mask[:, :P + S], position_ids=positions,
-                     past_key_values=cache, use_cache=True, logits_to_keep=1)
+    step = pol.fast_step()
+    if step is not None:  # the lean forward: no copied keys, no per-call machinery (fastdecode's docstring)
+        logits = step(input_ids, mask[:, :P + S], positions, cache)
+    else:
+        logits = pol.model(input_ids=input_ids, attention_mask=mask[:, :P + S], position_ids=positions,
+                           past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1, :]
     next_pos = torch.tensor([len(r.prompt_ids) for r in reqs], device=pol.device)
     rows = torch.arange(B, device=pol.device)
-    return out.logits[:, -1, :], DecodeBatch(cache, mask, P + S, rows, next_pos, pol.pad_id)
+    return logits, DecodeBatch(cache, mask, P + S, rows, next_pos, pol.pad_id)
 
 
 def _fill_past(cache, prefixes: list[tuple[PrefixEntry, int] | None], cached: list[int], P: int) -> None:
