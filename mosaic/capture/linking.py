@@ -115,12 +115,12 @@ class Linker:
         if compaction:
             new.kind = "compaction"
             new.meta["by"] = "instruction"
-            if best:
-                p = sessions[self._pick(best)]
+            p = sessions[self._pick(best)] if best else self._resent_by(i)
+            if p is not None:
                 new.parent, new.edge = p.idx, "continues"
-                self._history_tail(c, p, new)
+                self._history_tail(c, p, new)  # (a re-rendered reply: the tail stays in the compaction's prompt, flagged)
                 new.parent_upto = len(p.prompt) + len(p.comp)
-                new.meta["parent_by"] = "prefix"
+                new.meta["parent_by"] = "prefix" if best else "messages"
         else:
             for s in sessions:
                 first = self.calls[s.calls[0]]
@@ -166,6 +166,15 @@ class Linker:
             {"call_id": c.call_id, "sampled": len(prev.completion_ids), "detached_tokens": moved})
         self.call_sess.append(pick)
         return True
+
+    def _resent_by(self, i: int) -> SessionDraft | None:
+        """Rule 4, a compaction call that extends no tip: the session whose last request and reply it re-sends
+        (as 3b: the reply re-rendered), or None."""
+        c = self.calls[i]
+        keys = [message_key(m) for m in c.messages] if c.endpoint == "chat" else []
+        found = [s.idx for s in self.sessions if keys and s.kind != "compaction"
+                 and self._resends(keys, c, self.calls[s.calls[-1]]) is not False]
+        return self.sessions[self._pick(found)] if found else None
 
     @staticmethod
     def _resends(keys: list[tuple], c: CallRecord, p: CallRecord) -> int | None | bool:

@@ -12,11 +12,14 @@ Rules (per rollout; settings in :class:`ReconstructionRules`):
    its session (no completion; listed in ``meta["overflow_calls"]``), so the
    tool result that overflowed the context is in the history that gets
    compacted.
-2. **Retries.** Calls with identical prompt ids form a group. A call is *used*
-   when a later call extends its tip (its prompt + completion ids are a prefix
-   of the later prompt) or its returned text appears in a later call's
-   messages. In a group with a used call, the unused ones are dropped; in a
-   group with none used, only the last is kept (a retried call: keep the last).
+2. **Retries.** Calls with identical prompt ids form a group, split where a
+   call of the group comes after some other call went on from the one before
+   it (a new start with the same prompt, e.g. after two compactions into the
+   same summary). A call is *used* when a later call extends its tip (its
+   prompt + completion ids are a prefix of the later prompt) or its returned
+   text appears in a later call's messages. In a group with a used call, the
+   unused ones are dropped; in a group with none used, only the last is kept
+   (a retried call: keep the last).
 3. **Sessions by longest prefix.** A call continues the session whose tip is
    the longest prefix of the call's prompt ids, searched over every session
    opened so far. The tokens between the tip and the new prompt (tool
@@ -46,7 +49,9 @@ Rules (per rollout; settings in :class:`ReconstructionRules`):
 4. **Compaction by instruction.** A call whose last message matches one of
    ``compaction_patterns`` always opens a new ``compaction`` session, even if
    it extends a session's tip (the Mosaic harness appends the instruction to
-   the history); the session it extends, if any, is its parent.
+   the history); the session it extends, if any, is its parent; else the
+   session whose last request and reply it re-sends, the reply re-rendered
+   (as 3b; ``meta["parent_by"] = "messages"``).
 5. **Linking.** The first session is always the root ``main``. For every
    other session X, the text of its last call is searched in the
    non-assistant messages of later calls of other sessions, X's own

@@ -330,31 +330,36 @@ def _dedup(calls: list[CallRecord], ro: RolloutCalls) -> tuple[list[CallRecord],
     for i, c in enumerate(calls):
         groups.setdefault(tuple(c.prompt_ids), []).append(i)
     drop: set[int] = set()
-    for members in groups.values():
-        if len(members) < 2:
-            continue
 
-        def used(i: int) -> bool:
-            tip = calls[i].tip()
-            for j in range(i + 1, len(calls)):
-                if j in members:
-                    continue
-                if is_prefix(tip, calls[j].prompt_ids) or ro.appears_in(calls[i].text, j):
-                    return True
-            return False
+    def builds_on(i: int, j: int) -> bool:  # call j goes on from call i's reply
+        return is_prefix(calls[i].tip(), calls[j].prompt_ids) or ro.appears_in(calls[i].text, j)
 
-        flags = {i: used(i) for i in members}
-        if any(flags.values()):
-            drop.update(i for i in members if not flags[i])
-        else:
-            drop.update(members[:-1])
+    for same in groups.values():
+        # A call re-sent before anything went on from the earlier one is a retry of it; one sent after some
+        # call built on the earlier one is a new start with the same prompt (a harness that compacts twice
+        # into the same summary opens its next session with the prompt it opened the previous one with).
+        runs = [[same[0]]]
+        for i in same[1:]:
+            prev = runs[-1][-1]
+            if any(builds_on(prev, j) for j in range(prev + 1, i)):
+                runs.append([i])
+            else:
+                runs[-1].append(i)
+        for members in runs:
+            if len(members) < 2:
+                continue
+            flags = {i: any(builds_on(i, j) for j in range(i + 1, len(calls)) if j not in members) for i in members}
+            if any(flags.values()):
+                drop.update(i for i in members if not flags[i])
+            else:
+                drop.update(members[:-1])
     kept = [c for i, c in enumerate(calls) if i not in drop]
     return kept, [calls[i].call_id for i in sorted(drop)]
 
 
 def dedup_retries(calls: list[CallRecord], rules: ReconstructionRules) -> tuple[list[CallRecord], list[str]]:
-    """Rule 2: drop retried calls (identical prompt ids) that nothing builds on; returns the kept
-    calls and the dropped call ids."""
+    """Rule 2: drop retried calls (identical prompt ids, re-sent before any call went on from the earlier
+    one) that nothing builds on; returns the kept calls and the dropped call ids."""
     return _dedup(calls, RolloutCalls(calls, rules))
 
 

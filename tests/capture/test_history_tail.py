@@ -102,3 +102,58 @@ def test_a_reply_the_harness_re_sent_differently_keeps_the_tail_in_the_compactio
     comp = next(s for s in t.sessions if s.kind == "compaction")
     assert comp.meta["parent_by"] == "history" and comp.meta["history_tail"] == "in the compaction's prompt only"
     assert len(t.sessions[0].completion_ids) == len(calls[0].completion_ids)
+
+
+def _resampled(call: CallRecord, cut: int) -> CallRecord:
+    """``call`` as if the model had sampled its reply as other tokens than the template renders it with (the
+    reply's text cut at character ``cut`` and each half tokenized alone)."""
+    text = call.text
+    ids = TOK(text[:cut], add_special_tokens=False)["input_ids"] + TOK(text[cut:], add_special_tokens=False)["input_ids"]
+    assert ids != call.completion_ids[:-1]
+    comp = ids + [IM_END]
+    return replace(call, completion_ids=comp, logprobs=[-0.1] * len(comp))
+
+
+def test_a_compaction_after_a_re_rendered_reply_belongs_to_that_session():
+    """Rule 4 when the compaction's prompt extends no tip: the main session whose request and reply it re-sends
+    (the reply re-rendered with other tokens) is its parent, and the graph is scorable."""
+    from mosaic.train.external import unscorable
+
+    calls, rw = _rollout("search")
+    calls[0] = _resampled(calls[0], calls[0].text.index("Works") + 2)
+    t = reconstruct_rollout(calls, rw, RULES, rollout_id="r")
+    main, comp, nxt = t.sessions
+    assert comp.kind == "compaction" and comp.parent == 0 and comp.meta["parent_by"] == "messages"
+    assert comp.meta["history_tail"] == "in the compaction's prompt only"  # (the re-rendered reply: not found)
+    assert comp.state_before.session == 0 and comp.state_before.upto == len(main.prompt_ids) + len(main.completion_ids)
+    assert nxt.parent == comp.id and t.resolve_state(comp.state_after) == list(nxt.prompt_ids)
+    assert unscorable(t) is None
+
+
+def test_the_same_summary_twice_opens_a_second_session_not_a_retry():
+    """Two compactions into the same summary: the third main session's prompt equals the second's. It came
+    after calls that went on from the second, so it is a new session (rule 2 drops only re-sends made before
+    anything went on from the earlier call), and the second compaction has its successor."""
+    head = [SYSTEM, ASK]
+    search = '<tool_call>{"name": "search", "arguments": {"query": "Nidal Works"}}</tool_call>'
+    result = {"role": "tool", "content": "Nidal Works: an engine maker."}
+    summary = "Found so far: nothing about the founder. Next: search Nidal Works founder."
+    resumed = head[:1] + [{"role": "user", "content": ASK["content"] + "\n\nNotes: " + summary}]
+    said = {"role": "assistant", "content": search}
+    calls = [_call(1, head, search), _call(2, head + [said, result, INSTR], summary),
+             _call(3, resumed, search), _call(4, resumed + [said, result, INSTR], summary),
+             _call(5, resumed, "<answer>Aba Rell</answer>")]
+    assert calls[4].prompt_ids == calls[2].prompt_ids
+    rw = RewardRecord(rollout_id="r", reward=1.0, ground_truth="Aba Rell", answer="Aba Rell")
+    t = reconstruct_rollout(calls, rw, RULES, rollout_id="r")
+    assert t.meta["retries_dropped"] == []
+    assert [(s.kind, s.parent) for s in t.sessions] == [("main", None), ("compaction", 0), ("main", 1),
+                                                        ("compaction", 2), ("main", 3)]
+    assert t.sessions[-1].is_final and t.answer == "Aba Rell"
+    assert all(s.state_after is not None for s in t.sessions if s.kind == "compaction")
+    # a re-send before anything went on from the earlier call is still a retry: the unused one goes
+    partial = TOK("<tool_call>{", add_special_tokens=False)["input_ids"]
+    again = replace(calls[2], call_id="again", seq=6, t_start=2.8, t_end=2.9, completion_ids=partial,
+                    logprobs=[-0.1] * len(partial), text="<tool_call>{", finish_reason="length")
+    t = reconstruct_rollout(calls[:3] + [again] + calls[3:], rw, RULES, rollout_id="r")
+    assert len(t.meta["retries_dropped"]) == 1 and len(t.sessions) == 5
