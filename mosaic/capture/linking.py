@@ -171,7 +171,7 @@ class Linker:
         """Rule 4, a compaction call that extends no tip: the session whose last request and reply it re-sends
         (as 3b: the reply re-rendered), or None."""
         c = self.calls[i]
-        keys = [message_key(m) for m in c.messages] if c.endpoint == "chat" else []
+        keys = [message_key(m) for m in c.messages] if c.endpoint == "chat" and self.rules.message_match else []
         found = [s.idx for s in self.sessions if keys and s.kind != "compaction"
                  and self._resends(keys, c, self.calls[s.calls[-1]]) is not False]
         return self.sessions[self._pick(found)] if found else None

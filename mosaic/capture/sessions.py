@@ -37,7 +37,9 @@ class ReconstructionRules:
             ``meta["reward_missing"]``); by default they are skipped.
         message_match: when no session's tip prefixes a call's prompt ids, continue the session
             whose last request + reply the call's messages repeat (rule 3b: the harness re-sent a
-            turn differently from how it was sampled); False opens a new session there instead.
+            turn differently from how it was sampled), and take that session as the parent of a
+            compaction call extending no tip (rule 4); False opens a new session there instead (and leaves
+            such a compaction to rule 5d).
         min_parent_score: the least share of a candidate's history (by characters) a compaction
             must reproduce to be attached to it by evidence (rule 5d); below it, recency decides
             and the compaction is flagged ``meta["parent_by"] = "recency"``.
@@ -331,17 +333,20 @@ def _dedup(calls: list[CallRecord], ro: RolloutCalls) -> tuple[list[CallRecord],
         groups.setdefault(tuple(c.prompt_ids), []).append(i)
     drop: set[int] = set()
 
+    tips: dict[int, list[int]] = {}
+
     def builds_on(i: int, j: int) -> bool:  # call j goes on from call i's reply
-        return is_prefix(calls[i].tip(), calls[j].prompt_ids) or ro.appears_in(calls[i].text, j)
+        if i not in tips:
+            tips[i] = calls[i].tip()
+        return is_prefix(tips[i], calls[j].prompt_ids) or ro.appears_in(calls[i].text, j)
 
     for same in groups.values():
-        # A call re-sent before anything went on from the earlier one is a retry of it; one sent after some
-        # call built on the earlier one is a new start with the same prompt (a harness that compacts twice
-        # into the same summary opens its next session with the prompt it opened the previous one with).
+        # A call re-sent before anything went on from an earlier one is a retry; one sent after some call
+        # built on an earlier one is a new start with the same prompt (a harness that compacts twice into
+        # the same summary opens its next session with the prompt it opened the previous one with).
         runs = [[same[0]]]
         for i in same[1:]:
-            prev = runs[-1][-1]
-            if any(builds_on(prev, j) for j in range(prev + 1, i)):
+            if any(builds_on(m, j) for m in runs[-1] for j in range(m + 1, i) if j not in same):
                 runs.append([i])
             else:
                 runs[-1].append(i)

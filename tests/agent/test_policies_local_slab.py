@@ -266,34 +266,36 @@ def test_decode_attention_grouped_products_and_the_half_precision_kernel_agree()
     torch.testing.assert_close(half.float(), ref, rtol=0, atol=2e-2)
 
 
-def test_fast_step_is_rebuilt_when_the_weights_change(model_tok):
-    """The lean forward keeps its joined projections only while the weights are the ones it joined: after an
-    in-place update (an optimizer step) and after a tensor is swapped, it gives the updated model's logits."""
+def test_fast_step_reads_the_weights_of_each_generate_call(model_tok, monkeypatch):
+    """The lean forward's joined projections are copies made per generate call: after weights change in place
+    (an optimizer step), through ``.data`` or by ``vector_to_parameters`` (no version bump), the policy samples
+    what ``model(...)`` gives; and without joined copies (a larger model) the same."""
     import copy
 
-    from mosaic.agent.policies.kvcache import SlabCache
+    from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-    model = copy.deepcopy(model_tok[0])
-    pol = LocalPolicy(model, model_tok[1], LocalPolicyConfig(temperature=0.0))
-    step = pol.fast_step()
-    assert step is not None and pol.fast_step() is step  # reused while nothing changed
-    ids = torch.randint(3, model.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(0))
-    mask, pos = torch.ones(2, 6, dtype=torch.long), torch.arange(6).expand(2, 6)
+    from mosaic.agent.policies import fastdecode
+
+    model, tok = copy.deepcopy(model_tok[0]), model_tok[1]
+    reqs = _ragged_requests(tok, 6)
 
     def agree() -> None:
-        with torch.inference_mode():
-            ref = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -1, :]
-            got = pol.fast_step()(ids, mask, pos, SlabCache(model.config.num_hidden_layers, 6))
-        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-4)
+        fast, slow = (LocalPolicy(model, tok, LocalPolicyConfig(temperature=0.0, fast_decode=f, prefix_cache=False))
+                      for f in (True, False))
+        assert fast.fast_step() is not None
+        a, b = fast.generate(reqs), slow.generate(reqs)
+        assert [r.token_ids for r in a] == [r.token_ids for r in b]
+        for x, y in zip(a, b):
+            assert x.logprobs == pytest.approx(y.logprobs, abs=1e-4)
 
-    agree()
+    pol = LocalPolicy(model, tok, LocalPolicyConfig(temperature=0.0, prefix_cache=False))
+    before = [r.token_ids for r in pol.generate(reqs)]
     with torch.no_grad():
         model.model.layers[0].self_attn.k_proj.weight.mul_(3.0)  # in place, as an optimizer step
-        model.model.layers[-1].mlp.up_proj.weight.add_(0.05)
-    assert pol.fast_step() is not step
+    model.model.layers[1].mlp.up_proj.weight.data = model.model.layers[1].mlp.up_proj.weight.data * -2.0
+    vector_to_parameters(parameters_to_vector(model.parameters()) * 1.5, model.parameters())
+    assert [r.token_ids for r in pol.generate(reqs)] != before  # the same policy object sees the new weights
     agree()
-    step = pol.fast_step()
-    layer = model.model.layers[1].self_attn.q_proj
-    layer.weight = torch.nn.Parameter(layer.weight.detach() * -1.0)  # a new tensor, its version count at 0
-    assert pol.fast_step() is not step
+    monkeypatch.setattr(fastdecode, "JOIN_MAX_ELEMENTS", 0)  # no joined copies: separate products
+    assert fastdecode.decode_step_for(model).qkv is None
     agree()

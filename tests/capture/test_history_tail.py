@@ -157,3 +157,29 @@ def test_the_same_summary_twice_opens_a_second_session_not_a_retry():
                     logprobs=[-0.1] * len(partial), text="<tool_call>{", finish_reason="length")
     t = reconstruct_rollout(calls[:3] + [again] + calls[3:], rw, RULES, rollout_id="r")
     assert len(t.meta["retries_dropped"]) == 1 and len(t.sessions) == 5
+
+
+def test_a_new_start_after_a_used_duplicate_is_kept():
+    """Rule 2's runs: a call built on an earlier member of a group of identical prompts (not only the last)
+    makes a later identical call a new start, kept."""
+    from mosaic.capture.reconstruct import dedup_retries
+
+    head = [SYSTEM, ASK]
+    search = '<tool_call>{"name": "search", "arguments": {"query": "Nidal Works"}}</tool_call>'
+    said = {"role": "assistant", "content": search}
+    a = _call(1, head, search)
+    partial = TOK("<tool_call>{", add_special_tokens=False)["input_ids"]
+    a2 = replace(a, call_id="c2", seq=2, t_start=1.2, completion_ids=partial, logprobs=[-0.1] * len(partial),
+                 text="<tool_call>{", finish_reason="length")  # a parallel duplicate nothing used
+    c = _call(3, head + [said, {"role": "tool", "content": "Nidal Works: an engine maker."}], "<answer>x</answer>")
+    a3 = replace(_call(4, head, "<answer>Aba Rell</answer>"), call_id="c4")  # the same prompt, sent after c
+    kept, dropped = dedup_retries([a, a2, c, a3], RULES)
+    assert dropped == ["c2"] and [k.call_id for k in kept] == ["c1", "c3", "c4"]
+
+
+def test_message_match_off_leaves_a_re_rendered_compaction_to_rule_5d():
+    calls, rw = _rollout("search")
+    calls[0] = _resampled(calls[0], calls[0].text.index("Works") + 2)
+    t = reconstruct_rollout(calls, rw, replace(RULES, message_match=False), rollout_id="r")
+    comp = t.sessions[1]
+    assert comp.kind == "compaction" and comp.meta.get("parent_by") != "messages"

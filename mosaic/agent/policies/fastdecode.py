@@ -58,10 +58,9 @@ def _hooked(model: nn.Module) -> bool:
     return False
 
 
-def decode_step_for(model: nn.Module, reuse: DecodeStep | None = None) -> DecodeStep | None:
+def decode_step_for(model: nn.Module) -> DecodeStep | None:
     """A :class:`DecodeStep` for ``model`` when it can reproduce ``model``'s forward (to float rounding), else None.
-    ``reuse``: an earlier one, returned as it is while it was built from ``model``'s current weights (the same
-    tensors, none updated in place since), so its joined projections are not rebuilt every call."""
+    It reads the weights as they are when it is built: build one per generate call."""
     name = type(model).__name__
     cfg = getattr(model, "config", None)
     if SUPPORTED.get(name) != getattr(cfg, "model_type", None) or model.training:
@@ -83,9 +82,17 @@ def decode_step_for(model: nn.Module, reuse: DecodeStep | None = None) -> Decode
             return None
     if _hooked(model):
         return None
-    if reuse is not None and reuse.model is model and reuse.current():
-        return reuse
     return DecodeStep(model)
+
+
+JOIN_MAX_ELEMENTS = 16 * 2**20
+"""Most q/k/v/gate/up weight elements for which :class:`DecodeStep` joins them into one product per layer (copies
+made once per generate call; the shipped models have ~1M, SmolLM2-135M ~70M)."""
+
+
+def _fusable(layer: nn.Module) -> tuple[nn.Linear, ...]:
+    a, m = layer.self_attn, layer.mlp
+    return a.q_proj, a.k_proj, a.v_proj, m.gate_proj, m.up_proj
 
 
 def _joined(*mods: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -114,8 +121,11 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, keep: tor
     fp32 there, the grouped products' would round to bf16); one fp32 query position the grouped products."""
     B, Hq, S, D = q.shape
     Hkv = keys.shape[1]
+    if S > 1 and q.device.type != "cpu":  # (a masked grouped-query call falls back to the math kernel on GPUs)
+        keys, values = keys.repeat_interleave(Hq // Hkv, dim=1), values.repeat_interleave(Hq // Hkv, dim=1)
     if q.dtype != torch.float32 or S > 1:
-        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=keep, scale=scale, enable_gqa=True)
+        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=keep, scale=scale,
+                                           enable_gqa=keys.shape[1] != Hq)
         return o.transpose(1, 2).reshape(B, S, Hq * D)
     s = torch.matmul(q.reshape(B, Hkv, Hq // Hkv, D) * scale, keys.transpose(-1, -2))  # (B, Hkv, G, T)
     if keep is not None:
@@ -134,26 +144,22 @@ class DecodeStep:
 
     def __init__(self, model: nn.Module) -> None:
         inner = model.model
-        # the parameters it was built from (held, so no new tensor can take an old one's identity) and how
-        # often each had been updated in place (optimizer steps, load_state_dict bump the count)
-        self.model, self.weights = model, [(p, p._version) for p in model.parameters()]
         self.embed, self.layers, self.norm, self.rotary = inner.embed_tokens, inner.layers, inner.norm, inner.rotary_emb
         self.head = model.lm_head
         attn = self.layers[0].self_attn
         self.head_dim = attn.head_dim
         self.scale = attn.scaling
         # q, k, v as one product and gate, up as one: fewer calls per layer, which is most of a decode step's
-        # cost for a small model at a few rows (1.95 vs 1.45 ms at 2 rows, shipped model), the same values
-        with torch.no_grad():
-            self.qkv = [_joined(L.self_attn.q_proj, L.self_attn.k_proj, L.self_attn.v_proj) for L in self.layers]
-            self.gate_up = [_joined(L.mlp.gate_proj, L.mlp.up_proj) for L in self.layers]
+        # cost for a small model at a few rows (1.95 vs 1.45 ms at 2 rows, shipped model), the same values.
+        # Copies of the weights as they are now (so a step lives for one generate call), made only where they
+        # are small: for a larger model the products themselves dominate and a copy would cost memory.
         self.split = (attn.q_proj.out_features // self.head_dim, attn.k_proj.out_features // self.head_dim)
         self.inner = self.layers[0].mlp.gate_proj.out_features
-
-    def current(self) -> bool:
-        """Built from the model's weights as they are now (the same tensors, none updated since)."""
-        now = list(self.model.parameters())
-        return len(now) == len(self.weights) and all(p is q and p._version == v for p, (q, v) in zip(now, self.weights))
+        self.qkv = self.gate_up = None
+        if sum(m.weight.numel() for L in self.layers for m in _fusable(L)) <= JOIN_MAX_ELEMENTS:
+            with torch.no_grad():
+                self.qkv = [_joined(L.self_attn.q_proj, L.self_attn.k_proj, L.self_attn.v_proj) for L in self.layers]
+                self.gate_up = [_joined(L.mlp.gate_proj, L.mlp.up_proj) for L in self.layers]
 
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                  cache) -> torch.Tensor:
@@ -170,14 +176,21 @@ class DecodeStep:
         for i, layer in enumerate(self.layers):
             a, m = layer.self_attn, layer.mlp
             y = _rms(h, layer.input_layernorm)
-            x = F.linear(y, *self.qkv[i]).view(B, S, -1, D).transpose(1, 2)  # (B, Hq + 2 Hkv, S, D)
+            if self.qkv is not None:
+                x = F.linear(y, *self.qkv[i])
+            else:
+                x = torch.cat([F.linear(y, p.weight, p.bias) for p in (a.q_proj, a.k_proj, a.v_proj)], dim=-1)
+            x = x.view(B, S, -1, D).transpose(1, 2)  # (B, Hq + 2 Hkv, S, D)
             qk = x[:, :hq + hk]
             qk = (qk * cos) + (_rotate_half(qk) * sin)  # q's and k's rotary in one pass (elementwise per head)
             keys, values = cache.update(qk[:, hq:], x[:, hq + hk:], i)
             o = _attend(qk[:, :hq], keys, values, keep, self.scale)
             h = h + F.linear(o, a.o_proj.weight, a.o_proj.bias)
             y = _rms(h, layer.post_attention_layernorm)
-            g, u = F.linear(y, *self.gate_up[i]).split(self.inner, dim=-1)
+            if self.gate_up is not None:
+                g, u = F.linear(y, *self.gate_up[i]).split(self.inner, dim=-1)
+            else:
+                g, u = F.linear(y, m.gate_proj.weight, m.gate_proj.bias), F.linear(y, m.up_proj.weight, m.up_proj.bias)
             h = h + F.linear(m.act_fn(g) * u, m.down_proj.weight, m.down_proj.bias)
         h = _rms(h[:, -1:], self.norm)  # only the last position's logits are read (logits_to_keep=1)
         return F.linear(h, self.head.weight, self.head.bias)[:, -1, :]

@@ -336,12 +336,11 @@ class LocalPolicy:
 
     def fast_step(self) -> DecodeStep | None:
         """The lean forward of decode steps and prefill blocks (:mod:`~mosaic.agent.policies.fastdecode`) for
-        this policy's model, kept while its weights are unchanged; None when ``fast_decode`` is off or the
-        model is not one it reproduces."""
-        if not self.config.fast_decode:
-            return None
-        self._fast = decode_step_for(self.model, self._fast)
-        return self._fast
+        this policy's model: the generate call's in progress (built from the weights as they were when the
+        call began), else a new one; None when ``fast_decode`` is off or the model is not one it reproduces."""
+        if self._fast is not None:
+            return self._fast
+        return decode_step_for(self.model) if self.config.fast_decode else None
 
     def _prefill(self, reqs: list[GenRequest], prefixes: list[tuple[PrefixEntry, int] | None], room: int = 0):
         """:func:`~mosaic.agent.policies.prefill.prefill`: (last logits (B, V), :class:`DecodeBatch`)."""
@@ -350,6 +349,16 @@ class LocalPolicy:
     @torch.inference_mode()
     def _generate_batch(self, idx: list[int], call: Call, sampling: Sampling, on_step: StepCallback | None = None,
                         joining: bool = False) -> None:
+        """:meth:`_decode_batch` with this call's lean forward (:meth:`fast_step`), built from the weights as they
+        are now: whatever changed them since the last call (an optimizer step, a swap), it reads them anew."""
+        self._fast = decode_step_for(self.model) if self.config.fast_decode else None
+        try:
+            self._decode_batch(idx, call, sampling, on_step, joining)
+        finally:
+            self._fast = None
+
+    def _decode_batch(self, idx: list[int], call: Call, sampling: Sampling, on_step: StepCallback | None,
+                      joining: bool) -> None:
         """Prefill the requests ``idx`` of ``call``, then decode one token per live row per step until every row
         has finished; with ``joining``, the call's waiting requests join as rows finish (up to
         ``max_batch_size`` live rows, at least a quarter of it at a time unless the batch ran dry). Each
