@@ -13,8 +13,8 @@ Rules (per rollout; settings in :class:`ReconstructionRules`):
    tool result that overflowed the context is in the history that gets
    compacted.
 2. **Retries.** Calls with identical prompt ids form a group, split where a
-   call of the group comes after some other call went on from the one before
-   it (a new start with the same prompt, e.g. after two compactions into the
+   call of the group comes after some other call went on from an earlier one
+   of the group (a new start with the same prompt, e.g. after two compactions into the
    same summary). A call is *used* when a later call extends its tip (its
    prompt + completion ids are a prefix of the later prompt) or its returned
    text appears in a later call's messages. In a group with a used call, the
