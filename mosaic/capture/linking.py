@@ -144,15 +144,7 @@ class Linker:
         rebuilt to follow the call's prompt (:meth:`SessionDraft.rebase`: the tokens sampled on the
         earlier rendering are kept, detached, on the context they were sampled on)."""
         c = self.calls[i]
-        if c.endpoint != "chat" or not c.messages:
-            return False
-        keys = [message_key(m) for m in c.messages]
-        found: list[tuple[int, int | None]] = []  # (session, where the re-rendered reply ends in c's prompt)
-        for s in self.sessions:
-            if s.kind != "compaction":
-                hit = self._resends(keys, c, self.calls[s.calls[-1]])
-                if hit is not False:
-                    found.append((s.idx, hit))
+        found = self._resending(i)
         if not found:
             return False
         pick = self._pick([f[0] for f in found])
@@ -167,14 +159,21 @@ class Linker:
         self.call_sess.append(pick)
         return True
 
+    def _resending(self, i: int) -> list[tuple[int, int | None]]:
+        """The sessions (not compactions) whose last request and reply call ``i`` re-sends, each with where the
+        re-rendered reply ends in its prompt (:meth:`_resends`)."""
+        c = self.calls[i]
+        if c.endpoint != "chat" or not c.messages:
+            return []
+        keys = [message_key(m) for m in c.messages]
+        hits = [(s.idx, self._resends(keys, c, self.calls[s.calls[-1]])) for s in self.sessions if s.kind != "compaction"]
+        return [(k, hit) for k, hit in hits if hit is not False]
+
     def _resent_by(self, i: int) -> SessionDraft | None:
         """Rule 4, a compaction call that extends no tip: the session whose last request and reply it re-sends
         (as 3b: the reply re-rendered), or None."""
-        c = self.calls[i]
-        keys = [message_key(m) for m in c.messages] if c.endpoint == "chat" and self.rules.message_match else []
-        found = [s.idx for s in self.sessions if keys and s.kind != "compaction"
-                 and self._resends(keys, c, self.calls[s.calls[-1]]) is not False]
-        return self.sessions[self._pick(found)] if found else None
+        found = self._resending(i) if self.rules.message_match else []
+        return self.sessions[self._pick([k for k, _ in found])] if found else None
 
     @staticmethod
     def _resends(keys: list[tuple], c: CallRecord, p: CallRecord) -> int | None | bool:

@@ -158,8 +158,8 @@ class DecodeStep:
         self.qkv = self.gate_up = None
         if sum(m.weight.numel() for L in self.layers for m in _fusable(L)) <= JOIN_MAX_ELEMENTS:
             with torch.no_grad():
-                self.qkv = [_joined(L.self_attn.q_proj, L.self_attn.k_proj, L.self_attn.v_proj) for L in self.layers]
-                self.gate_up = [_joined(L.mlp.gate_proj, L.mlp.up_proj) for L in self.layers]
+                self.qkv = [_joined(*_fusable(L)[:3]) for L in self.layers]
+                self.gate_up = [_joined(*_fusable(L)[3:]) for L in self.layers]
 
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                  cache) -> torch.Tensor:
