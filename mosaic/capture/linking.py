@@ -118,7 +118,7 @@ class Linker:
             p = sessions[self._pick(best)] if best else self._resent_by(i)
             if p is not None:
                 new.parent, new.edge = p.idx, "continues"
-                self._history_tail(c, p, new)  # (a re-rendered reply: the tail stays in the compaction's prompt, flagged)
+                self._history_tail(c, p, new)  # (a re-rendered reply: the tail stays put, flagged)
                 new.parent_upto = len(p.prompt) + len(p.comp)
                 new.meta["parent_by"] = "prefix" if best else "messages"
         else:
@@ -166,7 +166,8 @@ class Linker:
         if c.endpoint != "chat" or not c.messages:
             return []
         keys = [message_key(m) for m in c.messages]
-        hits = [(s.idx, self._resends(keys, c, self.calls[s.calls[-1]])) for s in self.sessions if s.kind != "compaction"]
+        hits = [(s.idx, self._resends(keys, c, self.calls[s.calls[-1]]))
+                for s in self.sessions if s.kind != "compaction"]
         return [(k, hit) for k, hit in hits if hit is not False]
 
     def _resent_by(self, i: int) -> SessionDraft | None:
