@@ -6,7 +6,8 @@ trajectory after a compaction starts from the same prompt again. On the CPU pres
 hold about 4.5x as many tokens as their distinct prefixes (a trie over a step's rows: 9,359 nodes for
 41,928 tokens). :func:`tree_logprobs` builds a radix tree over the rows' ids (one node per run of positions
 shared by the same set of rows), runs the nodes level by level (a node's keys and values are the
-positions it adds; it attends to its ancestors' through a KV cache, left-padded per batch of nodes) and
+positions it adds; it attends to its ancestors' through a KV cache, left-padded per batch of nodes; a level's
+nodes are cut into batches of similar lengths, :func:`level_batches`) and
 reads each row's completion log-probs from the hidden states of the nodes on its path.
 
 With causal attention the hidden state at a position depends only on the ids up to it, so this is the
@@ -69,20 +70,39 @@ def build_tree(seqs: Sequence[Sequence[int]]) -> tuple[list[Node], list[list[int
     return nodes, paths
 
 
-def _chunks(order: list[int], nodes: list[Node], max_tokens: int) -> list[list[int]]:
-    """Batches of nodes (``order``: sorted by past and segment length) of at most ``max_tokens`` padded
-    positions (rows x (longest past + longest segment)) each, at least one node."""
-    out: list[list[int]] = []
-    cur: list[int] = []
-    pm = sm = 0
-    for n in order:
-        p, s = max(pm, nodes[n].start), max(sm, nodes[n].end - nodes[n].start)
-        if cur and (len(cur) + 1) * (p + s) > max_tokens:
-            out.append(cur)
-            cur, p, s = [], nodes[n].start, nodes[n].end - nodes[n].start
-        cur.append(n)
-        pm, sm = p, s
-    return out + ([cur] if cur else [])
+# What a forward over a batch of nodes costs, in padded query positions (each runs every projection and MLP):
+# a call's fixed cost (4-layer model: launching ~40 operators forward and backward) and one padded
+# (query, key) pair of attention. Fitted to forward + backward CPU time of the CPU preset's micro-batches.
+CALL_COST = 200.0
+PAIR_COST = 0.002
+
+
+def level_batches(order: list[int], nodes: list[Node], max_tokens: int) -> list[list[int]]:
+    """A level's nodes in batches that pad little: every batch is padded to its longest past and its longest
+    segment, so one long node among short ones would make them all pay for its length (one batch per level
+    ran twice the attention pairs and 1.7x the query positions the nodes hold). The nodes are sorted by
+    segment, then past length, and cut into the contiguous batches of least total cost (``CALL_COST`` per
+    forward + ``PAIR_COST`` per padded attention pair + 1 per padded query position: dynamic programming);
+    a batch holds at most ``max_tokens`` padded positions (rows x (past + segment)) unless it is one node."""
+    items = sorted(order, key=lambda n: (nodes[n].end - nodes[n].start, nodes[n].start))
+    best = [0.0] + [float("inf")] * len(items)
+    cut = [0] * (len(items) + 1)
+    for j in range(1, len(items) + 1):
+        seg = nodes[items[j - 1]].end - nodes[items[j - 1]].start  # the longest segment of items[i:j]
+        past = 0
+        for i in range(j - 1, -1, -1):
+            past = max(past, nodes[items[i]].start)
+            rows = j - i
+            if rows > 1 and rows * (past + seg) > max_tokens:
+                break
+            cost = best[i] + CALL_COST + rows * seg * (1.0 + PAIR_COST * (past + seg))
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    out, j = [], len(items)
+    while j > 0:
+        out.append(items[cut[j] : j])
+        j = cut[j]
+    return out[::-1]
 
 
 def _run_nodes(decoder, nodes: list[Node], batch: list[int], kv: dict, dev) -> list[torch.Tensor]:
@@ -133,9 +153,8 @@ def tree_logprobs(model, rows: Sequence[PackedRow], *, temperature: float = 1.0,
     hid: list[torch.Tensor | None] = [None] * len(nodes)
     kv: dict[int, list] = {}
     for level in range(max((n.level for n in nodes), default=-1) + 1):
-        here = sorted((k for k, n in enumerate(nodes) if n.level == level),
-                      key=lambda k: (nodes[k].start, nodes[k].end - nodes[k].start))  # fmt: skip
-        for batch in _chunks(here, nodes, max_batch_tokens):
+        here = [k for k, n in enumerate(nodes) if n.level == level]
+        for batch in level_batches(here, nodes, max_batch_tokens):
             for n, h in zip(batch, _run_nodes(decoder, nodes, batch, kv, dev)):
                 hid[n] = h
         for k in list(kv):  # a level's parents are done with once it has run

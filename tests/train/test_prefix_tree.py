@@ -12,7 +12,7 @@ from hypothesis import given, settings, strategies as st
 from mosaic.core.loss import policy_loss, token_weights
 from mosaic.trace.rows import TrainingRow
 from mosaic.train.batching import PackedRow, collate, completion_logprobs, micro_batches, pack_rows
-from mosaic.train.prefix_tree import build_tree, tree_logprobs
+from mosaic.train.prefix_tree import Node, build_tree, level_batches, tree_logprobs
 
 from .conftest import tiny_model
 
@@ -121,3 +121,25 @@ def test_rows_that_share_nothing_or_prefix_each_other():
     torch.testing.assert_close(lp1, lp0, rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="without prompt"):
         tree_logprobs(model, [PackedRow([], [1], [True], [-1.0], [1.0], [0], 0)])
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 900), st.integers(1, 600)), min_size=1, max_size=24),
+       st.integers(64, 4096))
+def test_level_batches_cover_each_node_once_within_the_budget(spans, max_tokens):
+    nodes = [Node(p, p + s, -1, 0, []) for p, s in spans]
+    batches = level_batches(list(range(len(nodes))), nodes, max_tokens)
+    assert sorted(n for b in batches for n in b) == list(range(len(nodes)))
+    for b in batches:
+        padded = len(b) * (max(nodes[n].start for n in b) + max(nodes[n].end - nodes[n].start for n in b))
+        assert len(b) == 1 or padded <= max_tokens
+
+
+def test_one_long_node_is_not_batched_with_short_ones():
+    # a 558-position segment among short ones: one batch would pad the short ones to it (the case measured)
+    nodes = [Node(249, 249 + s, -1, 2, []) for s in (155, 558)] + [Node(280, 280 + s, -1, 2, []) for s in (12, 68)]
+    batches = level_batches(list(range(4)), nodes, 16384)
+    assert [1] in batches and all(len(b) < 4 for b in batches)
+    # equal nodes share one forward (a call costs more than padding nothing)
+    same = [Node(300, 360, -1, 1, []) for _ in range(6)]
+    assert level_batches(list(range(6)), same, 16384) == [list(range(6))]
