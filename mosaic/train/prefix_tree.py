@@ -75,13 +75,17 @@ def build_tree(seqs: Sequence[Sequence[int]]) -> tuple[list[Node], list[list[int
 # (query, key) pair of attention. Fitted to forward + backward CPU time of the CPU preset's micro-batches.
 CALL_COST = 200.0
 PAIR_COST = 0.002
+# On an accelerator padded positions run in parallel and a call's launch costs relatively more: there a batch
+# is cut only where it saves more than this many padded positions. Not measured (no GPU has run this path).
+ACCEL_CALL_COST = 4096.0
 
 
-def level_batches(order: list[int], nodes: list[Node], max_tokens: int) -> list[list[int]]:
+def level_batches(order: list[int], nodes: list[Node], max_tokens: int, *,
+                  call_cost: float = CALL_COST) -> list[list[int]]:
     """A level's nodes in batches that pad little: every batch is padded to its longest past and its longest
     segment, so one long node among short ones would make them all pay for its length (one batch per level
     ran twice the attention pairs and 1.7x the query positions the nodes hold). The nodes are sorted by
-    segment, then past length, and cut into the contiguous batches of least total cost (``CALL_COST`` per
+    segment, then past length, and cut into the contiguous batches of least total cost (``call_cost`` per
     forward + ``PAIR_COST`` per padded attention pair + 1 per padded query position: dynamic programming);
     a batch holds at most ``max_tokens`` padded positions (rows x (past + segment)) unless it is one node."""
     items = sorted(order, key=lambda n: (nodes[n].end - nodes[n].start, nodes[n].start))
@@ -95,7 +99,7 @@ def level_batches(order: list[int], nodes: list[Node], max_tokens: int) -> list[
             rows = j - i
             if rows > 1 and rows * (past + seg) > max_tokens:
                 break
-            cost = best[i] + CALL_COST + rows * seg * (1.0 + PAIR_COST * (past + seg))
+            cost = best[i] + call_cost + rows * seg * (1.0 + PAIR_COST * (past + seg))
             if cost < best[j]:
                 best[j], cut[j] = cost, i
     out, j = [], len(items)
@@ -151,10 +155,11 @@ def tree_logprobs(model, rows: Sequence[PackedRow], *, temperature: float = 1.0,
     dev = next(model.parameters()).device
     decoder = model.get_decoder()
     hid: list[torch.Tensor | None] = [None] * len(nodes)
+    call_cost = CALL_COST if dev.type == "cpu" else ACCEL_CALL_COST
     kv: dict[int, list] = {}
     for level in range(max((n.level for n in nodes), default=-1) + 1):
         here = [k for k, n in enumerate(nodes) if n.level == level]
-        for batch in level_batches(here, nodes, max_batch_tokens):
+        for batch in level_batches(here, nodes, max_batch_tokens, call_cost=call_cost):
             for n, h in zip(batch, _run_nodes(decoder, nodes, batch, kv, dev)):
                 hid[n] = h
         for k in list(kv):  # a level's parents are done with once it has run

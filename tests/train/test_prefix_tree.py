@@ -12,7 +12,7 @@ from hypothesis import given, settings, strategies as st
 from mosaic.core.loss import policy_loss, token_weights
 from mosaic.trace.rows import TrainingRow
 from mosaic.train.batching import PackedRow, collate, completion_logprobs, micro_batches, pack_rows
-from mosaic.train.prefix_tree import Node, build_tree, level_batches, tree_logprobs
+from mosaic.train.prefix_tree import ACCEL_CALL_COST, Node, build_tree, level_batches, tree_logprobs
 
 from .conftest import tiny_model
 
@@ -140,6 +140,8 @@ def test_one_long_node_is_not_batched_with_short_ones():
     nodes = [Node(249, 249 + s, -1, 2, []) for s in (155, 558)] + [Node(280, 280 + s, -1, 2, []) for s in (12, 68)]
     batches = level_batches(list(range(4)), nodes, 16384)
     assert [1] in batches and all(len(b) < 4 for b in batches)
+    # where a call costs far more than a padded position (an accelerator), they stay in one forward
+    assert [sorted(b) for b in level_batches(list(range(4)), nodes, 16384, call_cost=ACCEL_CALL_COST)] == [[0, 1, 2, 3]]
     # equal nodes share one forward (a call costs more than padding nothing)
     same = [Node(300, 360, -1, 1, []) for _ in range(6)]
     assert level_batches(list(range(6)), same, 16384) == [list(range(6))]
