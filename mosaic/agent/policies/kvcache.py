@@ -93,9 +93,19 @@ class SlabLayer(DynamicLayer):
         return layer
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep batch rows ``indices`` (in that order): their written positions are copied into new buffers of
+        the same capacity with ``index_select`` (a row copy per kept row; advanced indexing ``slab[indices]``
+        took ~6x longer on CPU and copied the unwritten positions too)."""
         if self.is_initialized:
-            self.slab_k, self.slab_v = self.slab_k[indices], self.slab_v[indices]
+            self.slab_k, self.slab_v = (_select_rows(slab, indices, self.length) for slab in (self.slab_k, self.slab_v))
             self._views()
+
+
+def _select_rows(slab: torch.Tensor, indices: torch.Tensor, length: int) -> torch.Tensor:
+    """A new (len(indices), H, capacity, D) buffer holding ``slab``'s rows ``indices`` at positions ``:length``."""
+    out = slab.new_empty((len(indices), *slab.shape[1:]))
+    torch.index_select(slab[:, :, :length], 0, indices, out=out[:, :, :length])
+    return out
 
 
 class SlabCache(DynamicCache):
@@ -189,9 +199,9 @@ def join_batches(a: DecodeBatch, b: DecodeBatch, room: int) -> DecodeBatch:
         H, D = lb.slab_k.shape[1], lb.slab_k.shape[3]
         k = lb.slab_k.new_zeros((na + nb, H, L + room, D))
         v = lb.slab_v.new_zeros((na + nb, H, L + room, D))
-        if na:
-            k[:na, :, L - La:L] = la.slab_k[keep, :, start:start + La]
-            v[:na, :, L - La:L] = la.slab_v[keep, :, start:start + La]
+        if na:  # (index_select into the strided target: one row copy each, no advanced-indexing temporary)
+            torch.index_select(la.slab_k[:, :, start:start + La], 0, keep, out=k[:na, :, L - La:L])
+            torch.index_select(la.slab_v[:, :, start:start + La], 0, keep, out=v[:na, :, L - La:L])
         k[na:, :, L - Lb:L] = lb.slab_k[:, :, :Lb]
         v[na:, :, L - Lb:L] = lb.slab_v[:, :, :Lb]
         layers.append(SlabLayer.of(k, v, L))
