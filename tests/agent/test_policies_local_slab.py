@@ -299,3 +299,16 @@ def test_fast_step_reads_the_weights_of_each_generate_call(model_tok, monkeypatc
     monkeypatch.setattr(fastdecode, "JOIN_MAX_ELEMENTS", 0)  # no joined copies: separate products
     assert fastdecode.decode_step_for(model).qkv is None
     agree()
+
+
+def test_selected_rows_keep_their_positions_and_room_to_grow():
+    cache = SlabCache(1, 8)
+    a = torch.randn(3, 1, 5, 2)
+    cache.update(a, a, 0)
+    cache.batch_select_indices(torch.tensor([2, 0]))
+    layer = cache.layers[0]
+    assert layer.capacity == 8 and layer.slab_k.shape[:3] == (2, 1, 8)
+    assert torch.equal(layer.keys, a[[2, 0]]) and torch.equal(layer.values, a[[2, 0]])
+    b = torch.randn(2, 1, 3, 2)
+    keys, _ = cache.update(b, b, 0)  # fills the room without a new buffer
+    assert torch.equal(keys, torch.cat([a[[2, 0]], b], dim=2))
