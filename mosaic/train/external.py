@@ -146,7 +146,8 @@ class ExternalRollouts:
         pcfg = ProxyConfig(upstream=self.server_thread.url, out_dir=str(self.records_dir), port=0,
                            timeout_s=max(30.0, self.rc.deadline_s + 30.0))
         proxy_app = create_proxy_app(pcfg, tokenizer=tokenizer, accept_rollout=self._accept,
-                                     force_params={"temperature": self.rc.temperature, "top_p": self.rc.top_p})
+                                     force_params={"temperature": self.rc.temperature, "top_p": self.rc.top_p},
+                                     upstream_app=app)  # whole calls reach the served app without a socket
         self.proxy = proxy_app.state.proxy  # the RecordingProxy: records and quiet waits go through its methods
         self._add_tool_route(proxy_app)
         self.proxy_thread = ServerThread(proxy_app).start()

@@ -106,10 +106,12 @@ def test_body_limit_is_413_with_or_without_a_length(client):
 
 
 def test_tokenisation_runs_off_the_event_loop(served, client):
-    """While one request's prompt is being rendered and tokenised, /health and other requests are
-    answered: the render is held inside its worker thread until /health has come back."""
+    """While one large request's prompt is being rendered and tokenised, /health and other requests are
+    answered: the render is held inside its worker thread until /health has come back (every body counts
+    as large here: ``inline_body_bytes`` 0)."""
     _, app = served
     srv = app.state.server
+    srv.inline_body_bytes = 0
     entered, gate = threading.Event(), threading.Event()
     orig = srv._render_chat
 
@@ -130,8 +132,26 @@ def test_tokenisation_runs_off_the_event_loop(served, client):
     finally:
         gate.set()
         srv._render_chat = orig
+        srv.inline_body_bytes = 32 * 1024
         t.join(60)
     assert out["r"].status_code == 200
+
+
+def test_small_bodies_answer_on_the_loop_as_in_a_worker_thread(served, client):
+    """A body under ``inline_body_bytes`` is parsed, tokenised and answered on the event loop: the same
+    seeded request gets the same answer (text, ids, log-probs, usage) as when every step runs in a worker
+    thread, and the answer is plain JSON."""
+    srv = served[1].state.server
+    body = {"messages": MSGS, "max_tokens": 6, "seed": 11, "temperature": 1.0, "logprobs": True,
+            "return_token_ids": True}
+    got = {}
+    for inline in (32 * 1024, 0):
+        srv.inline_body_bytes = inline
+        r = client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200 and r.headers["content-type"] == "application/json"
+        got[inline] = {k: v for k, v in r.json().items() if k not in ("id", "created")}
+    srv.inline_body_bytes = 32 * 1024
+    assert got[0] == got[32 * 1024] and got[0]["choices"][0]["token_ids"]
 
 
 @pytest.mark.parametrize("field, value", [
