@@ -373,11 +373,9 @@ def create_proxy_app(config: ProxyConfig, *, tokenizer: Any = None,
     """The FastAPI app of a recording proxy (records go to ``config.out_dir/records.jsonl``).
 
     ``accept_rollout(rollout_id, what)``: when given, calls and rewards for a rollout id it refuses get
-    404 (a trainer accepts only the ids of its step). ``force_params``: request fields set on every
-    forwarded call whatever the client sent (a trainer's sampling temperature and top-p). ``upstream_app``: the
-    upstream's ASGI app when it runs in this process (whole calls reach it without a socket:
-    :class:`~mosaic.capture.upstream.UpstreamPool`).
-    """
+    404 (a trainer accepts only the ids of its step). ``force_params``: request fields set on every forwarded
+    call whatever the client sent (a trainer's sampling temperature and top-p). ``upstream_app``: the upstream's
+    ASGI app when it runs in this process (:class:`~mosaic.capture.upstream.UpstreamPool`)."""
     proxy = RecordingProxy(config, tokenizer=tokenizer, accept_rollout=accept_rollout, force_params=force_params,
                            upstream_app=upstream_app)
 
@@ -417,11 +415,8 @@ def create_proxy_app(config: ProxyConfig, *, tokenizer: Any = None,
         return await proxy.handle_reward(request, rollout_id)
 
     @app.get("/v1/models")
-    async def models(request: Request):
-        return await proxy.handle_get(request, "/models")
-
     @app.get("/rollouts/{rollout_id}/v1/models")
-    async def models_r(rollout_id: str, request: Request):
+    async def models(request: Request):
         return await proxy.handle_get(request, "/models")
 
     @app.get("/healthz")

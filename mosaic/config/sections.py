@@ -5,6 +5,7 @@ validates its values at construction and a bad value raises :class:`ConfigError`
 naming the dotted key and saying why. :mod:`mosaic.config.loader` assembles them
 into :class:`~mosaic.config.loader.Config`, with presets and the loader.
 """
+# long: one docstring per config field (docs/reference.md is generated from them)
 
 from __future__ import annotations
 
@@ -126,7 +127,8 @@ class DataConfig(_Section):
     hop_mix: tuple[tuple[int, float], ...] | None = None
     """``[[hops, weight], ...]``; None = the preset's."""
     visits: int = 0
-    """(service) Visits per episode; 0 = the preset's."""
+    """(service) Visits per episode, at most 50; 0 = the preset's. The service knobs (this and the next two) are
+    refused on deep search."""
     events_between: int = -1
     """(service) World events between two visits; -1 = the preset's."""
     unannounced_share: float = -1.0
@@ -145,7 +147,10 @@ class DataConfig(_Section):
         for name in ("world_entities", "train_world_entities"):  # the generator needs two entities per type
             self._need(getattr(self, name) == 0 or 14 <= getattr(self, name) <= 1_000_000, name,
                        "must be in [14, 1000000] (two entities per type at least), or 0: the preset's")
-        self._need(self.visits <= 1000, "visits", "must be <= 1000 (or 0: the preset's)")
+        self._need(self.visits <= 50, "visits", "must be <= 50 (or 0: the preset's)")
+        for name, unset in (("visits", 0), ("events_between", -1), ("unannounced_share", -1.0)):  # else dropped
+            self._need(self.family == "service" or getattr(self, name) == unset, name, "applies to the service "
+                       "family only (data.family=service)")
         if self.family == "service":  # one user per task, generated up front; the Parquet export's bound too
             for name in ("n_train_tasks", "n_eval_tasks"):
                 self._need(getattr(self, name) <= 100_000, name, "must be <= 100000 for the service family (users "

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -258,9 +259,24 @@ def cmd_show(args: argparse.Namespace) -> int:
     return 0
 
 
+_OVERRIDE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+=")
+
+
+def sort_query(args: argparse.Namespace) -> None:
+    """``data search``'s positionals, in any order: the ``section.field=value`` overrides, and one QUERY
+    (argparse alone would take a lone override for the query, or a query before an override for one)."""
+    pool = [*args.overrides, args.query]
+    args.overrides, queries = [x for x in pool if _OVERRIDE.match(x)], [x for x in pool if not _OVERRIDE.match(x)]
+    if len(queries) != 1:
+        raise UsageError("QUERY: give one search query (quoted if it has spaces) besides the SECTION.FIELD=VALUE "
+                         f"overrides; got {', '.join(repr(q) for q in queries) or 'none'}")
+    args.query = queries[0]
+
+
 def cmd_search(args: argparse.Namespace) -> int:
     from mosaic.envs.search import SearchIndex, format_hits
 
+    sort_query(args)
     split = _load(args)
     index = split.index
     if args.snippet_tokens is not None:

@@ -104,8 +104,9 @@ def _train_sft(cfg: Config) -> Path:
         trajs = _fitting_vocab(trajs, model.get_input_embeddings().num_embeddings, f"config key 'sft.data': {cfg.sft.data}")
         _log(f"sft: {len(trajs)} trajectories from {cfg.sft.data}")
     else:
+        noise = "none: the service expert has no noise knobs" if cfg.data.family == "service" else cfg.sft.expert_noise
         _log(f"sft: rolling the scripted expert over {cfg.sft.n_tasks} training tasks "
-             f"(mode={cfg.harness.mode}, noise={cfg.sft.expert_noise})")
+             f"(mode={cfg.harness.mode}, noise={noise})")
         trajs = expert_trajectories(cfg, train, tok, chat, n_tasks=cfg.sft.n_tasks, seed=cfg.train.seed)
         write_jsonl(out / "expert.jsonl", trajs)
     expert_acc = sum(t.success for t in trajs) / max(1, len(trajs))
@@ -382,7 +383,7 @@ def _report_gain(cfg: Config, run_dir: Path, base: dict, final: dict, seconds: f
     _log(f"held-out gain over the warm start: {100 * cmp.diff:+.1f} points "
          f"(95 % paired bootstrap CI [{100 * cmp.lo:+.1f}, {100 * cmp.hi:+.1f}], {verdict}; "
          f"{cmp.wins} wins / {cmp.losses} losses / {cmp.ties} ties on {cmp.n_questions} questions)")
-    _log(f"this is one training seed ({cfg.train.seed}) on one {cfg.train.heldout_split} world, its questions as "
+    _log(f"this is one training seed ({cfg.train.seed}) on one {cfg.train.heldout_split} split, its tasks as "
          f"the unit (exact sign test p = {cmp.p_value:.3f}): whether RL moved this model, not whether an "
          f"estimator trains better; that takes seeds as the unit (docs/results.md, reports/)")
     (run_dir / "result.json").write_text(json.dumps({

@@ -146,7 +146,19 @@ def sample_records(trajs: Sequence[Trajectory], keep: Sequence[int], *, step: in
                     "end_reason": t.end_reason, "estimator": estimator, "group": groups[t.group_id],
                     "estimators": list(ESTIMATORS), "unavailable": dict(unavailable),
                     "sessions": sessions})  # fmt: skip
+        env = env_outcome(t.meta.get("env"))
+        if env:
+            out[-1]["env"] = env
     return out
+
+
+def env_outcome(env: Any) -> dict[str, Any]:
+    """The plain fields (numbers, booleans, short strings) of a trajectory's environment outcome (the service
+    family's ``traj.meta["env"]``: state match, answer, visits, stale actions…) for a sample record; {} for none."""
+    if not isinstance(env, dict):
+        return {}
+    return {k: v for k, v in env.items() if isinstance(k, str) and (
+        isinstance(v, (bool, int, float)) or (isinstance(v, str) and len(v) <= 200))}
 
 
 def _session_record(t: Trajectory, s, flat: int, u_off: list[int], adv: dict, levels: dict, g, tg, dn,

@@ -34,10 +34,10 @@ class ViewError(ValueError):
     """A path the viewer cannot read; the message says what it expected."""
 
 
-def _jsonl(path: Path) -> Iterable[tuple[int, dict]]:
+def _jsonl(path: Path, *, quiet: bool = False) -> Iterable[tuple[int, dict]]:
     """The JSON-object lines of ``path``. A cut last line (a killed writer) is skipped, as the trainer's
-    own readers do; a line that is not a JSON object anywhere else, or bytes that are not UTF-8, is a
-    :class:`ViewError` naming the line."""
+    own readers do (said on stderr unless ``quiet``); a line that is not a JSON object anywhere else, or
+    bytes that are not UTF-8, is a :class:`ViewError` naming the line."""
     try:
         lines = path.read_bytes().split(b"\n")
     except IsADirectoryError:
@@ -53,8 +53,9 @@ def _jsonl(path: Path) -> Iterable[tuple[int, dict]]:
             raise ViewError(f"{path}:{n}: not UTF-8 text (expected a JSONL file of samples or trajectories)") from None
         except (json.JSONDecodeError, RecursionError):
             if i == last and not raw.endswith(b"}"):  # a line cut by a kill: skipped like the trainer's readers do
-                print(f"mosaic view: {path}:{n}: the last line is cut ({len(raw)} bytes, a writer killed mid-line?); "
-                      f"skipped", file=sys.stderr)
+                if not quiet:
+                    print(f"mosaic view: {path}:{n}: the last line is cut ({len(raw)} bytes, a writer killed mid-line?); "
+                          f"skipped", file=sys.stderr)
                 continue
             raise ViewError(f"{path}:{n}: not a JSON line (expected a JSONL file of samples or trajectories)") from None
         if not isinstance(rec, dict):
@@ -117,6 +118,10 @@ def check_sample(rec: dict) -> None:
             raise ViewError(f"{name}: must be a JSON {'object' if kind is dict else 'list'}")
     if not all(isinstance(e, str) for e in rec.get("estimators", [])):
         raise ViewError("estimators: must be a list of names")
+    env = rec.get("env")  # the environment's outcome (the service family), optional
+    if env is not None and not (isinstance(env, dict) and all(
+            isinstance(v, (bool, int, float, str)) for v in env.values())):
+        raise ViewError("env: must be a JSON object of numbers, booleans and strings")
 
 
 def make_safe(obj, counts: dict[str, int]):
@@ -165,7 +170,7 @@ def read_samples(path: str | Path) -> list[dict]:
 def _is_trajectory_file(path: Path) -> bool:
     from mosaic.trace.storage import SCHEMA
 
-    for _, rec in _jsonl(path):
+    for _, rec in _jsonl(path, quiet=True):  # (read again whole right after: said once, there)
         return rec.get("schema") == SCHEMA
     return False
 
@@ -181,8 +186,9 @@ def _pieces_from(vocab: Path | None, tokenizer: str | None) -> list[str]:
 
         return vocab_pieces(load_tokenizer(tokenizer))
     if vocab is None or not vocab.is_file():
-        raise ViewError(f"no vocab.json beside the samples ({vocab}); pass --tokenizer MODEL_DIR "
-                        f"(the run's checkpoints/*/model) to print the token ids")
+        raise ViewError(f"no vocab.json beside the samples ({vocab}); pass --tokenizer MODEL_DIR to print the token "
+                        f"ids: a run's checkpoints/*/model, or for a `mosaic rollout` file the model it sampled with "
+                        f"(e.g. mosaic/assets/models/tiny-svc)")
     try:
         pieces = json.loads(vocab.read_text(encoding="utf-8"))["pieces"]
     except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
@@ -263,7 +269,10 @@ def load_view(path: str | Path, *, tokenizer: str | None = None, max_trajectorie
             source = "rollouts"
         else:
             samples = read_samples(path)
-            pieces = _pieces_from(path.with_name("vocab.json"), tokenizer) if samples else []
+            if not samples:
+                raise ViewError(f"{path}: no sample or trajectory record in it (expected a run's samples.jsonl or a "
+                                f"`mosaic rollout` file)")
+            pieces = _pieces_from(path.with_name("vocab.json"), tokenizer)
             run_dir = path.parent if (path.parent / "metrics.jsonl").is_file() else None
             source = "samples"
     else:

@@ -29,6 +29,10 @@ def test_generate_and_show_a_service_split(capsys):
 @pytest.mark.parametrize("argv, message", [
     (["data", "show", "data.family=service", "--index", "9999"], "--index must be in"),
     (["data", "search", "data.family=service", "x"], "only generate, show and export"),
+    (["data", "search", "x", "data.family=service"], "only generate, show and export"),  # query first, too
+    (["data", "search", "data.family=service"], "QUERY: give one search query"),  # not taken for the query
+    (["data", "search", "x", "y", "data.family=service"], "QUERY: give one search query"),
+    (["data", "generate", "data.family=service", "data.visits=51"], "must be <= 50"),
     (["data", "generate", "data.family=service", "--set", "n_tasks=3"], "--set applies to deep-search"),
     (["data", "generate", "data.family=service", "data.unannounced_share=1.5"], "unannounced_share"),
     (["data", "generate", "data.family=shop"], "data.family"),
@@ -96,3 +100,15 @@ def test_an_empty_parquet_file_is_not_an_export(tmp_path, capsys):
     pq.write_table(pa.table({"x": pa.array([], type=pa.int64())}), path)
     assert main(["data", "import", str(path)]) == 2
     assert "holds no rows" in capsys.readouterr().err
+
+
+def test_a_reader_that_goes_away_ends_the_output_quietly():
+    """``mosaic data show ... | head``: the closed pipe ends the command with status 141 and no traceback."""
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-m", "mosaic.cli", "data", "show", "data.family=service", "--index", "0",
+                          "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.close()  # before a byte is read
+    err = p.stderr.read().decode()
+    assert p.wait() == 141 and "Traceback" not in err, err

@@ -124,3 +124,17 @@ def test_sessions_without_a_reference_have_no_gain_in_the_samples():
                 assert s["gain"] is None and "downstream" not in s
             else:
                 assert s["gain"] == 0.0 and str(s["gain"]) == "0.0"
+
+
+def test_a_service_outcome_rides_along_in_plain_fields_only():
+    """The service family's ``traj.meta["env"]`` reaches the record (the viewer says why a trajectory with the
+    right answer failed): numbers, booleans and short strings kept, lists and objects (the stale actions'
+    details) left out; a trajectory without one has no ``env``."""
+    trajs = _batch()
+    trajs[0].meta["env"] = {"state_match": False, "answer_correct": True, "visits": 2, "visits_correct": 1,
+                            "stale_actions": 1, "actions": 3, "stale_rate": 1 / 3, "answer_status": "ok",
+                            "stale": [{"call": "create_order"}], "error": "x" * 500}
+    recs = sample_records(trajs, range(len(trajs)), step=1, estimator=None, advantages={}, unavailable={})
+    assert recs[0]["env"] == {"state_match": False, "answer_correct": True, "visits": 2, "visits_correct": 1,
+                              "stale_actions": 1, "actions": 3, "stale_rate": 1 / 3, "answer_status": "ok"}
+    assert all("env" not in r for r in recs[1:])

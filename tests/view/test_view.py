@@ -180,6 +180,28 @@ def test_a_failed_write_keeps_the_earlier_page_and_leaves_nothing_partial(tmp_pa
     assert sorted(p.name for p in d.iterdir() if p.name.startswith(".")) == []
 
 
+@pytest.mark.parametrize("content", [b"", b'{"schema": "mosaic.sam'], ids=["empty", "only-a-cut-line"])
+def test_a_file_with_no_record_is_refused_not_an_empty_page(tmp_path, capsys, content):
+    f = tmp_path / "bad.jsonl"
+    f.write_bytes(content)
+    assert main(["view", str(f), "-o", str(tmp_path / "v.html")]) == 2
+    err = capsys.readouterr().err
+    assert "no sample or trajectory record in it" in err and "Traceback" not in err
+    assert err.count("last line is cut") == (1 if content else 0) and not (tmp_path / "v.html").exists()
+
+
+def test_the_service_outcome_is_checked_and_shown(tmp_path, capsys):
+    env = {"state_match": False, "answer_correct": True, "visits": 2, "visits_correct": 1, "stale_actions": 1,
+           "actions": 3}
+    d = _one_sample_file(tmp_path, lambda recs: recs[0].__setitem__("env", env))
+    assert main(["view", str(d)]) == 0
+    assert load_view(d)["samples"][0]["env"] == env
+    (tmp_path / "b").mkdir()
+    d = _one_sample_file(tmp_path / "b", lambda recs: recs[0].__setitem__("env", {"stale": [1]}))
+    assert main(["view", str(d)]) == 2
+    assert "samples.jsonl:1: env: must be a JSON object" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("field, value, said", [
     ("parent", 5, "sessions[0].parent: must be null or an earlier session's index"),
     ("completion", ["a"], "sessions[0].completion: must be a list of integers"),

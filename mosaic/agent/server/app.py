@@ -3,11 +3,9 @@
 Guards: a body over ``max_body_bytes`` is refused with 413 before it is read whole; with
 ``api_key`` every route but ``/health`` needs ``Authorization: Bearer <key>`` (401). Parsing a
 body of ``inline_body_bytes`` or more, rendering its chat template and tokenising run in worker threads,
-so a large request never stalls the event loop (``/health`` and other requests keep being answered);
-a smaller one is handled on the loop, where it takes well under a millisecond of work but a worker thread's
-round trip took 1-2 ms of latency on a busy 2-core machine (three per request). Answers are written as
-JSON directly (the standard library's encoder, NaN refused), not through FastAPI's generic encoder,
-which took ~2.4 ms per 100-token answer with log-probs.
+so a large request never stalls the event loop; a smaller one is handled on the loop (well under a
+millisecond of work, where each worker-thread round trip cost 1-2 ms on a busy 2-core machine). Answers are
+written with the standard JSON encoder (:func:`~mosaic.agent.server.schema.json_response`).
 
 Work per request is bounded by the model's context, not by the body limit: a prompt text (a
 completions string, a rendered chat) longer than ``(context - 1) * L`` characters is refused with
@@ -29,7 +27,7 @@ import uuid
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -37,7 +35,7 @@ from mosaic.agent.policies.local import LocalPolicy, LocalPolicyConfig
 from mosaic.agent.policy import GenRequest
 from mosaic.agent.server.schema import (
     ApiError, BaseCompletionRequest, ChatCompletionRequest, CompletionRequest, chat_logprob, completion_logprobs,
-    error_response, usage,
+    error_response, json_response, usage,
 )
 from mosaic.agent.server.stream import ChoiceText, stream_chat, stream_completion
 from mosaic.agent.server.textops import render_chat
@@ -184,8 +182,7 @@ class ModelServer:
 
     # ---- the endpoints
     async def off_loop(self, inline: bool, fn, *args):
-        """``fn(*args)``: on the event loop when ``inline`` (a small request: a worker thread's round trip
-        would cost more than the work), else in a worker thread (the loop keeps serving meanwhile)."""
+        """``fn(*args)`` on the event loop when ``inline`` (small: cheaper than a thread's round trip), else in a thread."""
         return fn(*args) if inline else await asyncio.to_thread(fn, *args)
 
     async def completion_prompts(self, body: CompletionRequest, inline: bool = False) -> list[list[int]]:
@@ -293,13 +290,6 @@ def _lone_surrogate(obj: Any) -> bool:
         elif isinstance(x, list):
             stack.extend(x)
     return False
-
-
-def json_response(payload: dict) -> Response:
-    """``payload`` (plain JSON types) as an ``application/json`` response, as FastAPI's JSONResponse would
-    write it (UTF-8, NaN and infinities refused) without its per-value generic encoder."""
-    return Response(json.dumps(payload, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode(),
-                    media_type="application/json")
 
 
 def _parse(model: type[BaseModel], raw: bytes) -> Any:
@@ -436,8 +426,7 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *,
     parsed and tokenised at once (503 beyond).
     ``continuous_batching``: requests that arrive while a batch decodes join it (same sampling parameters,
     unseeded) instead of waiting for it to end; results are sent as each request finishes.
-    ``inline_body_bytes``: bodies smaller than this are parsed and tokenised on the event loop (0: every
-    body in a worker thread).
+    ``inline_body_bytes``: smaller bodies are parsed and tokenised on the event loop (0: all in threads).
     """
     if max_body_bytes < 1 or max_heavy_requests < 1:
         raise ValueError(f"max_body_bytes {max_body_bytes} and max_heavy_requests {max_heavy_requests} "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any, Callable, Literal, Union
 
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
@@ -132,6 +132,14 @@ class ApiError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
+
+
+def json_response(payload: dict) -> Response:
+    """``payload`` (plain JSON types) as an ``application/json`` response, as FastAPI's JSONResponse would write
+    it (UTF-8, NaN and infinities refused) without its generic per-value encoder (~2.4 ms per 100-token answer
+    with log-probs)."""
+    return Response(json.dumps(payload, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode(),
+                    media_type="application/json")
 
 
 def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:

@@ -41,6 +41,8 @@ ITEM_NOUNS = ("lamp", "kettle", "backpack", "chair", "blender", "jacket", "speak
 STREET_SUFFIXES = ("Road", "Street", "Lane", "Way")
 
 
+MAX_VISITS = 50  # visits per episode (also ``data.visits``' bound)
+
 @dataclass(frozen=True)
 class ServiceConfig:
     """Knobs of a generated set of service episodes. Same config, same episodes."""
@@ -66,6 +68,8 @@ class ServiceConfig:
             value = getattr(self, name)
             if not (isinstance(value, int) and value >= low):
                 raise ValueError(f"ServiceConfig.{name} must be an int >= {low}, got {value!r}")
+        if self.visits > MAX_VISITS:  # generation time grows faster than the visits
+            raise ValueError(f"ServiceConfig.visits must be <= {MAX_VISITS}, got {self.visits}")
         if not 0.0 <= self.unannounced_share <= 1.0:
             raise ValueError(f"ServiceConfig.unannounced_share must be in [0, 1], got {self.unannounced_share}")
         if self.orders_per_user > len(ITEM_NOUNS):

@@ -217,6 +217,20 @@
   const advStyle = (v, est) => (isNum(v) ? advColour(v, est) : "");
   const fmtInt = (x) => (isNum(x) ? String(Math.round(x)) : fmt(x));
 
+  // the environment's outcome (the service family): why a trajectory with the right answer can still fail
+  function envTxt(e) {
+    if (!e || typeof e !== "object") return "";
+    const parts = [];
+    if ("state_match" in e) parts.push(`account state ${e.state_match ? "right" : "wrong"}`);
+    if ("answer_correct" in e) parts.push(`answer ${e.answer_correct ? "right" : "wrong"}`);
+    if (isNum(e.visits_correct) && isNum(e.visits)) parts.push(`visits handled ${fmtInt(e.visits_correct)}/${fmtInt(e.visits)}`);
+    if (isNum(e.stale_actions)) parts.push(`stale actions ${fmtInt(e.stale_actions)}` + (isNum(e.actions) ? ` of ${fmtInt(e.actions)}` : ""));
+    if (isNum(e.forbidden) && e.forbidden) parts.push(`forbidden actions ${fmtInt(e.forbidden)}`);
+    if (isNum(e.tool_errors) && e.tool_errors) parts.push(`tool errors ${fmtInt(e.tool_errors)}`);
+    if (typeof e.error === "string") parts.push(`error: ${e.error}`);
+    return parts.length ? ` · ${esc(parts.join(", "))}` : "";
+  }
+
   function card(t, ti) {
     const nk = {};
     for (const s of t.sessions) nk[s.kind] = (nk[s.kind] || 0) + 1;
@@ -226,7 +240,7 @@
       `<header><span class="badge">${t.success ? "success" : "failure"} · reward ${fmt(t.reward)}</span> ` +
       `<b>${esc(t.trajectory)}</b> <span class="muted">step ${fmtInt(t.step)} · ${esc(kindsTxt)} · ended by ${esc(t.end_reason)} · ` +
       `answer <q>${esc(t.answer === null ? "none" : t.answer)}</q> vs <q>${esc(t.ground_truth || "?")}</q>` +
-      (g.size ? ` · group of ${fmtInt(g.size)}: ${fmtInt(g.successes)} success(es), mean reward ${fmt(g.mean_reward)}` : "") + `</span></header>` +
+      envTxt(t.env) + (g.size ? ` · group of ${fmtInt(g.size)}: ${fmtInt(g.successes)} success(es), mean reward ${fmt(g.mean_reward)}` : "") + `</span></header>` +
       `<div class="body"><div class="gwrap">${graphSvg(t, ti)}</div>${advTable(t)}</div></article>`;
   }
 
