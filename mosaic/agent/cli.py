@@ -325,7 +325,23 @@ def summarize(trajs) -> dict:
         "end_reasons": dict(ends.most_common()),
         "tokens_sampled": sum(t.meta.get("tokens_sampled", 0) for t in trajs) / n,
         "tokens_inserted": sum(t.meta.get("tokens_inserted", 0) for t in trajs) / n,
+        **service_summary(trajs),
     }
+
+
+def service_summary(trajs) -> dict:
+    """The service family's outcomes (``traj.meta["env"]``): stale actions per mutating action (pooled), the
+    share of visits handled right and of final account states right; {} for deep search."""
+    envs = [t.meta["env"] for t in trajs if isinstance(t.meta.get("env"), dict)]
+    if not envs:
+        return {}
+
+    def total(k: str) -> float:
+        return sum(float(e[k]) for e in envs if isinstance(e.get(k), (int, float)))
+
+    return {"stale_actions": total("stale_actions"), "actions": total("actions"),
+            "visits_correct": total("visits_correct") / max(1.0, total("visits")),
+            "state_match": total("state_match") / len(envs)}
 
 
 def summary_table(trajs) -> str:
@@ -348,6 +364,10 @@ def summary_table(trajs) -> str:
         table.add_row(f"end: {k}", str(v))
     table.add_row("tokens sampled", f"{s['tokens_sampled']:.1f}")
     table.add_row("tokens inserted", f"{s['tokens_inserted']:.1f}")
+    if "actions" in s:  # the service family
+        table.add_row("stale actions / actions", f"{s['stale_actions']:.0f} / {s['actions']:.0f}")
+        table.add_row("visits handled right", f"{s['visits_correct']:.3f}")
+        table.add_row("final account state right", f"{s['state_match']:.3f}")
     buf = StringIO()
     Console(file=buf, width=80, force_terminal=False, color_system=None).print(table)
     return buf.getvalue()

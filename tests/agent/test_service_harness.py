@@ -44,6 +44,12 @@ def test_the_experts_through_the_harness(chat, episodes):
     assert [not t.success for t in trusting] == traps and any(traps) and not all(traps)
     first = trajs[0].sessions[0]
     assert "create_order(item, address, card)" in chat.decode(first.prompt_ids)  # the env's tool docs
+    # `mosaic rollout`'s summary: the revalidating expert acts on nothing stale, the trusting one does
+    from mosaic.agent.cli import summarize, summary_table
+
+    good, bad = summarize(trajs), summarize(trusting)
+    assert good["stale_actions"] == 0 and good["actions"] > 0 and good["visits_correct"] == good["state_match"] == 1
+    assert bad["stale_actions"] > 0 and bad["state_match"] < 1 and "stale actions / actions" in summary_table(trusting)
 
 
 @pytest.mark.parametrize("mode", ["fork", "compaction+fork"])
