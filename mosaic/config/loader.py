@@ -158,7 +158,6 @@ PRESETS["cpu-service"] = {
     "harness": {"context_budget": 1792, "max_new_tokens": 256, "summary_max_new_tokens": 128, "max_turns": 40,
                 "max_sessions": 8, "max_total_turns": 60, "reset_context_budget": 2048},
     "train": {**PRESETS["cpu"]["train"], "run_dir": "runs/cpu-service"},
-    "sft": {**PRESETS["cpu"]["sft"], "output_dir": "runs/cpu-service-sft"},  # (not over a deep-search SFT run)
 }
 
 
