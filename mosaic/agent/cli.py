@@ -55,7 +55,8 @@ from mosaic.trace import JsonlWriter
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "rollout", help="roll out a policy on the tasks (deep search, or data.family=service), stream trajectories to JSONL",
+        "rollout", help="roll out a policy on the tasks (deep search, or data.family=service), stream trajectories "
+                        "to JSONL",
         description=__doc__.split("\n\n")[0])
     p.add_argument("--policy", choices=("expert", "local", "openai"), default="expert")
     p.add_argument("--model", default=None,

@@ -268,7 +268,8 @@ def register(subparsers) -> None:
     _add_config_args(p)
     p.set_defaults(func=_pretrain)
 
-    p = subparsers.add_parser("train", help="RL training (GRPO / broadcast / Mosaic) on the tasks (deep search, or data.family=service)")
+    p = subparsers.add_parser("train", help="RL training (GRPO / broadcast / Mosaic) on the tasks (deep search, or "
+                                            "data.family=service)")
     _add_config_args(p)
     p.set_defaults(func=_run("run_train"))
 

@@ -54,8 +54,8 @@ def _jsonl(path: Path, *, quiet: bool = False) -> Iterable[tuple[int, dict]]:
         except (json.JSONDecodeError, RecursionError):
             if i == last and not raw.endswith(b"}"):  # a line cut by a kill: skipped like the trainer's readers do
                 if not quiet:
-                    print(f"mosaic view: {path}:{n}: the last line is cut ({len(raw)} bytes, a writer killed mid-line?); "
-                          f"skipped", file=sys.stderr)
+                    print(f"mosaic view: {path}:{n}: the last line is cut ({len(raw)} bytes, a writer killed "
+                          f"mid-line?); skipped", file=sys.stderr)
                 continue
             raise ViewError(f"{path}:{n}: not a JSON line (expected a JSONL file of samples or trajectories)") from None
         if not isinstance(rec, dict):

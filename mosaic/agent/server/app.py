@@ -2,10 +2,9 @@
 
 Guards: a body over ``max_body_bytes`` is refused with 413 before it is read whole; with
 ``api_key`` every route but ``/health`` needs ``Authorization: Bearer <key>`` (401). Parsing a
-body of ``inline_body_bytes`` or more, rendering its chat template and tokenising run in worker threads,
-so a large request never stalls the event loop; a smaller one is handled on the loop (well under a
-millisecond of work, where each worker-thread round trip cost 1-2 ms on a busy 2-core machine). Answers are
-written with the standard JSON encoder (:func:`~mosaic.agent.server.schema.json_response`).
+body of ``inline_body_bytes`` or more, rendering its chat template and tokenising run in worker threads, so a
+large request never stalls the event loop; a smaller one is handled on the loop (well under a millisecond of
+work, where a thread's round trip cost 1-2 ms on a busy 2-core machine); answers go out as plain JSON.
 
 Work per request is bounded by the model's context, not by the body limit: a prompt text (a
 completions string, a rendered chat) longer than ``(context - 1) * L`` characters is refused with
@@ -42,7 +41,6 @@ from mosaic.agent.server.textops import render_chat
 from mosaic.agent.server.worker import Job, ModelWorker
 
 INLINE_RESULT_TOKENS = 4096  # an answer of at most this many sampled tokens is written out on the event loop
-
 
 class ModelServer:
     """The state behind the app: tokenizer, policy and worker; request checks and the handlers."""
@@ -182,7 +180,8 @@ class ModelServer:
 
     # ---- the endpoints
     async def off_loop(self, inline: bool, fn, *args):
-        """``fn(*args)`` on the event loop when ``inline`` (small: cheaper than a thread's round trip), else in a thread."""
+        """``fn(*args)`` on the event loop when ``inline`` (small: cheaper than a thread's round trip), else in a
+        thread."""
         return fn(*args) if inline else await asyncio.to_thread(fn, *args)
 
     async def completion_prompts(self, body: CompletionRequest, inline: bool = False) -> list[list[int]]:

@@ -223,8 +223,12 @@
     const parts = [];
     if ("state_match" in e) parts.push(`account state ${e.state_match ? "right" : "wrong"}`);
     if ("answer_correct" in e) parts.push(`answer ${e.answer_correct ? "right" : "wrong"}`);
-    if (isNum(e.visits_correct) && isNum(e.visits)) parts.push(`visits handled ${fmtInt(e.visits_correct)}/${fmtInt(e.visits)}`);
-    if (isNum(e.stale_actions)) parts.push(`stale actions ${fmtInt(e.stale_actions)}` + (isNum(e.actions) ? ` of ${fmtInt(e.actions)}` : ""));
+    if (isNum(e.visits_correct) && isNum(e.visits)) {
+      parts.push(`visits handled ${fmtInt(e.visits_correct)}/${fmtInt(e.visits)}`);
+    }
+    if (isNum(e.stale_actions)) {
+      parts.push(`stale actions ${fmtInt(e.stale_actions)}` + (isNum(e.actions) ? ` of ${fmtInt(e.actions)}` : ""));
+    }
     if (isNum(e.forbidden) && e.forbidden) parts.push(`forbidden actions ${fmtInt(e.forbidden)}`);
     if (isNum(e.tool_errors) && e.tool_errors) parts.push(`tool errors ${fmtInt(e.tool_errors)}`);
     if (typeof e.error === "string") parts.push(`error: ${e.error}`);
