@@ -331,18 +331,11 @@ def summarize(trajs) -> dict:
 
 
 def service_summary(trajs) -> dict:
-    """The service family's outcomes (``traj.meta["env"]``): stale actions per mutating action (pooled), the
-    share of visits handled right and of final account states right; {} for deep search."""
-    envs = [t.meta["env"] for t in trajs if isinstance(t.meta.get("env"), dict)]
-    if not envs:
-        return {}
+    """The service family's outcomes (``traj.meta["env"]``), as the training logs' ``env/*`` define them
+    (:func:`~mosaic.envs.service.rewards.outcome_summary`); {} for deep search."""
+    from mosaic.envs.service.rewards import outcome_summary
 
-    def total(k: str) -> float:
-        return sum(float(e[k]) for e in envs if isinstance(e.get(k), (int, float)))
-
-    return {"stale_actions": total("stale_actions"), "actions": total("actions"),
-            "visits_correct": total("visits_correct") / max(1.0, total("visits")),
-            "state_match": total("state_match") / len(envs)}
+    return outcome_summary([t.meta["env"] for t in trajs if isinstance(t.meta.get("env"), dict)])
 
 
 def summary_table(trajs) -> str:
@@ -366,7 +359,8 @@ def summary_table(trajs) -> str:
     table.add_row("tokens sampled", f"{s['tokens_sampled']:.1f}")
     table.add_row("tokens inserted", f"{s['tokens_inserted']:.1f}")
     if "actions" in s:  # the service family
-        table.add_row("stale actions / actions", f"{s['stale_actions']:.0f} / {s['actions']:.0f}")
+        table.add_row("stale actions / actions", f"{s['stale_actions']:.2f} / {s['actions']:.2f}")
+        table.add_row("stale-action rate", f"{s['stale_rate']:.3f}")
         table.add_row("visits handled right", f"{s['visits_correct']:.3f}")
         table.add_row("final account state right", f"{s['state_match']:.3f}")
     buf = StringIO()

@@ -137,24 +137,10 @@ def _env_metrics(trajs: Sequence[Trajectory]) -> dict[str, float]:
     ``env/stale_actions`` and ``env/actions`` (mutating actions; per trajectory),
     ``env/visits_correct`` (share of visits handled right), ``env/state_match``, ``env/answer_correct``,
     ``env/tool_errors`` (per trajectory). Nothing for deep search (no such record)."""
+    from mosaic.envs.service.rewards import outcome_summary
+
     envs = [t.meta["env"] for t in trajs if isinstance(t.meta.get("env"), dict)]
-    if not envs:
-        return {}
-
-    def num(e: dict, k: str) -> float:
-        v = e.get(k, 0)
-        return float(v) if isinstance(v, (int, float)) else 0.0
-
-    actions = sum(num(e, "actions") for e in envs)
-    return {
-        "env/stale_rate": sum(num(e, "stale_actions") for e in envs) / actions if actions else 0.0,
-        "env/stale_actions": float(np.mean([num(e, "stale_actions") for e in envs])),
-        "env/actions": actions / len(envs),
-        "env/visits_correct": float(np.mean([num(e, "visits_correct") / max(1.0, num(e, "visits")) for e in envs])),
-        "env/state_match": float(np.mean([num(e, "state_match") for e in envs])),
-        "env/answer_correct": float(np.mean([num(e, "answer_correct") for e in envs])),
-        "env/tool_errors": float(np.mean([num(e, "tool_errors") for e in envs])),
-    }
+    return {f"env/{k}": v for k, v in outcome_summary(envs).items()}
 
 
 def _results_in_final(trajs: Sequence[Trajectory]) -> dict[str, float]:

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
+
 from mosaic.envs.rewards import extract_answer, normalize_answer
 from mosaic.envs.service.state import Call
 
@@ -68,6 +70,32 @@ class ServiceOutcome:
 
     def to_dict(self) -> dict:
         return {**asdict(self), "stale_rate": self.stale_rate}
+
+
+def outcome_summary(envs: list) -> dict[str, float]:
+    """A batch of outcome records (``ServiceOutcome.to_dict()``, what ``traj.meta["env"]`` holds; a field that is
+    missing or not a number counts 0): ``stale_rate`` (stale actions per mutating action, pooled; 0 when nothing
+    was changed), and per trajectory ``stale_actions``, ``actions``, ``visits_correct`` (its share of visits
+    handled right), ``state_match``, ``answer_correct``, ``tool_errors``; {} for none. The one definition of
+    the training logs' ``env/*`` and ``mosaic rollout``'s summary."""
+    if not envs:
+        return {}
+
+    def num(e: dict, k: str) -> float:
+        v = e.get(k, 0)
+        return float(v) if isinstance(v, (int, float)) else 0.0
+
+    def mean(k) -> float:
+        return float(np.mean([k(e) if callable(k) else num(e, k) for e in envs]))
+
+    actions = sum(num(e, "actions") for e in envs)
+    return {
+        "stale_rate": sum(num(e, "stale_actions") for e in envs) / actions if actions else 0.0,
+        "stale_actions": mean("stale_actions"), "actions": actions / len(envs),
+        "visits_correct": mean(lambda e: num(e, "visits_correct") / max(1.0, num(e, "visits"))),
+        "state_match": mean("state_match"), "answer_correct": mean("answer_correct"),
+        "tool_errors": mean("tool_errors"),
+    }
 
 
 def same_actions(done: list[Call], required) -> bool:
