@@ -34,10 +34,10 @@ class ViewError(ValueError):
     """A path the viewer cannot read; the message says what it expected."""
 
 
-def _jsonl(path: Path, *, quiet: bool = False) -> Iterable[tuple[int, dict]]:
+def _jsonl(path: Path) -> Iterable[tuple[int, dict]]:
     """The JSON-object lines of ``path``. A cut last line (a killed writer) is skipped, as the trainer's
-    own readers do (said on stderr unless ``quiet``); a line that is not a JSON object anywhere else, or
-    bytes that are not UTF-8, is a :class:`ViewError` naming the line."""
+    own readers do (said on stderr); a line that is not a JSON object anywhere else, or bytes that are not
+    UTF-8, is a :class:`ViewError` naming the line."""
     try:
         lines = path.read_bytes().split(b"\n")
     except IsADirectoryError:
@@ -53,9 +53,8 @@ def _jsonl(path: Path, *, quiet: bool = False) -> Iterable[tuple[int, dict]]:
             raise ViewError(f"{path}:{n}: not UTF-8 text (expected a JSONL file of samples or trajectories)") from None
         except (json.JSONDecodeError, RecursionError):
             if i == last and not raw.endswith(b"}"):  # a line cut by a kill: skipped like the trainer's readers do
-                if not quiet:
-                    print(f"mosaic view: {path}:{n}: the last line is cut ({len(raw)} bytes, a writer killed "
-                          f"mid-line?); skipped", file=sys.stderr)
+                print(f"mosaic view: {path}:{n}: the last line is cut ({len(raw)} bytes, a writer killed mid-line?); "
+                      f"skipped", file=sys.stderr)
                 continue
             raise ViewError(f"{path}:{n}: not a JSON line (expected a JSONL file of samples or trajectories)") from None
         if not isinstance(rec, dict):
@@ -170,9 +169,13 @@ def read_samples(path: str | Path) -> list[dict]:
 def _is_trajectory_file(path: Path) -> bool:
     from mosaic.trace.storage import SCHEMA
 
-    for _, rec in _jsonl(path, quiet=True):  # (read again whole right after: said once, there)
-        return rec.get("schema") == SCHEMA
-    return False
+    with open(path, "rb") as fh:  # its first record only: the reader that follows reads the file whole
+        first = next((raw for raw in fh if raw.strip()), b"")
+    try:
+        rec = json.loads(first)
+    except (ValueError, RecursionError):  # (not UTF-8, not JSON, cut: the samples reader names the line)
+        return False
+    return isinstance(rec, dict) and rec.get("schema") == SCHEMA
 
 
 def _pieces_from(vocab: Path | None, tokenizer: str | None) -> list[str]:
