@@ -42,6 +42,7 @@ from mosaic.agent.server.worker import Job, ModelWorker
 
 INLINE_RESULT_TOKENS = 4096  # an answer of at most this many sampled tokens is written out on the event loop
 
+
 class ModelServer:
     """The state behind the app: tokenizer, policy and worker; request checks and the handlers."""
 

@@ -39,9 +39,8 @@ from mosaic.envs.service.text import announcement, call_from_json, visit_text
 
 ITEM_NOUNS = ("lamp", "kettle", "backpack", "chair", "blender", "jacket", "speaker", "tent", "clock", "rug")
 STREET_SUFFIXES = ("Road", "Street", "Lane", "Way")
+MAX_VISITS = 50  # visits per episode (``data.visits`` repeats the bound: config sits below envs)
 
-
-MAX_VISITS = 50  # visits per episode (also ``data.visits``' bound)
 
 @dataclass(frozen=True)
 class ServiceConfig:
