@@ -160,23 +160,24 @@ def main() -> None:
     lo, hi = map(int, args.prompt_lens.split(","))
     V = len(tok)
     prompts = [[rng.randrange(10, V) for _ in range(rng.randint(lo, hi))] for _ in range(args.batch)]
-    no_stop = None if args.skip_policy else LocalPolicy(model, tok, LocalPolicyConfig(temperature=1.0, max_batch_size=args.batch,
-                                                        stop_token_ids=(-1,), seed=args.seed,
-                                                        prefix_cache=False))
+    def no_stop(scripted: bool):
+        return LocalPolicy(model, tok, LocalPolicyConfig(temperature=1.0, max_batch_size=args.batch, stop_token_ids=(-1,),
+                                                         seed=args.seed, prefix_cache=False, scripted_decode=scripted))
     # Warm up both paths once (allocator, kernels).
     raw_generate(model, prompts[:4], 8, pad, args.seed)
     policy_generate(LocalPolicy(model, tok), prompts[:4], 1)
-    raw, pol = [], []
+    raw, pol, unscripted = [], [], []
     for r in range(0 if args.skip_policy else args.repeats):  # interleaved, so background load hits both alike
         raw.append(raw_generate(model, prompts, args.new_tokens, pad, args.seed + r))
-        pol.append(policy_generate(no_stop, prompts, args.new_tokens))
+        pol.append(policy_generate(no_stop(True), prompts, args.new_tokens))
+        unscripted.append(policy_generate(no_stop(False), prompts, args.new_tokens))
     if not args.skip_policy:
-        _report_policy(args, lo, hi, raw, pol)
+        _report_policy(args, lo, hi, raw, pol, unscripted)
     if not args.skip_harness:
         _harness(args, model, tok, split, rng, pad)
 
 
-def _report_policy(args, lo, hi, raw, pol) -> None:
+def _report_policy(args, lo, hi, raw, pol, unscripted) -> None:
     print(f"\n[policy level] batch {args.batch}, prompts {lo}-{hi} tokens, {args.new_tokens} new tokens "
           f"per row, median of {args.repeats} interleaved repeats")
     for clock in ("wall", "cpu"):
@@ -189,6 +190,9 @@ def _report_policy(args, lo, hi, raw, pol) -> None:
               f"(runs: {', '.join(f'{x:.0f}' for x in p)})")
         print(f"  {clock:4s} ratio policy/raw  : {statistics.median(paired):.3f}   (per-repeat: "
               f"{', '.join(f'{x:.2f}' for x in paired)})")
+        u = [n / getattr(c, clock) for n, c in unscripted]  # the same policy, decode steps through Python
+        print(f"  {clock:4s} scripted/Python   : {statistics.median(a / b for a, b in zip(p, u)):.3f}   "
+              f"(LocalPolicy with scripted_decode=False: {statistics.median(u):.1f} sampled tok/s)")
 
 
 def _harness(args, model, tok, split, rng, pad) -> None:

@@ -130,7 +130,7 @@ def test_server_requests_join_the_running_batch_and_get_their_own_answers(model_
 
     model, tok = model_tok
     reqs = _requests(tok)
-    long_req = GenRequest("long", reqs[3].prompt_ids, 60)
+    long_req = GenRequest("long", reqs[3].prompt_ids, 120)
     stop = (10**6,)  # never sampled: every request runs to its length
     alone = {r.session_key: LocalPolicy(model, tok, LocalPolicyConfig(temperature=0.0, stop_token_ids=stop))
              .generate([r])[0].token_ids for r in (long_req, reqs[5], reqs[8])}
@@ -140,16 +140,20 @@ def test_server_requests_join_the_running_batch_and_get_their_own_answers(model_
     async def main():
         loop, order = asyncio.get_running_loop(), []
 
-        async def ask(req, temperature, delay):
-            await asyncio.sleep(delay)
+        started = asyncio.Event()  # the long request has streamed its first tokens: it is decoding
+
+        async def ask(req, temperature, wait):
+            if wait:
+                await started.wait()
             q = asyncio.Queue()
-            srv.worker.submit(Job([req], temperature, 1.0, stop, None, loop, q, False))
+            srv.worker.submit(Job([req], temperature, 1.0, stop, None, loop, q, not wait))
             while (ev := await q.get())[0] != "done":
-                pass
+                if ev[0] == "token":
+                    started.set()
             order.append(req.session_key)
             return ev[1][0]
 
-        out = await asyncio.gather(ask(long_req, 0.0, 0), ask(reqs[5], 0.0, 0.05), ask(reqs[8], 1.0, 0.05))
+        out = await asyncio.gather(ask(long_req, 0.0, False), ask(reqs[5], 0.0, True), ask(reqs[8], 1.0, True))
         return out, order
 
     try:

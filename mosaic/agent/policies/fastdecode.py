@@ -38,6 +38,7 @@ from torch import nn
 from torch.nn.modules import module as _module
 
 from mosaic.agent.policies.kvcache import full_attention
+from mosaic.agent.policies.scripted import ScriptedDecode
 
 SUPPORTED = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
 
@@ -58,9 +59,10 @@ def _hooked(model: nn.Module) -> bool:
     return False
 
 
-def decode_step_for(model: nn.Module) -> DecodeStep | None:
+def decode_step_for(model: nn.Module, *, scripted: bool = True) -> DecodeStep | None:
     """A :class:`DecodeStep` for ``model`` when it can reproduce ``model``'s forward (to float rounding), else None.
-    It reads the weights as they are when it is built: build one per generate call."""
+    It reads the weights as they are when it is built: build one per generate call. ``scripted``: decode steps
+    run as one TorchScript call where :mod:`~mosaic.agent.policies.scripted` covers the model."""
     name = type(model).__name__
     cfg = getattr(model, "config", None)
     if SUPPORTED.get(name) != getattr(cfg, "model_type", None) or model.training:
@@ -82,7 +84,7 @@ def decode_step_for(model: nn.Module) -> DecodeStep | None:
             return None
     if _hooked(model):
         return None
-    return DecodeStep(model)
+    return DecodeStep(model, scripted=scripted)
 
 
 JOIN_MAX_ELEMENTS = 16 * 2**20
@@ -142,7 +144,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class DecodeStep:
     """``DecodeStep(model)(input_ids, attention_mask, position_ids, cache)`` -> next-token logits (B, V)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, *, scripted: bool = False) -> None:
         inner = model.model
         self.embed, self.layers, self.norm, self.rotary = inner.embed_tokens, inner.layers, inner.norm, inner.rotary_emb
         self.head = model.lm_head
@@ -160,6 +162,7 @@ class DecodeStep:
             with torch.no_grad():
                 self.qkv = [_joined(*_fusable(L)[:3]) for L in self.layers]
                 self.gate_up = [_joined(*_fusable(L)[3:]) for L in self.layers]
+        self.scripted = ScriptedDecode.build(self, self.layers, self.norm, self.head) if scripted else None
 
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                  cache) -> torch.Tensor:
@@ -172,6 +175,8 @@ class DecodeStep:
         cos, sin = self.rotary(h, position_ids)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         keep = _keep(attention_mask, S)
+        if self.scripted is not None and self.scripted.covers(input_ids, cache):  # the same operations, one call
+            return self.scripted(input_ids, self.embed.weight, cos, sin, keep, cache)
         hq, hk = self.split
         for i, layer in enumerate(self.layers):
             a, m = layer.self_attn, layer.mlp

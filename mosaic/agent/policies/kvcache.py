@@ -27,6 +27,8 @@ import torch
 from transformers import DynamicCache, PretrainedConfig
 from transformers.cache_utils import Cache, DynamicLayer
 
+from mosaic.agent.policies.scripted import compiled, gather_rows, join_slabs, row_copies
+
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values), each (H_kv, T, D)
 
 
@@ -74,6 +76,11 @@ class SlabLayer(DynamicLayer):
         self._views()
         return self.keys, self.values
 
+    def written(self, length: int) -> None:
+        """The first ``length`` positions are written (by a caller that wrote into the buffers itself)."""
+        self.length = length
+        self._views()
+
     def _grow(self, capacity: int) -> None:
         k, v = self.slab_k, self.slab_v
         self.slab_k = k.new_empty((*k.shape[:2], capacity, k.shape[3]))
@@ -114,6 +121,18 @@ class SlabCache(DynamicCache):
     def __init__(self, num_layers: int, capacity: int, layers: list[SlabLayer] | None = None) -> None:
         Cache.__init__(self, layers=layers if layers is not None else [SlabLayer(capacity) for _ in range(num_layers)])
 
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep batch rows ``indices`` of every layer (as :meth:`SlabLayer.batch_select_indices`), all layers'
+        buffers in one TorchScript call where it compiles (:mod:`~mosaic.agent.policies.scripted`)."""
+        layers = self.layers
+        fn = compiled(gather_rows)
+        if fn is None or not all(L.is_initialized and L.length == layers[0].length for L in layers):
+            return super().batch_select_indices(indices)
+        out = fn([L.slab_k for L in layers] + [L.slab_v for L in layers], indices, layers[0].length)
+        for L, k, v in zip(layers, out[: len(layers)], out[len(layers):]):
+            L.slab_k, L.slab_v = k, v
+            L.written(L.length)
+
 
 def full_attention(config: PretrainedConfig) -> bool:
     """Every layer of the model is plain full attention (no sliding window, no other layer kind)."""
@@ -151,9 +170,11 @@ class DecodeBatch:
         """A copy of batch row ``a``'s valid cache positions."""
         idx = self.mask[a, : self.length].nonzero().squeeze(1)  # once for every layer
         if len(idx) == self.length:  # nothing masked: one plain copy
-            return [(layer.keys[a].clone(), layer.values[a].clone()) for layer in self.cache.layers]
-        return [(layer.keys[a].index_select(1, idx), layer.values[a].index_select(1, idx))  # (copies already)
-                for layer in self.cache.layers]
+            idx = None
+        layers = self.cache.layers
+        fn = compiled(row_copies) or row_copies  # (every layer in one call where TorchScript compiles it)
+        out = fn([t for layer in layers for t in (layer.keys, layer.values)], a, idx)
+        return list(zip(out[0::2], out[1::2]))
 
     def retire(self, idx: torch.Tensor) -> None:
         """Mark batch rows ``idx`` finished; gather the live rows once a quarter are finished."""
@@ -194,17 +215,13 @@ def join_batches(a: DecodeBatch, b: DecodeBatch, room: int) -> DecodeBatch:
     start = int(used[0]) if used is not None and len(used) else a.length
     La, Lb = a.length - start, b.length
     L = max(La, Lb)
-    layers = []
-    for la, lb in zip(a.cache.layers, b.cache.layers):
-        H, D = lb.slab_k.shape[1], lb.slab_k.shape[3]
-        k = lb.slab_k.new_zeros((na + nb, H, L + room, D))
-        v = lb.slab_v.new_zeros((na + nb, H, L + room, D))
-        if na:  # (index_select into the strided target: one row copy each, no advanced-indexing temporary)
-            torch.index_select(la.slab_k[:, :, start:start + La], 0, keep, out=k[:na, :, L - La:L])
-            torch.index_select(la.slab_v[:, :, start:start + La], 0, keep, out=v[:na, :, L - La:L])
-        k[na:, :, L - Lb:L] = lb.slab_k[:, :, :Lb]
-        v[na:, :, L - Lb:L] = lb.slab_v[:, :, :Lb]
-        layers.append(SlabLayer.of(k, v, L))
+    # (index_select into the strided target: one row copy each, no advanced-indexing temporary; every layer's
+    # buffers in one call where TorchScript compiles it)
+    fn = compiled(join_slabs) or join_slabs
+    n = len(a.cache.layers)
+    bs = [x for lb in b.cache.layers for x in (lb.slab_k, lb.slab_v)]
+    out = fn([x for la in a.cache.layers for x in (la.slab_k, la.slab_v)] if na else bs, bs, keep, start, La, Lb, room)
+    layers = [SlabLayer.of(out[2 * i], out[2 * i + 1], L) for i in range(n)]
     mask = b.mask.new_zeros((na + nb, L + room))
     mask[:na, L - La:L] = a.mask[keep, start:start + La]
     mask[na:, L - Lb:L] = b.mask[:, :Lb]

@@ -117,6 +117,11 @@ class LocalPolicyConfig:
     (:mod:`~mosaic.agent.policies.fastdecode`: the model's own logits, without ``transformers``' per-call
     overhead or its copies of grouped keys and values); other models, or a model with hooks, always go
     through ``model(...)``."""
+    scripted_decode: bool = True
+    """With ``fast_decode``, a decode step's layers run as one TorchScript call where
+    :mod:`~mosaic.agent.policies.scripted` covers the model (float32, the shipped models' kind): the same
+    operations and logits, less interpreter overhead, and the interpreter lock free for a server's threads
+    while the step runs."""
     continuous_batching: bool = False
     """More requests than ``max_batch_size`` (or a server's queue) decode as one running batch: rows that finish
     leave it and waiting rows join (prefilled, then laid out beside the live rows), so the batch stays full
@@ -191,6 +196,7 @@ class LocalPolicy:
         ``on_result(index, result)`` is called as each request finishes (before the call returns). Only a
         batch with the slab cache (full-attention models) takes rows in; otherwise the requests run in
         chunks of ``max_batch_size`` one after another, and ``more`` is not asked.
+
         """
         sampling = Sampling(
             self.config.temperature if temperature is None else temperature,
@@ -340,7 +346,12 @@ class LocalPolicy:
         call began), else a new one; None when ``fast_decode`` is off or the model is not one it reproduces."""
         if self._fast is not None:
             return self._fast
-        return decode_step_for(self.model) if self.config.fast_decode else None
+        return self._new_step()
+
+    def _new_step(self) -> DecodeStep | None:
+        if not self.config.fast_decode:
+            return None
+        return decode_step_for(self.model, scripted=self.config.scripted_decode)
 
     def _prefill(self, reqs: list[GenRequest], prefixes: list[tuple[PrefixEntry, int] | None], room: int = 0):
         """:func:`~mosaic.agent.policies.prefill.prefill`: (last logits (B, V), :class:`DecodeBatch`)."""
@@ -351,7 +362,7 @@ class LocalPolicy:
                         joining: bool = False) -> None:
         """:meth:`_decode_batch` with this call's lean forward (:meth:`fast_step`), built from the weights as they
         are now: whatever changed them since the last call (an optimizer step, a swap), it reads them anew."""
-        self._fast = decode_step_for(self.model) if self.config.fast_decode else None
+        self._fast = self._new_step()
         try:
             self._decode_batch(idx, call, sampling, on_step, joining)
         finally:
