@@ -2,25 +2,23 @@
 
 :class:`~mosaic.agent.policies.fastdecode.DecodeStep` runs about fifteen tensor operations per layer from
 Python. For the small models this project trains on a CPU, each operation is a few microseconds of work
-and about as much of Python and dispatch; and every operation hands the interpreter lock to whichever
-thread wants it, which then holds it for as long as its own Python runs. In a trainer that serves its
-policy over HTTP (:mod:`mosaic.train.external`), the server's and proxy's event loops and the harness's
-threads run Python beside the model worker, so the worker waited on the lock inside its small
-operations: measured on ``bench/harness.py``, the worker's wall time per sampled token was 1.3x its CPU
-time, the gap being the serving threads' Python.
+and about as much of Python and dispatch, and each one releases and retakes the interpreter lock.
 
 :func:`decode_layers` is the same operations in the same order (RMSNorm, the joined q/k/v product, rotary
 embedding, the write into the slab cache, grouped-query attention of the one query position, output
 projection, RMSNorm, joined gate/up product, SiLU, down projection; final norm and head), compiled by
-TorchScript: one call from Python per decode step, during which the lock is free for the other threads.
-The results are bit-identical to :class:`DecodeStep`'s (tested); alone it is also ~15-20 % faster per step
-on the shipped model (``bench/decode_fast.py``).
+TorchScript: one call from Python per decode step, which holds no interpreter lock while it runs. The
+results are bit-identical to :class:`DecodeStep`'s (tested). Measured with ``bench/rollout.py`` (its
+``scripted/Python`` line, one thread): 6-9 % more sampled tokens per second at 4-8 rows, none at 32 (where
+the products and the cache reads dominate). :func:`gather_rows`, :func:`row_copies` and :func:`join_slabs`
+do the slab cache's copies of every layer in one call each, likewise.
 
 It covers what the shipped models and their Llama/Qwen2 kin use: float32, one query position per row,
 the slab cache, joined q/k/v and gate/up products (:data:`~mosaic.agent.policies.fastdecode.JOIN_MAX_ELEMENTS`),
 SiLU, no bias but q/k/v's. Everything else (prefill blocks, other dtypes, a larger model) stays on
-:class:`DecodeStep`'s Python path. TorchScript is deprecated in recent ``torch`` releases (it still works
-in the versions this package supports); should compiling fail, the Python path runs and one warning says so.
+:class:`DecodeStep`'s Python path, as does everything with ``LocalPolicyConfig(scripted_decode=False)``.
+TorchScript is deprecated in recent ``torch`` releases (it still works in the versions this package
+supports); should compiling fail, the Python path runs and one warning per function says so (tested).
 """
 
 from __future__ import annotations
