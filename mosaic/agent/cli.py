@@ -3,7 +3,7 @@
 Policies: ``expert`` (the scripted gold-chain solver, with noise knobs), ``local``
 (a saved embedded model directory, or ``smollm2``) and ``openai`` (any
 OpenAI-compatible server, token-in token-out). Each finished trajectory is
-appended to ``--out`` as soon as it ends (a crash loses at most the in-flight
+written to ``--out`` (overwritten if it exists) as soon as it ends (a crash loses at most the in-flight
 ones); a summary table follows. Settings use the grammar of every verb (:mod:`mosaic.config.cliargs`):
 ``--preset`` (cpu, the default), ``--config YAML``, ``--help-config`` and trailing
 ``section.field=value`` overrides of the shared sections: ``harness.*`` (the agent loop, as in
@@ -86,7 +86,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, default=None, help="shortcut for rollout.temperature")
     p.add_argument("--top-p", type=float, default=None, help="shortcut for rollout.top_p")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--out", help="JSONL file (appended); required")
+    p.add_argument("--out", help="JSONL file, a trajectory per line as each ends (overwritten); required")
     p.add_argument("--no-progress", action="store_true")
     add_config_args(p)
     p.set_defaults(func=_guarded)
