@@ -108,22 +108,87 @@ def test_generation_is_the_same_with_and_without_scripting(model_tok, continuous
     assert [r.logprobs for r in a] == [r.logprobs for r in b]
 
 
+def _generate(model, tok, **kw) -> list:
+    cfg = LocalPolicyConfig(temperature=1.0, seed=3, continuous_batching=True, max_batch_size=3, **kw)
+    return [(r.token_ids, r.logprobs) for r in LocalPolicy(model, tok, cfg).generate(_requests(tok))]
+
+
 def test_without_torchscript_the_decode_runs_its_python_operations(model_tok, monkeypatch, caplog):
     model, tok = model_tok
-    want = LocalPolicy(model, tok, LocalPolicyConfig(temperature=1.0, seed=3, continuous_batching=True,
-                                                     max_batch_size=3)).generate(_requests(tok))
+    want = _generate(model, tok)
 
     def no_script(fn):
         raise RuntimeError("TorchScript is gone")
 
     monkeypatch.setattr(scripted, "_compiled", {})
-    monkeypatch.setattr(scripted, "_failed", set())
     monkeypatch.setattr(torch.jit, "script", no_script)
     with caplog.at_level(logging.WARNING, logger="mosaic.agent.policies.scripted"):
         assert decode_step_for(model).scripted is None
-        got = LocalPolicy(model, tok, LocalPolicyConfig(temperature=1.0, seed=3, continuous_batching=True,
-                                                        max_batch_size=3)).generate(_requests(tok))
-    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+        assert _generate(model, tok) == want
     warned = [r.getMessage() for r in caplog.records if "TorchScript" in r.getMessage()]
     assert len(warned) == len(set(warned)) >= 2  # once per function: the decode step, the cache copies
     assert any("decode_layers" in w for w in warned)
+
+
+def test_a_compiled_call_that_fails_runs_python_from_then_on(model_tok, monkeypatch, caplog):
+    """Compiling went well but running fails (a fuser another library switched on fails at the first optimised
+    run): that call and every later one run the Python operations, the same values, one warning each."""
+    model, tok = model_tok
+    want = _generate(model, tok)
+    calls = []
+
+    def broken(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("Schema not found for node")
+
+    monkeypatch.setattr(scripted, "_compiled", {})
+    monkeypatch.setattr(torch.jit, "script", lambda fn: broken)
+    with caplog.at_level(logging.WARNING, logger="mosaic.agent.policies.scripted"):
+        assert decode_step_for(model).scripted is not None
+        assert _generate(model, tok) == want
+        n = len(calls)
+        assert _generate(model, tok) == want
+    assert len(calls) == n  # not tried again
+    warned = [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]
+    assert len(warned) == len(set(warned)) and any("decode_layers" in w for w in warned)
+
+
+def test_a_cpu_fuser_switched_on_elsewhere_does_not_break_the_decode(model_tok, monkeypatch):
+    """``torch.jit.enable_onednn_fusion(True)``, set by another library, made the first optimised run fail
+    (found by a review); whatever this torch does with it, the tokens are the unfused ones."""
+    model, tok = model_tok
+    want = _generate(model, tok)
+    monkeypatch.setattr(scripted, "_compiled", {})
+    torch.jit.enable_onednn_fusion(True)
+    try:
+        got = _generate(model, tok)
+    finally:
+        torch.jit.enable_onednn_fusion(False)
+    assert got == want
+
+
+@pytest.mark.parametrize("off", [{"scripted_decode": False}, {"fast_decode": False}])
+def test_switched_off_nothing_is_compiled(model_tok, monkeypatch, off):
+    model, tok = model_tok
+    want = _generate(model, tok, **off)  # (fast_decode=False: the model's own forward, other float rounding)
+    seen = []
+    monkeypatch.setattr(scripted, "_compiled", {})
+    monkeypatch.setattr(torch.jit, "script", lambda fn: seen.append(fn.__name__))
+    assert _generate(model, tok, **off) == want
+    assert seen == []
+
+
+def test_models_the_scripted_step_does_not_reproduce_keep_the_python_step(model_tok):
+    model = tiny_model(seed=5, initializer_range=0.3)[0]
+    assert decode_step_for(model).scripted is not None
+
+    class ScaledSiLU(torch.nn.SiLU):
+        def forward(self, x):
+            return 1.5 * torch.nn.functional.silu(x)
+
+    act = model.model.layers[1].mlp.act_fn
+    model.model.layers[1].mlp.act_fn = ScaledSiLU()
+    assert decode_step_for(model).scripted is None
+    model.model.layers[1].mlp.act_fn = act
+    model.model.norm.variance_epsilon = 1e-2  # one norm's epsilon unlike the others'
+    assert decode_step_for(model).scripted is None

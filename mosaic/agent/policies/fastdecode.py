@@ -144,7 +144,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class DecodeStep:
     """``DecodeStep(model)(input_ids, attention_mask, position_ids, cache)`` -> next-token logits (B, V)."""
 
-    def __init__(self, model: nn.Module, *, scripted: bool = False) -> None:
+    def __init__(self, model: nn.Module, *, scripted: bool = True) -> None:
         inner = model.model
         self.embed, self.layers, self.norm, self.rotary = inner.embed_tokens, inner.layers, inner.norm, inner.rotary_emb
         self.head = model.lm_head

@@ -27,7 +27,7 @@ import torch
 from transformers import DynamicCache, PretrainedConfig
 from transformers.cache_utils import Cache, DynamicLayer
 
-from mosaic.agent.policies.scripted import compiled, gather_rows, join_slabs, row_copies
+from mosaic.agent.policies.scripted import copies, gather_rows, join_slabs, row_copies
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values), each (H_kv, T, D)
 
@@ -118,17 +118,20 @@ def _select_rows(slab: torch.Tensor, indices: torch.Tensor, length: int) -> torc
 class SlabCache(DynamicCache):
     """A cache of :class:`SlabLayer` (``capacity`` positions per row), for full-attention models."""
 
-    def __init__(self, num_layers: int, capacity: int, layers: list[SlabLayer] | None = None) -> None:
+    def __init__(self, num_layers: int, capacity: int, layers: list[SlabLayer] | None = None, *,
+                 scripted: bool = True) -> None:
+        """``scripted``: its copies run as TorchScript calls (:func:`~mosaic.agent.policies.scripted.copies`)."""
         Cache.__init__(self, layers=layers if layers is not None else [SlabLayer(capacity) for _ in range(num_layers)])
+        self.scripted = scripted
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keep batch rows ``indices`` of every layer (as :meth:`SlabLayer.batch_select_indices`), all layers'
         buffers in one TorchScript call where it compiles (:mod:`~mosaic.agent.policies.scripted`)."""
         layers = self.layers
-        fn = compiled(gather_rows)
-        if fn is None or not all(L.is_initialized and L.length == layers[0].length for L in layers):
+        if not all(L.is_initialized and L.length == layers[0].length for L in layers):
             return super().batch_select_indices(indices)
-        out = fn([L.slab_k for L in layers] + [L.slab_v for L in layers], indices, layers[0].length)
+        slabs = [L.slab_k for L in layers] + [L.slab_v for L in layers]
+        out = copies(gather_rows, self.scripted)(slabs, indices, layers[0].length)
         for L, k, v in zip(layers, out[: len(layers)], out[len(layers):]):
             L.slab_k, L.slab_v = k, v
             L.written(L.length)
@@ -143,10 +146,10 @@ def full_attention(config: PretrainedConfig) -> bool:
     return kinds == {"full_attention"} and not sliding
 
 
-def make_cache(config: PretrainedConfig, capacity: int, *, slab: bool = True) -> DynamicCache:
+def make_cache(config: PretrainedConfig, capacity: int, *, slab: bool = True, scripted: bool = True) -> DynamicCache:
     """A :class:`SlabCache` when every layer is plain full attention, else HF's growing cache."""
     if slab and full_attention(config):
-        return SlabCache(config.get_text_config(decoder=True).num_hidden_layers, capacity)
+        return SlabCache(config.get_text_config(decoder=True).num_hidden_layers, capacity, scripted=scripted)
     return DynamicCache(config=config)
 
 
@@ -172,7 +175,7 @@ class DecodeBatch:
         if len(idx) == self.length:  # nothing masked: one plain copy
             idx = None
         layers = self.cache.layers
-        fn = compiled(row_copies) or row_copies  # (every layer in one call where TorchScript compiles it)
+        fn = copies(row_copies, getattr(self.cache, "scripted", False))  # (every layer in one call)
         out = fn([t for layer in layers for t in (layer.keys, layer.values)], a, idx)
         return list(zip(out[0::2], out[1::2]))
 
@@ -217,7 +220,7 @@ def join_batches(a: DecodeBatch, b: DecodeBatch, room: int) -> DecodeBatch:
     L = max(La, Lb)
     # (index_select into the strided target: one row copy each, no advanced-indexing temporary; every layer's
     # buffers in one call where TorchScript compiles it)
-    fn = compiled(join_slabs) or join_slabs
+    fn = copies(join_slabs, b.cache.scripted)
     n = len(a.cache.layers)
     bs = [x for lb in b.cache.layers for x in (lb.slab_k, lb.slab_v)]
     out = fn([x for la in a.cache.layers for x in (la.slab_k, la.slab_v)] if na else bs, bs, keep, start, La, Lb, room)
@@ -227,4 +230,5 @@ def join_batches(a: DecodeBatch, b: DecodeBatch, room: int) -> DecodeBatch:
     mask[na:, L - Lb:L] = b.mask[:, :Lb]
     rows = torch.cat([a.rows[keep], b.rows])
     next_pos = torch.cat([a.next_pos[keep], b.next_pos])
-    return DecodeBatch(SlabCache(len(layers), L + room, layers), mask, L, rows, next_pos, b.pad_id)
+    cache = SlabCache(len(layers), L + room, layers, scripted=b.cache.scripted)
+    return DecodeBatch(cache, mask, L, rows, next_pos, b.pad_id)

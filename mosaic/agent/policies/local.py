@@ -119,9 +119,9 @@ class LocalPolicyConfig:
     through ``model(...)``."""
     scripted_decode: bool = True
     """With ``fast_decode``, a decode step's layers run as one TorchScript call where
-    :mod:`~mosaic.agent.policies.scripted` covers the model (float32, the shipped models' kind): the same
-    operations and logits, less interpreter overhead, and the interpreter lock free for a server's threads
-    while the step runs."""
+    :mod:`~mosaic.agent.policies.scripted` covers the model (float32 on the CPU, the shipped models' kind), and
+    the slab cache's copies likewise: the same operations and values, less interpreter overhead. False (or
+    ``fast_decode=False``): nothing is compiled."""
     continuous_batching: bool = False
     """More requests than ``max_batch_size`` (or a server's queue) decode as one running batch: rows that finish
     leave it and waiting rows join (prefilled, then laid out beside the live rows), so the batch stays full
@@ -347,6 +347,11 @@ class LocalPolicy:
         if self._fast is not None:
             return self._fast
         return self._new_step()
+
+    @property
+    def scripted_copies(self) -> bool:
+        """The slab cache's copies run as TorchScript calls (``fast_decode`` and ``scripted_decode``)."""
+        return self.config.fast_decode and self.config.scripted_decode
 
     def _new_step(self) -> DecodeStep | None:
         if not self.config.fast_decode:

@@ -70,7 +70,7 @@ def prefill(pol, reqs: list[GenRequest], prefixes: list[tuple[PrefixEntry, int] 
             K[rows, :, P + S - Sg:] = layer.keys[:, :, Pg:]
             V[rows, :, P + S - Sg:] = layer.values[:, :, Pg:]
     pol.cache_stats["prefill_groups"] = pol.cache_stats.get("prefill_groups", 0) + len(groups)
-    cache = make_cache(pol.model.config, P + S + room, slab=pol.config.slab_cache)
+    cache = make_cache(pol.model.config, P + S + room, slab=pol.config.slab_cache, scripted=pol.scripted_copies)
     for layer, (K, V) in enumerate(kv):
         cache.update(K, V, layer)
     mask = _layout_mask(cached, suffix, room).to(pol.device)
@@ -99,7 +99,8 @@ def prefill_block(pol, reqs: list[GenRequest], prefixes: list[tuple[PrefixEntry,
         c, s = cached[b], suffix[b]
         input_ids[b, S - s:] = torch.tensor(r.prompt_ids[c:], dtype=torch.long)
         positions[b, S - s:] = torch.arange(c, c + s)
-    cache = make_cache(pol.model.config, P + S + room, slab=pol.config.slab_cache if slab is None else slab)
+    cache = make_cache(pol.model.config, P + S + room, slab=pol.config.slab_cache if slab is None else slab,
+                       scripted=pol.scripted_copies)
     if P > 0:
         _fill_past(cache, prefixes, cached, P)
     pol.cache_stats["reused_tokens"] += sum(cached)

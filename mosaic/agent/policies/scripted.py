@@ -15,10 +15,12 @@ do the slab cache's copies of every layer in one call each, likewise.
 
 It covers what the shipped models and their Llama/Qwen2 kin use: float32, one query position per row,
 the slab cache, joined q/k/v and gate/up products (:data:`~mosaic.agent.policies.fastdecode.JOIN_MAX_ELEMENTS`),
-SiLU, no bias but q/k/v's. Everything else (prefill blocks, other dtypes, a larger model) stays on
-:class:`DecodeStep`'s Python path, as does everything with ``LocalPolicyConfig(scripted_decode=False)``.
+SiLU itself, one RMSNorm epsilon, no bias but q/k/v's, on the CPU. Everything else (prefill blocks, other
+dtypes, a larger model, a GPU) stays on :class:`DecodeStep`'s Python path; with
+``LocalPolicyConfig(scripted_decode=False)`` (or ``fast_decode=False``) nothing is compiled at all.
 TorchScript is deprecated in recent ``torch`` releases (it still works in the versions this package
-supports); should compiling fail, the Python path runs and one warning per function says so (tested).
+supports); should compiling fail, or a compiled call fail (a fuser another library switched on), the
+Python operations run from then on and one warning per function says so (tested).
 """
 
 from __future__ import annotations
@@ -116,26 +118,58 @@ def join_slabs(a: List[torch.Tensor], b: List[torch.Tensor], keep: torch.Tensor,
     return out
 
 
-_compiled: dict[str, object] = {}
-_failed: set[str] = set()
+class Compiled:
+    """A function compiled by TorchScript, called like the function. Should a call fail (a fuser or an executor
+    option another library switched on can fail at the first optimised run, after compiling went well), the
+    function's own Python runs that call and every later one, and one warning says so. Every function here
+    is safe to run again after a failed call: it writes only positions a retry writes again."""
+
+    def __init__(self, fn, script) -> None:
+        self.fn, self.script = fn, script
+
+    def __call__(self, *args, **kwargs):
+        script = self.script
+        if script is not None:
+            try:
+                return script(*args, **kwargs)
+            except Exception as exc:
+                self.script = None
+                log.warning("TorchScript's %s failed (%s: %s); running its Python operations from now on",
+                            self.fn.__name__, type(exc).__name__, str(exc)[:200])
+        return self.fn(*args, **kwargs)
+
+
+_compiled: dict[str, Compiled] = {}
 _lock = threading.Lock()
 
 
-def compiled(fn):
-    """``fn`` compiled by TorchScript once per process, or None where it cannot be (then the caller runs its
-    Python operations; one warning per function says so)."""
+def compiled(fn) -> Compiled:
+    """``fn`` compiled by TorchScript once per process (:class:`Compiled`); where it cannot be compiled, the
+    function's Python runs (one warning per function says so)."""
     name = fn.__name__
     with _lock:
-        if name not in _compiled and name not in _failed:
+        if name not in _compiled:
+            script = None
             try:
                 with warnings.catch_warnings():  # (torch.jit.script's deprecation notice)
                     warnings.simplefilter("ignore")
-                    _compiled[name] = torch.jit.script(fn)
+                    script = torch.jit.script(fn)
             except Exception as exc:  # no TorchScript, no source files (a frozen app): the Python path
-                _failed.add(name)
                 log.warning("TorchScript could not compile %s (%s: %s); running its Python operations", name,
                             type(exc).__name__, str(exc)[:200])
-        return _compiled.get(name)
+            _compiled[name] = Compiled(fn, script)
+        return _compiled[name]
+
+
+def copies(fn, scripted: bool):
+    """The slab cache's copy ``fn``: compiled when ``scripted``, else its Python."""
+    return compiled(fn) if scripted else fn
+
+
+def _plain_silu(act) -> bool:
+    """``act`` is SiLU itself (torch's, or ``transformers``' own class), not a subclass with a forward of its own."""
+    return type(act) is torch.nn.SiLU or (type(act).__name__ == "SiLUActivation"
+                                          and type(act).__module__.startswith("transformers."))
 
 
 class ScriptedDecode:
@@ -154,21 +188,24 @@ class ScriptedDecode:
 
     @classmethod
     def build(cls, step, layers, norm, head) -> "ScriptedDecode | None":
-        """One for ``step`` when its model is covered (see the module's docstring) and TorchScript compiles."""
+        """One for ``step`` when its model is covered (see the module's docstring)."""
         if step.qkv is None or step.gate_up is None or head.bias is not None:
             return None
         qkv_bias = {b is None for _, b in step.qkv}
         if len(qkv_bias) != 1 or any(b is not None for _, b in step.gate_up):
             return None
+        norms = [n for L in layers for n in (L.input_layernorm, L.post_attention_layernorm)] + [norm]
+        if len({float(n.variance_epsilon) for n in norms}) != 1:  # (one eps for every norm, as HF's configs have)
+            return None
         for L in layers:
             if L.self_attn.o_proj.bias is not None or L.mlp.down_proj.bias is not None:
                 return None
-            if not isinstance(L.mlp.act_fn, torch.nn.SiLU) and type(L.mlp.act_fn).__name__ != "SiLUActivation":
+            if not _plain_silu(L.mlp.act_fn):
                 return None
-        if any(p.dtype != torch.float32 for p in (head.weight, norm.weight, step.qkv[0][0])):
+        if any(p.dtype != torch.float32 or p.device.type != "cpu" for p in (head.weight, norm.weight, step.qkv[0][0])):
             return None
         fn = compiled(decode_layers)
-        return None if fn is None else cls(fn, step, layers, norm, head)
+        return None if fn.script is None else cls(fn, step, layers, norm, head)
 
     def covers(self, input_ids: torch.Tensor, cache) -> bool:
         """Whether this call can take the scripted path: one position per row into a slab cache with room."""
