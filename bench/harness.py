@@ -10,7 +10,12 @@ Printed per side: median seconds per step and per sampled (trainable) token, wit
 rollout (``timing_s/gen``), scoring and update; the served policy's decode batches per step and their mean size;
 then the ratio harness / built-in (target <= 1.1x): medians of the steps, and the ratio of the totals with a
 95 % interval from a paired bootstrap over the steps (steps differ by 20-40 % in sampled tokens and the
-machine's load moves: one run's point figure alone does not settle a 10 % question).
+machine's load moves: one run's point figure alone does not settle a 10 % question). Last, where the
+platform has ``/proc`` (Linux), where the harness side's generation time goes, per sampled token: its wall
+time against the built-in's, and the CPU time of the model worker, of the server's and proxy's event loops
+and of the harness's threads (each thread's CPU read every 20 ms; a thread that ends loses at most its last
+20 ms). When the worker's CPU is about the built-in's generation and the wall time is about the sum of the
+three, the serving threads' Python is what the served path adds, run one after the other with the model's.
 The two harnesses are different agent loops (the plain one re-renders its history through the chat
 template on every call, and its sub-agent and compaction rules are its own), so they sample
 different numbers of tokens: the per-token ratio is the fair one, the per-step one is what a user
@@ -69,10 +74,13 @@ def main() -> None:
                                build_scheduler(opt, cfg.optim, args.steps), dev, source=source)
     rows: dict[str, list[dict]] = {n: [] for n in states}
     kinds: dict[str, Counter] = {n: Counter() for n in states}
+    cpu = ThreadCPU()
     try:
         for step in range(args.steps):
             for name, st in states.items():  # interleaved: both sides see the same machine load
+                before = cpu.read()
                 m = rl_step(st, step)
+                m.update({f"cpu/{k}": v for k, v in (cpu.read() - before).items()})
                 m["tokens"] = sum(sum(s.loss_mask) for t in st.last_trajs for s in t.sessions)
                 for t in st.last_trajs:
                     kinds[name].update(t.count_kinds())
@@ -112,6 +120,70 @@ def main() -> None:
     print(f"all steps together with 95 % intervals (paired bootstrap over the {args.steps} interleaved steps): "
           f"{step_ci[0]:.2f}x [{step_ci[1]:.2f}, {step_ci[2]:.2f}] per step, {tok_ci[0]:.2f}x [{tok_ci[1]:.2f}, "
           f"{tok_ci[2]:.2f}] per sampled token")
+    if cpu.ok:
+        print_generation_split(rows)
+
+
+def print_generation_split(rows: dict[str, list[dict]]) -> None:
+    """The harness side's generation per sampled token: wall time, and CPU time by thread group."""
+    def per_token(name: str, key: str) -> float:
+        return 1e6 * sum(r.get(key, 0.0) for r in rows[name]) / max(1, sum(r["tokens"] for r in rows[name]))
+
+    parts = ", ".join(f"{label} {per_token('harness', 'cpu/' + label):.0f}" for _, label in ThreadCPU.GROUPS)
+    print(f"generation per sampled token (us, all steps): built-in {per_token('built-in', 'timing_s/gen'):.0f} "
+          f"wall; harness {per_token('harness', 'timing_s/gen'):.0f} wall, CPU by thread: {parts}")
+
+
+class ThreadCPU:
+    """CPU seconds of this process's threads by group (:attr:`GROUPS`, by thread name), read from ``/proc``
+    every 20 ms; ``ok`` is False where there is no ``/proc/self/task`` (then every figure stays 0)."""
+
+    GROUPS = (("mosaic-model-worker", "model worker"), ("mosaic-uvicorn", "server and proxy loops"),
+              ("harness-", "harness threads"))
+
+    def __init__(self, every_s: float = 0.02) -> None:
+        import os
+        import threading
+
+        self.ok = os.path.isdir("/proc/self/task")
+        self.tick = os.sysconf("SC_CLK_TCK") if self.ok else 100
+        self.total: Counter = Counter()
+        self.last: dict[str, int] = {}
+        self.lock = threading.Lock()
+        if self.ok:
+            threading.Thread(target=self._run, args=(every_s,), name="bench-cpu", daemon=True).start()
+
+    def read(self) -> Counter:
+        with self.lock:
+            self._poll()
+            return Counter(self.total)
+
+    def _run(self, every_s: float) -> None:
+        import time
+
+        while True:
+            with self.lock:
+                self._poll()
+            time.sleep(every_s)
+
+    def _poll(self) -> None:
+        import os
+        import threading
+
+        names = {t.native_id: t.name for t in threading.enumerate()}
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:  # the thread ended
+                continue
+            ticks = int(fields[11]) + int(fields[12])  # utime + stime
+            delta = ticks - self.last.get(tid, ticks)
+            self.last[tid] = ticks
+            name = names.get(int(tid), "")
+            label = next((lab for prefix, lab in self.GROUPS if name.startswith(prefix)), None)
+            if label is not None and delta > 0:
+                self.total[label] += delta / self.tick
 
 
 def paired_ratio_intervals(base: list[dict], other: list[dict], draws: int = 4000, seed: int = 0):
