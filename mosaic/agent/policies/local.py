@@ -196,7 +196,6 @@ class LocalPolicy:
         ``on_result(index, result)`` is called as each request finishes (before the call returns). Only a
         batch with the slab cache (full-attention models) takes rows in; otherwise the requests run in
         chunks of ``max_batch_size`` one after another, and ``more`` is not asked.
-
         """
         sampling = Sampling(
             self.config.temperature if temperature is None else temperature,
