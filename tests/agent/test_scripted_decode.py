@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from _tiny import tiny_model
-from mosaic.agent.policies import scripted
+from mosaic.agent.policies import fastdecode, scripted
 from mosaic.agent.policies.fastdecode import decode_step_for
 from mosaic.agent.policies.kvcache import SlabCache
 from mosaic.agent.policies.local import LocalPolicy, LocalPolicyConfig
@@ -62,7 +62,7 @@ def test_a_full_slab_takes_the_python_path_that_grows_it(model_tok):
     model = model_tok[0]
     step = decode_step_for(model)
     cache = _prefilled(model, 2, 5, 0)  # no room left: the scripted path would write past the buffer
-    assert not step.scripted.covers(torch.zeros(2, 1, dtype=torch.long), cache)
+    assert not fastdecode._scriptable(torch.zeros(2, 1, dtype=torch.long), cache)
     with torch.inference_mode():
         step(torch.tensor([[5], [6]]), torch.ones(2, 6, dtype=torch.long), torch.full((2, 1), 5), cache)
     assert cache.layers[0].length == 6 and cache.layers[0].capacity >= 6

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules import module as _module
 
-from mosaic.agent.policies.kvcache import full_attention
+from mosaic.agent.policies.kvcache import SlabCache, full_attention
 from mosaic.agent.policies.scripted import ScriptedDecode
 
 SUPPORTED = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
@@ -175,7 +175,7 @@ class DecodeStep:
         cos, sin = self.rotary(h, position_ids)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         keep = _keep(attention_mask, S)
-        if self.scripted is not None and self.scripted.covers(input_ids, cache):  # the same operations, one call
+        if self.scripted is not None and _scriptable(input_ids, cache):  # the same operations, one call
             return self.scripted(input_ids, self.embed.weight, cos, sin, keep, cache)
         hq, hk = self.split
         for i, layer in enumerate(self.layers):
@@ -199,6 +199,14 @@ class DecodeStep:
             h = h + F.linear(m.act_fn(g) * u, m.down_proj.weight, m.down_proj.bias)
         h = _rms(h[:, -1:], self.norm)  # only the last position's logits are read (logits_to_keep=1)
         return F.linear(h, self.head.weight, self.head.bias)[:, -1, :]
+
+
+def _scriptable(input_ids: torch.Tensor, cache) -> bool:
+    """The call can take the scripted step: one position per row into a slab cache with room for it."""
+    if input_ids.shape[1] != 1 or not isinstance(cache, SlabCache):
+        return False
+    first = cache.layers[0]
+    return first.is_initialized and first.length < first.capacity
 
 
 def _keep(attention_mask: torch.Tensor, S: int) -> torch.Tensor | None:

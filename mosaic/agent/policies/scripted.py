@@ -207,15 +207,6 @@ class ScriptedDecode:
         fn = compiled(decode_layers)
         return None if fn.script is None else cls(fn, step, layers, norm, head)
 
-    def covers(self, input_ids: torch.Tensor, cache) -> bool:
-        """Whether this call can take the scripted path: one position per row into a slab cache with room."""
-        from mosaic.agent.policies.kvcache import SlabCache
-
-        if input_ids.shape[1] != 1 or not isinstance(cache, SlabCache):
-            return False
-        first = cache.layers[0]
-        return first.is_initialized and first.length < first.capacity
-
     def __call__(self, input_ids: torch.Tensor, embed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  keep: torch.Tensor | None, cache) -> torch.Tensor:
         layers = cache.layers
