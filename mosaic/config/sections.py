@@ -119,13 +119,14 @@ class DataConfig(_Section):
     n_eval_tasks: int = 0
     """Held-out questions for evaluation; 0 = the preset's."""
     world_entities: int = 0
-    """Entities per world (all splits); 0 = the preset's."""
+    """Entities per world (all splits); 0 = the preset's. Deep search only (refused with ``family=service``)."""
     train_world_entities: int = 0
     """Entities of the training world only (overrides ``world_entities`` there); 0 = the same as the
     others. A large training world keeps RL from memorising a few names (the tiny model forgets how
-    to copy unseen names when it trains on one small world)."""
+    to copy unseen names when it trains on one small world). Deep search only; the service family ignores it
+    (the cpu preset sets it for every family)."""
     hop_mix: tuple[tuple[int, float], ...] | None = None
-    """``[[hops, weight], ...]``; None = the preset's."""
+    """``[[hops, weight], ...]``; None = the preset's. Deep search only (refused with ``family=service``)."""
     visits: int = 0
     """(service) Visits per episode, at most 50; 0 = the preset's. The service knobs (this and the next two) are
     refused on deep search."""
@@ -151,6 +152,9 @@ class DataConfig(_Section):
         for name, unset in (("visits", 0), ("events_between", -1), ("unannounced_share", -1.0)):  # else dropped
             self._need(self.family == "service" or getattr(self, name) == unset, name, "applies to the service "
                        "family only (data.family=service)")
+        for name, unset in (("world_entities", 0), ("hop_mix", None)):  # (no preset sets them: else dropped)
+            self._need(self.family == "deepsearch" or getattr(self, name) == unset, name, "applies to deep search "
+                       "only (the service family has no searched world)")
         if self.family == "service":  # one user per task, generated up front; the Parquet export's bound too
             for name in ("n_train_tasks", "n_eval_tasks"):
                 self._need(getattr(self, name) <= 100_000, name, "must be <= 100000 for the service family (users "

@@ -212,6 +212,8 @@ def _service(args: argparse.Namespace) -> bool:
     if args.set_items:
         raise UsageError("--set applies to deep-search splits; use data.visits=, data.events_between=, "
                          "data.unannounced_share=, data.n_train_tasks= for the service family")
+    if getattr(args, "recall", False):
+        raise UsageError("--recall measures deep search's retrieval; the service family has no searched world")
     return True
 
 

@@ -36,6 +36,9 @@ def test_generate_and_show_a_service_split(capsys):
     (["data", "generate", "data.family=service", "--set", "n_tasks=3"], "--set applies to deep-search"),
     (["data", "generate", "data.family=service", "data.unannounced_share=1.5"], "unannounced_share"),
     (["data", "generate", "data.family=shop"], "data.family"),
+    (["data", "generate", "data.family=service", "--recall"], "no searched world"),  # deep search's knobs
+    (["data", "generate", "data.family=service", "data.world_entities=50"], "applies to deep search only"),
+    (["data", "generate", "data.family=service", "data.hop_mix=[[2,1.0]]"], "applies to deep search only"),
 ])
 def test_bad_service_arguments_are_one_line_and_status_2(argv, message, capsys):
     assert main(argv) == 2
