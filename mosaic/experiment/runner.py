@@ -221,8 +221,9 @@ def plan(grid: Grid, work: Path, *, rename: bool = False, arms: Sequence[str] | 
 
 def measured_costs(work: Path, *more: Path) -> dict[str, float]:
     """Seconds per rollout of a training step and per evaluation trajectory, from what ran in ``work``
-    (and in ``more`` work dirs, e.g. the grids a grid reuses runs from)."""
-    step, per_traj, by_group = [], [], {}
+    (and in ``more`` work dirs, e.g. the grids a grid reuses runs from): pooled medians, and per run group
+    (``<arm>-<setting>``) in ``by_group`` / ``eval_by_group``."""
+    step, per_traj, by_group, eval_by_group = [], [], {}, {}
     for done in (d for w in (work, *more) for d in (w / "runs").glob(f"*/{DONE}")):
         try:
             d = json.loads(done.read_text())
@@ -234,20 +235,36 @@ def measured_costs(work: Path, *more: Path) -> dict[str, float]:
         try:
             d = json.loads(meta.read_text())
             per_traj.append(d["seconds"] / max(1, d["trajectories"]))
-        except (OSError, ValueError, KeyError):
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
             continue
+        if meta.parent.parent.parent.name == "runs":  # a run's evaluation (the warm start's count pooled only)
+            eval_by_group.setdefault(_GROUP.sub("", meta.parent.parent.name), []).append(per_traj[-1])
     return {"step_s_per_rollout": median(step) if step else PRIOR_STEP_S_PER_ROLLOUT,
             "eval_s_per_traj": median(per_traj) if per_traj else PRIOR_EVAL_S_PER_TRAJ,
             "measured_runs": len(step), "measured_evals": len(per_traj),
-            "by_group": {k: median(v) for k, v in by_group.items()}}  # fmt: skip
+            "by_group": {k: median(v) for k, v in by_group.items()},
+            "eval_by_group": {k: median(v) for k, v in eval_by_group.items()}}  # fmt: skip
+
+
+def _rate(u: Unit, by_group: dict[str, float], pooled: float) -> float:
+    """A run's measured rate: its own arm and setting's finished runs, else its setting's under any arm (a
+    reset setting costs more per step than compaction under every estimator), else the grid's median."""
+    group = _GROUP.sub("", u.run.name)
+    if group in by_group:
+        return by_group[group]
+    same = [v for k, v in by_group.items() if k.endswith(f"-{u.run.setting}")]
+    return median(same) if same else pooled
 
 
 def unit_cost(u: Unit, costs: dict[str, float]) -> float:
-    s = sum(e.n_tasks * e.samples for e in u.evals) * costs["eval_s_per_traj"]
+    per_traj = costs["eval_s_per_traj"]
+    if u.run is not None:
+        per_traj = _rate(u, costs.get("eval_by_group", {}), per_traj)
+    s = sum(e.n_tasks * e.samples for e in u.evals) * per_traj
     if u.train and u.run is not None:
         t = u.run.config.train
         steps = t.steps or 20
-        per = costs.get("by_group", {}).get(_GROUP.sub("", u.run.name), costs["step_s_per_rollout"])
+        per = _rate(u, costs.get("by_group", {}), costs["step_s_per_rollout"])
         s += steps * t.batch_tasks * t.group_size * per  # (an arm's own runs when some finished: CAPO costs more)
     return s
 

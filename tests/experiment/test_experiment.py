@@ -550,3 +550,23 @@ def test_the_cost_estimate_uses_each_arms_own_finished_runs(tmp_path):
     evals = sum(e.n_tasks * e.samples for e in other_mosaic.evals) * costs["eval_s_per_traj"]
     assert unit_cost(other_mosaic, costs) == pytest.approx(evals + rollouts * 10.0)
     assert unit_cost(other_broadcast, costs) == pytest.approx(evals + rollouts * 2.5)
+
+
+def test_the_cost_estimate_takes_a_settings_runs_under_another_arm(tmp_path):
+    """A setting with finished runs under one arm only (reset runs cost several times compaction's, under any
+    estimator) is estimated from those, training and evaluation alike, not from the grid's medians."""
+    from mosaic.experiment.runner import DONE, measured_costs, plan, run_dir, unit_cost
+
+    g = parse_grid(dict(QUICK_GRID, settings={"cheap": ["harness.mode=compaction"], "dear": ["harness.mode=single"]}))
+    work = tmp_path / "w"
+    for setting, step_s, eval_s in (("cheap", 4.0, 0.4), ("dear", 40.0, 8.0)):
+        r = next(r for r in g.runs if r.arm == "broadcast" and r.setting == setting and r.seed == g.seeds[0])
+        (run_dir(work, r) / "evals").mkdir(parents=True)
+        (run_dir(work, r) / DONE).write_text(json.dumps({"step_s": step_s, "rollouts_per_step": 4}))
+        (run_dir(work, r) / "evals" / "val.json").write_text(json.dumps({"seconds": eval_s, "trajectories": 4}))
+    costs = measured_costs(work)
+    assert costs["eval_by_group"] == {"broadcast-cheap": 0.1, "broadcast-dear": 2.0}
+    u = next(u for u in plan(g, work) if u.run is not None and u.run.arm == "mosaic" and u.run.setting == "dear")
+    t = u.run.config.train
+    rollouts = (t.steps or 20) * t.batch_tasks * t.group_size
+    assert unit_cost(u, costs) == pytest.approx(sum(e.n_tasks * e.samples for e in u.evals) * 2.0 + rollouts * 10.0)
