@@ -8,13 +8,12 @@ Every command that reads a split takes ``--split`` and the config grammar of eve
 deprecation line: ``--seed N`` (``data.seed``), ``--cache-dir DIR`` (``data.cache_dir``) and
 ``--set key=value`` (``n_tasks``, ``task_seed``, ``snippet_tokens``, ``snippet_mode``,
 ``hop_mix=2:0.5,3:0.5``, ``world.<field>``; applied to the split after the sections). The cache
-directory is the one of every verb (:mod:`mosaic.envs.cache`). Heavy imports stay inside commands.
+directory is the one of every verb (:mod:`mosaic.envs.cache`). Heavy imports (the split, world and
+export modules) stay inside the commands, so that ``mosaic --help`` stays fast.
 
 Bad arguments (a count below its minimum, an unknown or ill-typed ``--set``, a
 missing or unreadable input, an unwritable output) exit with status 2 and one
 line naming the flag, before any work; never a traceback.
-
-The split, world and export modules are imported inside the commands so that ``mosaic --help`` stays fast.
 """
 
 from __future__ import annotations
