@@ -27,8 +27,11 @@ Usage: python bench/harness.py [--steps 3] [--batch-tasks 2] [--group-size 4] [-
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
+import threading
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -142,9 +145,6 @@ class ThreadCPU:
               ("harness-", "harness threads"))
 
     def __init__(self, every_s: float = 0.02) -> None:
-        import os
-        import threading
-
         self.ok = os.path.isdir("/proc/self/task")
         self.tick = os.sysconf("SC_CLK_TCK") if self.ok else 100
         self.total: Counter = Counter()
@@ -159,17 +159,12 @@ class ThreadCPU:
             return Counter(self.total)
 
     def _run(self, every_s: float) -> None:
-        import time
-
         while True:
             with self.lock:
                 self._poll()
             time.sleep(every_s)
 
     def _poll(self) -> None:
-        import os
-        import threading
-
         names = {t.native_id: t.name for t in threading.enumerate()}
         for tid in os.listdir("/proc/self/task"):
             try:

@@ -104,15 +104,8 @@ class SlabLayer(DynamicLayer):
         the same capacity with ``index_select`` (a row copy per kept row; advanced indexing ``slab[indices]``
         took ~6x longer on CPU and copied the unwritten positions too)."""
         if self.is_initialized:
-            self.slab_k, self.slab_v = (_select_rows(slab, indices, self.length) for slab in (self.slab_k, self.slab_v))
+            self.slab_k, self.slab_v = gather_rows([self.slab_k, self.slab_v], indices, self.length)
             self._views()
-
-
-def _select_rows(slab: torch.Tensor, indices: torch.Tensor, length: int) -> torch.Tensor:
-    """A new (len(indices), H, capacity, D) buffer holding ``slab``'s rows ``indices`` at positions ``:length``."""
-    out = slab.new_empty((len(indices), *slab.shape[1:]))
-    torch.index_select(slab[:, :, :length], 0, indices, out=out[:, :, :length])
-    return out
 
 
 class SlabCache(DynamicCache):

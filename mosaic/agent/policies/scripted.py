@@ -177,7 +177,7 @@ class ScriptedDecode:
     :meth:`build` says whether the step's model is one it covers."""
 
     def __init__(self, fn, step, layers, norm, head) -> None:
-        self.fn, self.step = fn, step
+        self.fn = fn
         self.static = dict(
             ln1=[L.input_layernorm.weight for L in layers], ln2=[L.post_attention_layernorm.weight for L in layers],
             eps=float(layers[0].input_layernorm.variance_epsilon),
