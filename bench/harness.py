@@ -21,7 +21,11 @@ template on every call, and its sub-agent and compaction rules are its own), so 
 different numbers of tokens: the per-token ratio is the fair one, the per-step one is what a user
 waits.
 
-Usage: python bench/harness.py [--steps 3] [--batch-tasks 2] [--group-size 4] [--threads 2]
+The harness side's served model decodes in a worker process (``rollout.worker_process=true``, the default:
+:mod:`mosaic.agent.server.procworker`); ``--thread-worker`` adds a third side, the same harness with the model in a
+thread of this process, interleaved with the other two, so the two layouts are compared under the same load.
+
+Usage: python bench/harness.py [--steps 3] [--batch-tasks 2] [--group-size 4] [--threads 2] [--thread-worker]
 """
 
 from __future__ import annotations
@@ -47,6 +51,8 @@ def main() -> None:
     ap.add_argument("--group-size", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--estimator", default="mosaic")
+    ap.add_argument("--thread-worker", action="store_true",
+                    help="a third side: the harness with the served model in a thread (rollout.worker_process=false)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -61,11 +67,11 @@ def main() -> None:
     common = [f"train.batch_tasks={args.batch_tasks}", f"train.group_size={args.group_size}",
               f"algo.estimator={args.estimator}", "train.heldout_split=none", "train.rollout_samples=0",
               f"train.run_dir={work}"]
-    sides = {
-        "built-in": load_config("cpu", overrides=common),
-        "harness": load_config("cpu", overrides=common + [
-            "rollout.source=harness", f"rollout.harness={ROOT / 'examples/harness/plain.py'}:run"]),
-    }
+    served = ["rollout.source=harness", f"rollout.harness={ROOT / 'examples/harness/plain.py'}:run"]
+    sides = {"built-in": load_config("cpu", overrides=common),
+             "harness": load_config("cpu", overrides=common + served + ["rollout.worker_process=true"])}
+    if args.thread_worker:  # the served model in a thread of this process, as before the worker process
+        sides["harness-thread"] = load_config("cpu", overrides=common + served + ["rollout.worker_process=false"])
     dev = torch.device("cpu")
     states = {}
     for name, cfg in sides.items():
@@ -75,9 +81,15 @@ def main() -> None:
         source = ExternalRollouts(cfg, model, tok, split, work / "records") if cfg.rollout.source == "harness" else None
         states[name] = RLState(cfg, model, tok, setup.chat_format(tok), split, opt,
                                build_scheduler(opt, cfg.optim, args.steps), dev, source=source)
+        if cfg.rollout.source == "harness":
+            print(f"{name}: the served model decodes in "
+                  + ("a worker process" if source.server.worker_fallback is None and cfg.rollout.worker_process
+                     else "a thread of this process" + (f" ({source.server.worker_fallback})"
+                                                        if source.server.worker_fallback else "")))
     rows: dict[str, list[dict]] = {n: [] for n in states}
     kinds: dict[str, Counter] = {n: Counter() for n in states}
-    cpu = ThreadCPU()
+    served_by = {n: getattr(getattr(st.source, "server", None), "worker", None) for n, st in states.items()}
+    cpu = ThreadCPU({n: w.process.pid for n, w in served_by.items() if hasattr(w, "process")})
     try:
         for step in range(args.steps):
             for name, st in states.items():  # interleaved: both sides see the same machine load
@@ -111,18 +123,19 @@ def main() -> None:
         print(f"{name:10s} sessions per trajectory by kind: "
               + ", ".join(f"{k} {c / n:.2f}" for k, c in sorted(kinds[name].items())))
     total = {n: sum(r["timing_s/step"] for r in rows[n]) / max(1, sum(r["tokens"] for r in rows[n])) for n in rows}
-    print(f"all steps together: {1000 * total['built-in']:.2f} vs {1000 * total['harness']:.2f} ms per sampled token")
-    if all("rollout/served_batch_mean" in r for r in rows["harness"]):
-        print(f"harness side: the served policy decoded {med('harness', 'rollout/served_batches'):.0f} batches per step, "
-              f"{med('harness', 'rollout/served_batch_mean'):.2f} sequences each (median over steps); the built-in "
-              f"harness decodes each round's turns of all {len(states['built-in'].last_trajs)} rollouts together")
-    print(f"\nharness / built-in: {med('harness', 'timing_s/step') / med('built-in', 'timing_s/step'):.2f}x per step, "
-          f"{per_tok['harness'] / per_tok['built-in']:.2f}x per sampled token (median of the steps; all steps together "
-          f"{total['harness'] / total['built-in']:.2f}x) (target <= 1.1x)")
-    step_ci, tok_ci = paired_ratio_intervals(rows["built-in"], rows["harness"])
-    print(f"all steps together with 95 % intervals (paired bootstrap over the {args.steps} interleaved steps): "
-          f"{step_ci[0]:.2f}x [{step_ci[1]:.2f}, {step_ci[2]:.2f}] per step, {tok_ci[0]:.2f}x [{tok_ci[1]:.2f}, "
-          f"{tok_ci[2]:.2f}] per sampled token")
+    print("all steps together, ms per sampled token: " + ", ".join(f"{n} {1000 * total[n]:.2f}" for n in rows))
+    for side in (n for n in rows if n != "built-in"):
+        if all("rollout/served_batch_mean" in r for r in rows[side]):
+            print(f"{side} side: the served policy decoded {med(side, 'rollout/served_batches'):.0f} batches per step, "
+                  f"{med(side, 'rollout/served_batch_mean'):.2f} sequences each (median over steps); the built-in "
+                  f"harness decodes each round's turns of all {len(states['built-in'].last_trajs)} rollouts together")
+        print(f"\n{side} / built-in: {med(side, 'timing_s/step') / med('built-in', 'timing_s/step'):.2f}x per step, "
+              f"{per_tok[side] / per_tok['built-in']:.2f}x per sampled token (median of the steps; all steps together "
+              f"{total[side] / total['built-in']:.2f}x) (target <= 1.1x)")
+        step_ci, tok_ci = paired_ratio_intervals(rows["built-in"], rows[side])
+        print(f"all steps together with 95 % intervals (paired bootstrap over the {args.steps} interleaved steps): "
+              f"{step_ci[0]:.2f}x [{step_ci[1]:.2f}, {step_ci[2]:.2f}] per step, {tok_ci[0]:.2f}x [{tok_ci[1]:.2f}, "
+              f"{tok_ci[2]:.2f}] per sampled token")
     if cpu.ok:
         print_generation_split(rows)
 
@@ -132,23 +145,26 @@ def print_generation_split(rows: dict[str, list[dict]]) -> None:
     def per_token(name: str, key: str) -> float:
         return 1e6 * sum(r.get(key, 0.0) for r in rows[name]) / max(1, sum(r["tokens"] for r in rows[name]))
 
-    parts = ", ".join(f"{label} {per_token('harness', 'cpu/' + label):.0f}" for _, label in ThreadCPU.GROUPS)
-    print(f"generation per sampled token (us, all steps): built-in {per_token('built-in', 'timing_s/gen'):.0f} "
-          f"wall; harness {per_token('harness', 'timing_s/gen'):.0f} wall, CPU by thread: {parts}")
+    for side in (n for n in rows if n != "built-in"):
+        parts = ", ".join(f"{label} {per_token(side, 'cpu/' + label):.0f}" for _, label in ThreadCPU.GROUPS)
+        print(f"generation per sampled token (us, all steps): built-in {per_token('built-in', 'timing_s/gen'):.0f} "
+              f"wall; {side} {per_token(side, 'timing_s/gen'):.0f} wall, CPU by thread: {parts}")
 
 
 class ThreadCPU:
-    """CPU seconds of this process's threads by group (:attr:`GROUPS`, by thread name), read from ``/proc``
-    every 20 ms; ``ok`` is False where there is no ``/proc/self/task`` (then every figure stays 0)."""
+    """CPU seconds of this process's threads by group (:attr:`GROUPS`, by thread name), and of every thread of
+    the served model's worker processes (``workers``: side -> pid) as "model worker", read from ``/proc`` every
+    20 ms; ``ok`` is False where there is no ``/proc/self/task`` (then every figure stays 0)."""
 
     GROUPS = (("mosaic-model-worker", "model worker"), ("mosaic-uvicorn", "server and proxy loops"),
               ("harness-", "harness threads"))
 
-    def __init__(self, every_s: float = 0.02) -> None:
+    def __init__(self, workers: dict[str, int] | None = None, every_s: float = 0.02) -> None:
         self.ok = os.path.isdir("/proc/self/task")
         self.tick = os.sysconf("SC_CLK_TCK") if self.ok else 100
+        self.workers = list((workers or {}).values())
         self.total: Counter = Counter()
-        self.last: dict[str, int] = {}
+        self.last: dict[tuple, int] = {}
         self.lock = threading.Lock()
         if self.ok:
             threading.Thread(target=self._run, args=(every_s,), name="bench-cpu", daemon=True).start()
@@ -164,21 +180,35 @@ class ThreadCPU:
                 self._poll()
             time.sleep(every_s)
 
+    def _ticks(self, pid: str, tid: str) -> int | None:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended
+            return None
+        return int(fields[11]) + int(fields[12])  # utime + stime
+
+    def _add(self, key: tuple, label: str | None) -> None:
+        ticks = self._ticks(*key)
+        if ticks is None:
+            return
+        delta = ticks - self.last.get(key, ticks)
+        self.last[key] = ticks
+        if label is not None and delta > 0:
+            self.total[label] += delta / self.tick
+
     def _poll(self) -> None:
         names = {t.native_id: t.name for t in threading.enumerate()}
         for tid in os.listdir("/proc/self/task"):
-            try:
-                with open(f"/proc/self/task/{tid}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:  # the thread ended
-                continue
-            ticks = int(fields[11]) + int(fields[12])  # utime + stime
-            delta = ticks - self.last.get(tid, ticks)
-            self.last[tid] = ticks
             name = names.get(int(tid), "")
-            label = next((lab for prefix, lab in self.GROUPS if name.startswith(prefix)), None)
-            if label is not None and delta > 0:
-                self.total[label] += delta / self.tick
+            self._add(("self", tid), next((lab for prefix, lab in self.GROUPS if name.startswith(prefix)), None))
+        for pid in self.workers:
+            try:
+                tids = os.listdir(f"/proc/{pid}/task")
+            except OSError:  # the worker process ended
+                continue
+            for tid in tids:
+                self._add((str(pid), tid), "model worker")
 
 
 def paired_ratio_intervals(base: list[dict], other: list[dict], draws: int = 4000, seed: int = 0):

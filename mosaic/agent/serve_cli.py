@@ -39,6 +39,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="most request bodies of 1 MiB or more parsed and tokenised at once (503 beyond)")
     p.add_argument("--api-key-env", default=None, metavar="VAR",
                    help="environment variable holding the bearer token clients must send (default: open)")
+    p.add_argument("--worker-process", action="store_true",
+                   help="decode in a worker process beside the HTTP threads (falls back to a thread, with a warning, "
+                        "if it cannot start)")
     p.set_defaults(func=_run)
 
 
@@ -79,7 +82,8 @@ def _run(args: argparse.Namespace) -> int:
                      max_batch_size=args.max_batch_size, default_max_tokens=args.default_max_tokens,
                      api_key=os.environ[args.api_key_env] if args.api_key_env else None,
                      max_body_bytes=max(1, int(args.max_body_mb * 1024 * 1024)),
-                     prefix_cache_tokens=args.prefix_cache_tokens, max_heavy_requests=args.max_heavy_requests)
+                     prefix_cache_tokens=args.prefix_cache_tokens, max_heavy_requests=args.max_heavy_requests,
+                     worker_process=args.worker_process)
     run_server(app, host=args.host, port=args.port, log_level="info",
                announce=f"mosaic serve: {args.name or args.model} listening on {{url}}")
     return 0

@@ -196,6 +196,10 @@ class RolloutConfig(_Section):
     """``source=harness``: most harness rollouts running at once."""
     deadline_s: float = 300.0
     """``source=harness``: seconds a rollout may run; past it it is dropped (a command is killed)."""
+    worker_process: bool = True
+    """``source=harness``: the served policy decodes in a worker process over the trainer's shared weights, beside
+    the serving threads instead of between them (``mosaic.agent.server.procworker``); false, or a process that
+    cannot start: a thread of the trainer's process."""
     reward: str = "deepsearch"
     """``source=harness``: ``deepsearch`` (the environment's reward of the answer the harness returned or
     posted), ``harness`` (the reward the harness posts to its reward URL) or ``module:function(task, answer)``."""

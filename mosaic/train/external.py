@@ -113,7 +113,7 @@ class ExternalRollouts:
     def scoring_policy(self):
         """The served policy: its prefix cache still holds the rollouts' contexts when the trainer scores
         their states (before the update), so those states are probed off it (:func:`~mosaic.train.served_scoring.known_from_cache`)."""
-        return self.server.policy
+        return self.server.worker.prefix_cache
 
     def __init__(self, cfg, model, tokenizer, split, records_dir: str | os.PathLike, *, model_name: str = "mosaic-policy"):
         from mosaic.agent.server.app import create_app
@@ -140,7 +140,8 @@ class ExternalRollouts:
             self.reward_fn = load_callable(self.rc.reward, "rollout.reward")
         self.rules = reconstruction_rules(self.hcfg, tokenizer)
         app = create_app(model, tokenizer, model_name=model_name, device=str(next(model.parameters()).device),
-                         max_batch_size=self.rc.batch_size, default_max_tokens=self.hcfg.max_new_tokens)
+                         max_batch_size=self.rc.batch_size, default_max_tokens=self.hcfg.max_new_tokens,
+                         worker_process=self.rc.worker_process)
         self.server = app.state.server
         self.server_thread = ServerThread(app).start()
         pcfg = ProxyConfig(upstream=self.server_thread.url, out_dir=str(self.records_dir), port=0,

@@ -61,6 +61,7 @@ def test_graphs_trained_on_equal_what_proxy_export_rebuilds(base_dir, tmp_path):
     cfg = _cfg(base_dir, tmp_path, f"rollout.harness={H}:scripted", f"rollout.reward={H}:right_is_one")
     src, split = _source(cfg, tmp_path)
     try:
+        assert type(src.server.worker).__name__ == "ProcessWorker" and src.server.worker_fallback is None
         tasks = split.tasks[:2]
         trajs, m = src.collect(tasks, step=0)
         # (a rollout whose random-model summary came out empty cannot be linked: dropped as unbuildable)
@@ -189,6 +190,10 @@ def test_mosaic_train_on_a_harness_updates_the_weights_and_logs_session_metrics(
     for prefix in ("session/", "critic/", "actor/", "rollout/dropped/"):
         assert any(k.startswith(prefix) for k in keys), prefix
     assert lines[-1]["rollout/kept"] >= 3
+    # the served model decoded in a worker process over the trainer's weights (rollout.worker_process, the
+    # default): the states were scored off its prefix cache, and the sampler agreed with the trainer after step 1
+    assert all(m["score/cached_states"] > 0 for m in lines)
+    assert lines[-1]["training/rollout_actor_probs_pearson_corr"] > 0.99
     from mosaic.capture.records import load_records
 
     calls, rewards = load_records(run / "records")

@@ -38,7 +38,8 @@ from mosaic.agent.server.schema import (
 )
 from mosaic.agent.server.stream import ChoiceText, stream_chat, stream_completion
 from mosaic.agent.server.textops import render_chat
-from mosaic.agent.server.worker import Job, ModelWorker
+from mosaic.agent.server.procworker import ProcessWorker, start_worker
+from mosaic.agent.server.worker import Job
 
 INLINE_RESULT_TOKENS = 4096  # an answer of at most this many sampled tokens is written out on the event loop
 
@@ -50,7 +51,7 @@ class ModelServer:
                  model_name: str, device: str | None, max_batch_size: int, batch_window_s: float,
                  default_max_tokens: int, prefix_cache_tokens: int = 65536, continuous_batching: bool = True,
                  heavy_body_bytes: int = 1 << 20, max_heavy_requests: int = 4,
-                 inline_body_bytes: int = 32 * 1024) -> None:
+                 inline_body_bytes: int = 32 * 1024, worker_process: bool = False) -> None:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.default_max_tokens = default_max_tokens
@@ -66,24 +67,15 @@ class ModelServer:
         self.max_chars = (self.max_positions - 1) * self.token_chars if self.max_positions else None
         self.heavy_body_bytes, self.max_heavy, self.heavy_now = heavy_body_bytes, max_heavy_requests, 0
         self.inline_body_bytes = inline_body_bytes
-        self.worker = ModelWorker(self.policy, max_batch_size=max_batch_size,
-                                  batch_window_s=batch_window_s, decode=self.decode)
+        # worker_fallback: why a worker process asked for did not start (the model then decodes in a thread)
+        self.worker, self.worker_fallback = start_worker(self.policy, tokenizer, process=worker_process,
+                                                         max_batch_size=max_batch_size, batch_window_s=batch_window_s)
 
-    @contextlib.contextmanager
     def weights_update(self):
         """Hold the served weights while the caller changes them in place (a trainer's update): no
         request is decoded meanwhile (those that arrive wait), and the policy version every response
-        carries (``policy_version``) goes up by one on exit."""
-        self.worker.update_waiting.set()  # a running batch takes no new rows, so the lock comes soon
-        try:
-            with self.worker.weights_lock:
-                try:
-                    yield
-                finally:
-                    self.policy.clear_cache()  # (the policy also notices in-place updates; a swap may not be one)
-                    self.worker.version += 1
-        finally:
-            self.worker.update_waiting.clear()
+        carries (``policy_version``) goes up by one on exit. A context manager."""
+        return self.worker.weights_update()
 
     @property
     def policy_version(self) -> int:
@@ -381,7 +373,8 @@ def _add_routes(app: FastAPI, srv: ModelServer, model_name: str) -> None:
 
     @app.get("/health")
     async def health() -> dict:
-        return {"status": "ok", "worker": dict(srv.worker.stats)}
+        return {"status": "ok", "worker": dict(srv.worker.stats), "worker_process": isinstance(srv.worker, ProcessWorker),
+                "worker_fallback": srv.worker_fallback}
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -412,7 +405,8 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *,
                batch_window_s: float = 0.002, default_max_tokens: int = 16, api_key: str | None = None,
                max_body_bytes: int = 32 * 1024 * 1024, prefix_cache_tokens: int = 65536,
                heavy_body_bytes: int = 1 << 20, max_heavy_requests: int = 4,
-               continuous_batching: bool = True, inline_body_bytes: int = 32 * 1024) -> FastAPI:
+               continuous_batching: bool = True, inline_body_bytes: int = 32 * 1024,
+               worker_process: bool = False) -> FastAPI:
     """The FastAPI app serving ``model``; run it with :func:`mosaic.serving.run_server` (foreground) or
     :class:`mosaic.serving.ServerThread` (in-process).
 
@@ -427,6 +421,8 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *,
     ``continuous_batching``: requests that arrive while a batch decodes join it (same sampling parameters,
     unseeded) instead of waiting for it to end; results are sent as each request finishes.
     ``inline_body_bytes``: smaller bodies are parsed and tokenised on the event loop (0: all in threads).
+    ``worker_process``: the model decodes in a worker process over shared weights
+    (:class:`~mosaic.agent.server.procworker.ProcessWorker`); if it cannot start, in a thread, with a warning.
     """
     if max_body_bytes < 1 or max_heavy_requests < 1:
         raise ValueError(f"max_body_bytes {max_body_bytes} and max_heavy_requests {max_heavy_requests} "
@@ -435,7 +431,8 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *,
                       max_batch_size=max_batch_size, batch_window_s=batch_window_s,
                       default_max_tokens=default_max_tokens, prefix_cache_tokens=prefix_cache_tokens,
                       heavy_body_bytes=heavy_body_bytes, max_heavy_requests=max_heavy_requests,
-                      continuous_batching=continuous_batching, inline_body_bytes=inline_body_bytes)
+                      continuous_batching=continuous_batching, inline_body_bytes=inline_body_bytes,
+                      worker_process=worker_process)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -51,10 +52,13 @@ class ModelWorker:
     """
 
     def __init__(self, policy: LocalPolicy, *, max_batch_size: int, batch_window_s: float,
-                 decode: Callable[[list[int], bool], str] | None = None) -> None:
-        """``decode(ids, skip_special)``: the tokenizer's text, for jobs with stop strings."""
+                 decode: Callable[[list[int], bool], str] | None = None,
+                 after_step: Callable[[], None] | None = None) -> None:
+        """``decode(ids, skip_special)``: the tokenizer's text, for jobs with stop strings; ``after_step()``: called
+        after each decode step's tokens went to their jobs (a worker process sends them on then)."""
         self.policy = policy
         self.decode = decode
+        self.after_step = after_step
         self.max_batch_size = max_batch_size
         self.batch_window_s = batch_window_s
         self._queue: queue.Queue[Job | None] = queue.Queue()
@@ -69,6 +73,26 @@ class ModelWorker:
 
     def submit(self, job: Job) -> None:
         self._queue.put(job)
+
+    @property
+    def prefix_cache(self) -> LocalPolicy:
+        """What a scorer reads the rollouts' cached contexts from (``model`` and ``longest_cached(ids)``)."""
+        return self.policy
+
+    @contextlib.contextmanager
+    def weights_update(self):
+        """Held while the caller changes the weights in place: no batch decodes meanwhile (running batches
+        take no new rows, so the lock comes soon); on exit the prefix cache is dropped and ``version`` goes up."""
+        self.update_waiting.set()
+        try:
+            with self.weights_lock:
+                try:
+                    yield
+                finally:
+                    self.policy.clear_cache()  # (the policy also notices in-place updates; a swap may not be one)
+                    self.version += 1
+        finally:
+            self.update_waiting.clear()
 
     def close(self) -> None:
         self._queue.put(None)
@@ -159,6 +183,8 @@ class ModelWorker:
                     if any(s in tail for s in j.stop_strings):
                         ended.append(i)
             self.stats["stop_string_ends"] += len(ended)
+            if self.after_step is not None:
+                self.after_step()
             return ended
         return on_step
 

@@ -1,0 +1,378 @@
+"""The batching model worker in its own process: the served model decodes beside the serving threads, not
+between them.
+
+In one process the server's and proxy's event loops and a harness's threads take the interpreter lock
+from the model thread between its small tensor calls; on a machine with few cores that Python runs one
+after the other with the model's (docs/speed.md). :class:`ProcessWorker` runs the same
+:class:`~mosaic.agent.server.worker.ModelWorker` in a child process started with ``spawn``:
+
+- **Weights are shared, not copied.** The model goes to the child through ``torch.multiprocessing``, which
+  moves its parameters' storage to shared memory, so the trainer's in-place updates (an optimizer step,
+  ``load_state_dict``) are what the child reads. :meth:`ProcessWorker.weights_update` holds the child's
+  worker (no batch decodes) while the caller changes them, then drops the child's prefix cache and bumps the
+  version, as the in-process worker does. A swap that replaces the parameter tensors is not seen by the child.
+- **The wire is two pipes.** Jobs go down as token ids and sampling parameters; each decode step's
+  tokens come back as one message (the events of every streaming job that got one), a job's result as one
+  message. A reader thread in the parent hands them to the jobs' event loops.
+- **The prefix cache stays readable.** ``longest_cached(ids)`` asks the child and gets the keys/values
+  back through shared memory, so a trainer scores the rollouts' states off the contexts the child cached.
+- **The caller's script is not run again.** ``spawn`` would import the parent's ``__main__`` in the child (a
+  script without an ``if __name__ == "__main__":`` guard would start over there); the child is started with a
+  bare ``__main__`` instead, so what it unpickles must be importable by name (a model class defined in the
+  script is not: that child fails to start).
+- **Failure is loud and contained.** A child that cannot start raises :class:`WorkerStartError` (the caller
+  falls back to the in-process worker, see :func:`mosaic.agent.server.app.create_app`); a child that dies
+  fails every waiting job and every later one with an error, it does not hang them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import math
+import sys
+import threading
+import types
+from typing import Any
+
+import torch
+import torch.multiprocessing as tmp
+
+from mosaic.agent.policies.local import LocalPolicy, LocalPolicyConfig
+from mosaic.agent.server.worker import Job, ModelWorker
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ProcessWorker", "WorkerStartError", "start_worker"]
+
+START_TIMEOUT_S = 300.0  # importing torch and transformers in a fresh interpreter, and building the policy
+CALL_TIMEOUT_S = 600.0  # a control call (hold waits for the running batch to end)
+
+
+class WorkerStartError(RuntimeError):
+    """The worker process did not come up (shared memory, pickling, the child's own error)."""
+
+
+class _Outbox:
+    """The child's way back: events gathered per decode step, sent as one message (with the worker's counters
+    when a job finished)."""
+
+    def __init__(self, conn) -> None:
+        self.conn = conn
+        self.lock = threading.Lock()  # the worker thread (events) and the main thread (replies) both send
+        self.events: list[tuple] = []
+        self.stats: dict | None = None  # the worker's counters (set once it exists)
+        self.ended = False  # a job finished since the last message
+
+    def add(self, item: tuple, now: bool) -> None:
+        with self.lock:
+            self.events.append(item)
+            self.ended |= now
+        if now:
+            self.flush()
+
+    def flush(self) -> None:
+        with self.lock:
+            if self.events:
+                stats = dict(self.stats) if self.ended and self.stats is not None else None
+                batch, self.events, self.ended = self.events, [], False
+                self.conn.send(("events", batch, stats))
+
+    def reply(self, rid: int, value: Any) -> None:
+        self.flush()  # a reply never overtakes events sent before it
+        with self.lock:
+            self.conn.send(("reply", rid, value))
+
+
+class _ChildJob(Job):
+    """A job in the child: its events go to the outbox under the parent's job id."""
+
+    def __init__(self, jid: int, outbox: _Outbox, reqs, temperature, top_p, stop_ids, seed, stream,
+                 stop_strings, skip_special) -> None:
+        super().__init__(reqs, temperature, top_p, stop_ids, seed, None, None, stream,  # type: ignore[arg-type]
+                         stop_strings, skip_special)
+        self.jid, self.outbox = jid, outbox
+
+    def send(self, event: tuple) -> None:
+        self.outbox.add((self.jid, self.version, event), now=event[0] != "token")
+
+
+class _Board:
+    """A shared-memory buffer the child copies a cache hit's keys/values into and the parent copies them out of:
+    one copy each way (a new shared tensor per hit costs far more: a segment and a file descriptor each)."""
+
+    def __init__(self) -> None:
+        self.buf: torch.Tensor | None = None
+
+    def put(self, hit) -> tuple | None:
+        """``(n, shape, new buffer or None)`` of a :meth:`LocalPolicy.longest_cached` hit, its tensors copied in."""
+        if hit is None:
+            return None
+        n, kv = hit
+        shape = (len(kv), 2, *kv[0][0].shape)
+        numel, fresh = math.prod(shape), None
+        if self.buf is None or self.buf.numel() < numel or self.buf.dtype != kv[0][0].dtype:
+            self.buf = fresh = torch.empty(max(numel, 2 * (self.buf.numel() if self.buf is not None else 0)),
+                                           dtype=kv[0][0].dtype).share_memory_()
+        dst = self.buf[:numel].view(shape)
+        for i, (K, V) in enumerate(kv):
+            dst[i, 0].copy_(K), dst[i, 1].copy_(V)
+        return n, shape, fresh
+
+
+def _serve(conn_in, outbox: _Outbox, worker: ModelWorker, policy: LocalPolicy) -> None:
+    """The child's main loop: jobs and control calls from the parent, until it closes or goes away."""
+    board = _Board()
+    held = False  # between "hold" and "release" this thread holds the worker's weights lock
+    while True:
+        try:
+            msg = conn_in.recv()
+        except (EOFError, OSError):  # the parent is gone
+            worker.close()
+            return
+        op = msg[0]
+        if op == "job":
+            worker.submit(_ChildJob(msg[1], outbox, *msg[2:]))
+            continue
+        rid, args = msg[1], msg[2:]
+        if op == "hold":  # the parent changes the weights: no batch runs until "release"
+            worker.update_waiting.set()
+            worker.weights_lock.acquire()
+            held = True
+            outbox.reply(rid, True)
+        elif op == "release":
+            policy.clear_cache()  # the child's tensors' version counters do not see the parent's writes
+            worker.version += 1
+            worker.weights_lock.release()
+            held = False
+            worker.update_waiting.clear()
+            outbox.reply(rid, worker.version)
+        elif op == "cache_stats":
+            outbox.reply(rid, dict(policy.cache_stats))
+        elif op == "longest":
+            with contextlib.nullcontext() if held else worker.weights_lock:  # not while a batch writes the cache
+                outbox.reply(rid, board.put(policy.longest_cached(args[0])))
+        elif op == "close":
+            worker.close()
+            outbox.reply(rid, True)
+            return
+
+
+def _child_main(conn_in, conn_out, model, tokenizer, config: LocalPolicyConfig, device: str | None,
+                max_batch_size: int, batch_window_s: float, threads: int) -> None:
+    """Entry point of the worker process."""
+    outbox = _Outbox(conn_out)
+    try:
+        torch.set_num_threads(threads)
+        policy = LocalPolicy(model, tokenizer, config, device=device)
+        worker = ModelWorker(policy, max_batch_size=max_batch_size, batch_window_s=batch_window_s,
+                             decode=lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip),
+                             after_step=outbox.flush)
+        outbox.stats = worker.stats
+    except Exception as exc:  # the parent raises WorkerStartError with this
+        conn_out.send(("failed", f"{type(exc).__name__}: {exc}"))
+        return
+    conn_out.send(("ready", dict(worker.stats)))
+    _serve(conn_in, outbox, worker, policy)
+
+
+@contextlib.contextmanager
+def _bare_main():
+    """``__main__`` without a file or spec while a child is spawned: it does not re-import the caller's script."""
+    main = sys.modules.get("__main__")
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        if main is not None:
+            sys.modules["__main__"] = main
+
+
+class ProcessWorker:
+    """:class:`~mosaic.agent.server.worker.ModelWorker`'s interface (``submit``, ``close``, ``weights_update``,
+    ``version``, ``stats``, ``prefix_cache``) over a worker process that holds the model's shared weights."""
+
+    def __init__(self, model, tokenizer, config: LocalPolicyConfig, *, device: str | None, max_batch_size: int,
+                 batch_window_s: float, start_timeout_s: float = START_TIMEOUT_S) -> None:
+        self.model = model
+        self.version = 0
+        self.dead: str | None = None  # why the child is gone (every later job fails with it)
+        self.closing = False
+        self._stats: dict = {}
+        self._jobs: dict[int, Job] = {}
+        self._replies: dict[int, list] = {}
+        self._ids = itertools.count()
+        self._send_lock = threading.Lock()
+        self._state = threading.Condition()
+        self._update = threading.Lock()  # one weights update at a time
+        self._board: torch.Tensor | None = None  # the child's shared buffer of cache hits
+        self._board_lock = threading.Lock()
+        ctx = tmp.get_context("spawn")
+        down_r, self._down = ctx.Pipe(duplex=False)
+        self._up, up_w = ctx.Pipe(duplex=False)
+        self.process = ctx.Process(
+            target=_child_main, name="mosaic-model-worker", daemon=True,
+            args=(down_r, up_w, model, tokenizer, config, device, max_batch_size, batch_window_s,
+                  torch.get_num_threads()))
+        try:
+            with _bare_main():
+                self.process.start()
+        except Exception as exc:  # pickling the model or tokenizer, no shared memory
+            raise WorkerStartError(f"could not start the model worker process: {type(exc).__name__}: {exc}") from exc
+        finally:
+            down_r.close(), up_w.close()
+        self._await_ready(start_timeout_s)
+        self._reader = threading.Thread(target=self._read, name="mosaic-worker-reader", daemon=True)
+        self._reader.start()
+
+    def _await_ready(self, timeout_s: float) -> None:
+        try:
+            ok = self._up.poll(timeout_s)
+            msg = self._up.recv() if ok else ("failed", f"not ready after {timeout_s:.0f} s")
+        except (EOFError, OSError):  # e.g. it could not unpickle what it was sent
+            self.process.join(timeout=10)
+            msg = ("failed", f"the process exited with code {self.process.exitcode} (its error is on stderr)")
+        if msg[0] != "ready":
+            self.process.kill()
+            raise WorkerStartError(f"the model worker process did not start: {msg[1]}")
+        self._stats = msg[1]
+
+    # ------------------------------------------------------------------ the wire
+    def _read(self) -> None:
+        """The parent's reader: events to their jobs' loops, replies to their callers; fails all on EOF."""
+        while True:
+            try:
+                msg = self._up.recv()
+            except (EOFError, OSError):
+                self._fail_all(f"the model worker process exited (code {self.process.exitcode})")
+                return
+            if msg[0] == "events":
+                if msg[2] is not None:
+                    self._stats = msg[2]
+                for jid, version, event in msg[1]:
+                    job = self._jobs.get(jid)
+                    if job is None:
+                        continue
+                    job.version = version
+                    if event[0] != "token":
+                        self._jobs.pop(jid, None)
+                    job.send(event)
+            elif msg[0] == "reply":
+                with self._state:
+                    self._replies[msg[1]] = [msg[2]]
+                    self._state.notify_all()
+
+    def _fail_all(self, why: str) -> None:
+        with self._state:
+            self.dead = why
+            self._state.notify_all()
+        if not (self.closing and not self._jobs):
+            log.error("%s: failing its %d waiting requests", why, len(self._jobs))
+        for jid in list(self._jobs):
+            job = self._jobs.pop(jid, None)
+            if job is not None:
+                job.send(("error", why))
+
+    def _send(self, msg: tuple) -> None:
+        with self._send_lock:
+            self._down.send(msg)
+
+    def _call(self, op: str, *args, timeout_s: float = CALL_TIMEOUT_S):
+        rid = next(self._ids)
+        with self._state:
+            if self.dead:
+                raise RuntimeError(self.dead)
+        try:
+            self._send((op, rid, *args))
+        except (BrokenPipeError, OSError) as exc:
+            raise RuntimeError(f"the model worker process is gone: {exc}") from exc
+        with self._state:
+            if not self._state.wait_for(lambda: rid in self._replies or self.dead, timeout_s):
+                raise RuntimeError(f"the model worker process did not answer {op!r} in {timeout_s:.0f} s")
+            if rid not in self._replies:
+                raise RuntimeError(self.dead)
+            return self._replies.pop(rid)[0]
+
+    # ------------------------------------------------------------------ ModelWorker's interface
+    def submit(self, job: Job) -> None:
+        if self.dead:
+            job.send(("error", self.dead))
+            return
+        jid = next(self._ids)
+        self._jobs[jid] = job
+        try:
+            self._send(("job", jid, job.reqs, job.temperature, job.top_p, job.stop_ids, job.seed, job.stream,
+                        job.stop_strings, job.skip_special))
+        except (BrokenPipeError, OSError) as exc:
+            if self._jobs.pop(jid, None) is not None:
+                job.send(("error", f"the model worker process is gone: {exc}"))
+
+    @contextlib.contextmanager
+    def weights_update(self):
+        """No batch decodes in the child while the caller changes the shared weights in place; then the
+        child's prefix cache is dropped and ``version`` goes up by one."""
+        with self._update:
+            self._call("hold")
+            try:
+                yield
+            finally:
+                self.version = self._call("release")
+
+    @property
+    def stats(self) -> dict:
+        """The child's batching counters as of the last job that finished (the last ones known once it is gone)."""
+        return self._stats
+
+    def cache_stats(self) -> dict:
+        """The child's prefix-cache counters (asked for; empty once it is gone)."""
+        try:
+            return self._call("cache_stats", timeout_s=30.0)
+        except RuntimeError:
+            return {}
+
+    @property
+    def prefix_cache(self) -> "ProcessWorker":
+        return self
+
+    def longest_cached(self, ids: list[int]):
+        """:meth:`LocalPolicy.longest_cached` of the child's policy (copies of the keys/values), None if gone."""
+        with self._board_lock:  # the board holds one hit at a time
+            try:
+                hit = self._call("longest", list(ids))
+            except RuntimeError:
+                return None
+            if hit is None:
+                return None
+            n, shape, fresh = hit
+            if fresh is not None:
+                self._board = fresh
+            kv = self._board[:math.prod(shape)].view(shape).clone()
+        return n, [(layer[0], layer[1]) for layer in kv]
+
+    def close(self) -> None:
+        self.closing = True
+        if self.dead is None and self.process.is_alive():
+            with contextlib.suppress(RuntimeError):
+                self._call("close", timeout_s=15.0)
+        self.process.join(timeout=10)
+        if self.process.is_alive():
+            self.process.kill()
+        self._down.close()
+
+
+def start_worker(policy: LocalPolicy, tokenizer, *, process: bool, max_batch_size: int,
+                 batch_window_s: float) -> tuple[ModelWorker | ProcessWorker, str | None]:
+    """The server's worker over ``policy``'s model: a :class:`ProcessWorker` when ``process`` and it starts, else
+    a :class:`~mosaic.agent.server.worker.ModelWorker` thread; and why a process asked for did not start."""
+    if process:
+        try:
+            return ProcessWorker(policy.model, tokenizer, policy.config, device=str(policy.device),
+                                 max_batch_size=max_batch_size, batch_window_s=batch_window_s), None
+        except WorkerStartError as exc:
+            log.warning("%s; the model decodes in a thread of this process instead", exc)
+            fallback = str(exc)
+    else:
+        fallback = None
+    return ModelWorker(policy, max_batch_size=max_batch_size, batch_window_s=batch_window_s,
+                       decode=lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip)), fallback
