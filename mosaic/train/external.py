@@ -331,6 +331,12 @@ class ExternalRollouts:
         if self.service:  # a fresh account backend per rollout, before its harness starts
             for task, ht in pairs:
                 self.env.open(ht.rollout_id, task)
+        revived = self.server.revive_worker()  # a worker process that died since the last step is replaced
+        if revived:
+            fb = self.server.worker_fallback
+            print(f"[mosaic] step {step + 1}: the served model's worker process had died; "
+                  + ("a new one serves" if fb is None else f"a new one did not start ({fb}): a thread serves"),
+                  file=sys.stderr, flush=True)
         served0 = dict(self.server.worker.stats)
         t0 = time.perf_counter()
         try:
@@ -368,7 +374,7 @@ class ExternalRollouts:
                   "rollout/kept": float(len(trajs)), "rollout/foreign_requests": float(sum(self.foreign.values())),
                   "rollout/bad_record_lines": float(bad),
                   "rollout/calls": float(sum(len(by_calls.get(ht.rollout_id, [])) for _, ht in pairs)),
-                  "timing_s/harness": wall})
+                  "timing_s/harness": wall, "rollout/worker_restarts": float(revived)})
         served = {k: self.server.worker.stats[k] - served0.get(k, 0) for k in ("batches", "sequences")}
         # the served policy's decode batches this step: how many sequences each batch held on average
         m.update({"rollout/served_batches": float(served["batches"]),

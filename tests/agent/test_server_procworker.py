@@ -16,7 +16,7 @@ from _tiny import tiny_model
 from mosaic.agent.policies.local import LocalPolicy, LocalPolicyConfig
 from mosaic.agent.policy import GenRequest
 from mosaic.agent.server import create_app
-from mosaic.agent.server.procworker import ProcessWorker, WorkerStartError
+from mosaic.agent.server.procworker import CallFailed, ProcessWorker, WorkerStartError
 from mosaic.serving import ServerThread
 
 NAME = "tiny-proc"
@@ -126,6 +126,29 @@ def test_a_dead_worker_process_fails_requests_instead_of_hanging(model_tok):
             assert r.status_code >= 500 or "error" in r.text, r.text
         assert time.monotonic() - t0 < 10
         assert c.get("/health").json()["worker"]["sequences"] >= 1  # the last counters known
+        with app.state.server.weights_update():  # goes ahead without a child: nothing decodes
+            pass
+        assert app.state.server.policy_version == 1
+        # what a trainer does at its next step: a new worker process, at the same policy version
+        assert app.state.server.revive_worker() and not app.state.server.revive_worker()
+        assert isinstance(app.state.server.worker, ProcessWorker) and app.state.server.worker is not worker
+        r = c.post("/v1/completions", json={"model": NAME, "prompt": PROMPT, "max_tokens": 4})
+        assert r.status_code == 200 and r.json()["policy_version"] == 1
+
+
+def test_a_control_call_that_fails_in_the_child_is_an_error_there_not_a_dead_child(model_tok):
+    model, tok = model_tok
+    worker = ProcessWorker(copy.deepcopy(model), tok, LocalPolicyConfig(), device="cpu", max_batch_size=4,
+                           batch_window_s=0.0)
+    try:
+        with pytest.raises(CallFailed, match="no_such_call"):
+            worker._call("no_such_call")
+        with pytest.raises(CallFailed, match="longest"):
+            worker._call("longest", None)
+        assert worker.longest_cached([1, 2, 3]) is None and worker.dead is None  # still serving
+    finally:
+        worker.close()
+    assert not worker.process.is_alive()
 
 
 def test_a_worker_process_that_cannot_start_says_why_and_the_server_falls_back(model_tok):

@@ -124,6 +124,21 @@ def test_graphs_trained_on_equal_what_proxy_export_rebuilds(base_dir, tmp_path):
         src.close()
 
 
+def test_a_worker_process_that_died_is_replaced_at_the_next_step(base_dir, tmp_path, capsys):
+    cfg = _cfg(base_dir, tmp_path, f"rollout.harness={H}:scripted", f"rollout.reward={H}:right_is_one")
+    src, split = _source(cfg, tmp_path)
+    try:
+        _, m = src.collect(split.tasks[:1], step=0)
+        assert m["rollout/worker_restarts"] == 0 and m["rollout/kept"] >= 1
+        src.server.worker.process.kill()  # e.g. the kernel's out-of-memory killer
+        src.server.worker.process.join(10)
+        _, m = src.collect(split.tasks[:1], step=1)
+        assert m["rollout/worker_restarts"] == 1 and m["rollout/kept"] >= 1
+        assert "worker process had died; a new one serves" in capsys.readouterr().err
+    finally:
+        src.close()
+
+
 def test_faults_drop_the_rollout_count_it_and_keep_serving(base_dir, tmp_path, capsys):
     cfg = _cfg(base_dir, tmp_path, f"rollout.harness={H}:faulty", "rollout.reward=harness", "train.group_size=6",
                "rollout.deadline_s=30")

@@ -67,15 +67,24 @@ class ModelServer:
         self.max_chars = (self.max_positions - 1) * self.token_chars if self.max_positions else None
         self.heavy_body_bytes, self.max_heavy, self.heavy_now = heavy_body_bytes, max_heavy_requests, 0
         self.inline_body_bytes = inline_body_bytes
+        self.worker_args = dict(process=worker_process, max_batch_size=max_batch_size, batch_window_s=batch_window_s)
         # worker_fallback: why a worker process asked for did not start (the model then decodes in a thread)
-        self.worker, self.worker_fallback = start_worker(self.policy, tokenizer, process=worker_process,
-                                                         max_batch_size=max_batch_size, batch_window_s=batch_window_s)
+        self.worker, self.worker_fallback = start_worker(self.policy, tokenizer, **self.worker_args)
 
     def weights_update(self):
-        """Hold the served weights while the caller changes them in place (a trainer's update): no
-        request is decoded meanwhile (those that arrive wait), and the policy version every response
-        carries (``policy_version``) goes up by one on exit. A context manager."""
+        """A context manager held while the caller changes the weights in place (a trainer's update): no request
+        decodes meanwhile (those that arrive wait); the ``policy_version`` responses carry goes up by one on exit."""
         return self.worker.weights_update()
+
+    def revive_worker(self) -> bool:
+        """Replace a worker process that died by a new one at the same policy version (True); else False."""
+        old = self.worker
+        if not isinstance(old, ProcessWorker) or (old.dead is None and old.process.is_alive()):
+            return False
+        old.close()
+        self.worker, self.worker_fallback = start_worker(self.policy, self.tokenizer, version=old.version,
+                                                         **self.worker_args)
+        return True
 
     @property
     def policy_version(self) -> int:
@@ -108,8 +117,7 @@ class ModelServer:
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
-            raise ApiError(404, f"model {name!r} does not exist; this server serves {self.model_name!r}",
-                           "model")
+            raise ApiError(404, f"model {name!r} does not exist; this server serves {self.model_name!r}", "model")
 
     def prompt_ids(self, prompt: Any) -> list[list[int]]:
         """Normalise a completions ``prompt`` to a list of token-id lists."""
@@ -120,8 +128,7 @@ class ModelServer:
         elif isinstance(prompt, list) and prompt:
             prompts = prompt
         else:
-            raise ApiError(400, "prompt must be a non-empty string, token-id list, or list of either",
-                           "prompt")
+            raise ApiError(400, "prompt must be a non-empty string, token-id list, or list of either", "prompt")
         out = []
         for p in prompts:
             if isinstance(p, str):
@@ -135,8 +142,7 @@ class ModelServer:
         if not ids:
             raise ApiError(400, "prompt is empty (no tokens)", "prompt")
         if self.max_positions is not None and len(ids) >= self.max_positions:
-            raise ApiError(400, f"prompt has {len(ids)} tokens; the model's context is "
-                                f"{self.max_positions}", "prompt")
+            raise ApiError(400, f"prompt has {len(ids)} tokens; the model's context is {self.max_positions}", "prompt")
         bad = [t for t in ids if not 0 <= t < self.vocab]
         if bad:
             raise ApiError(400, f"prompt token ids out of range [0, {self.vocab}): {bad[:5]}", "prompt")
@@ -373,7 +379,8 @@ def _add_routes(app: FastAPI, srv: ModelServer, model_name: str) -> None:
 
     @app.get("/health")
     async def health() -> dict:
-        return {"status": "ok", "worker": dict(srv.worker.stats), "worker_process": isinstance(srv.worker, ProcessWorker),
+        w = srv.worker
+        return {"status": "ok", "worker": dict(w.stats), "worker_process": isinstance(w, ProcessWorker),
                 "worker_fallback": srv.worker_fallback}
 
     @app.get("/v1/models")
@@ -414,25 +421,22 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *,
     ``default_max_tokens``: used when a request gives no ``max_tokens`` (OpenAI's default is 16).
     ``api_key``: bearer token every route but ``/health`` requires (None: open).
     ``max_body_bytes``: largest request body accepted (413 above).
-    ``prefix_cache_tokens``: tokens of KV cache kept across requests, found by the longest common prefix
-    with a new prompt (0: none); dropped whenever the weights change.
-    ``heavy_body_bytes``, ``max_heavy_requests``: at most this many bodies of that size or more are
-    parsed and tokenised at once (503 beyond).
+    ``prefix_cache_tokens``: tokens of KV cache kept across requests, found by the longest common prefix with a
+    new prompt (0: none); dropped whenever the weights change. ``heavy_body_bytes``, ``max_heavy_requests``: at
+    most this many bodies of that size or more are parsed and tokenised at once (503 beyond).
     ``continuous_batching``: requests that arrive while a batch decodes join it (same sampling parameters,
     unseeded) instead of waiting for it to end; results are sent as each request finishes.
     ``inline_body_bytes``: smaller bodies are parsed and tokenised on the event loop (0: all in threads).
-    ``worker_process``: the model decodes in a worker process over shared weights
-    (:class:`~mosaic.agent.server.procworker.ProcessWorker`); if it cannot start, in a thread, with a warning.
+    ``worker_process``: the model decodes in a worker process over shared weights (``ProcessWorker``); if it
+    cannot start, in a thread, with a warning.
     """
     if max_body_bytes < 1 or max_heavy_requests < 1:
-        raise ValueError(f"max_body_bytes {max_body_bytes} and max_heavy_requests {max_heavy_requests} "
-                         "must be positive")
-    srv = ModelServer(model, tokenizer, model_name=model_name, device=device,
-                      max_batch_size=max_batch_size, batch_window_s=batch_window_s,
-                      default_max_tokens=default_max_tokens, prefix_cache_tokens=prefix_cache_tokens,
-                      heavy_body_bytes=heavy_body_bytes, max_heavy_requests=max_heavy_requests,
-                      continuous_batching=continuous_batching, inline_body_bytes=inline_body_bytes,
-                      worker_process=worker_process)
+        raise ValueError(f"max_body_bytes {max_body_bytes}, max_heavy_requests {max_heavy_requests}: must be > 0")
+    srv = ModelServer(model, tokenizer, model_name=model_name, device=device, max_batch_size=max_batch_size,
+                      batch_window_s=batch_window_s, default_max_tokens=default_max_tokens,
+                      prefix_cache_tokens=prefix_cache_tokens, heavy_body_bytes=heavy_body_bytes,
+                      max_heavy_requests=max_heavy_requests, continuous_batching=continuous_batching,
+                      inline_body_bytes=inline_body_bytes, worker_process=worker_process)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -442,6 +446,5 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *,
     app = FastAPI(title="mosaic serve", version="0.1", lifespan=lifespan)
     app.state.server = srv
     app.add_middleware(Guard, max_body_bytes=max_body_bytes, api_key=api_key)
-
     _add_routes(app, srv, model_name)
     return app

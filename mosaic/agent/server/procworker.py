@@ -44,7 +44,7 @@ from mosaic.agent.server.worker import Job, ModelWorker
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ProcessWorker", "WorkerStartError", "start_worker"]
+__all__ = ["CallFailed", "ProcessWorker", "WorkerStartError", "start_worker"]
 
 START_TIMEOUT_S = 300.0  # importing torch and transformers in a fresh interpreter, and building the policy
 CALL_TIMEOUT_S = 600.0  # a control call (hold waits for the running batch to end)
@@ -121,10 +121,45 @@ class _Board:
         return n, shape, fresh
 
 
+class _Control:
+    """The child's control calls (the parent waits for each reply): ``hold``/``release`` around a weights
+    update, ``longest`` (a cache hit), ``cache_stats``."""
+
+    def __init__(self, worker: ModelWorker, policy: LocalPolicy) -> None:
+        self.worker, self.policy = worker, policy
+        self.board = _Board()
+        self.held = False  # between "hold" and "release" this thread holds the worker's weights lock
+
+    def hold(self) -> bool:  # the parent changes the weights: no batch runs until "release"
+        self.worker.update_waiting.set()
+        self.worker.weights_lock.acquire()
+        self.held = True
+        return True
+
+    def release(self) -> int:
+        self.policy.clear_cache()  # the child's tensors' version counters do not see the parent's writes
+        self.worker.version += 1
+        if self.held:
+            self.worker.weights_lock.release()
+        self.held = False
+        self.worker.update_waiting.clear()
+        return self.worker.version
+
+    def longest(self, ids: list[int]):
+        with contextlib.nullcontext() if self.held else self.worker.weights_lock:  # not while a batch writes it
+            return self.board.put(self.policy.longest_cached(ids))
+
+    def cache_stats(self) -> dict:
+        return dict(self.policy.cache_stats)
+
+
+class CallFailed(RuntimeError):
+    """A control call that raised in the worker process (sent back in its reply; the child lives on)."""
+
+
 def _serve(conn_in, outbox: _Outbox, worker: ModelWorker, policy: LocalPolicy) -> None:
     """The child's main loop: jobs and control calls from the parent, until it closes or goes away."""
-    board = _Board()
-    held = False  # between "hold" and "release" this thread holds the worker's weights lock
+    control = _Control(worker, policy)
     while True:
         try:
             msg = conn_in.recv()
@@ -135,32 +170,20 @@ def _serve(conn_in, outbox: _Outbox, worker: ModelWorker, policy: LocalPolicy) -
         if op == "job":
             worker.submit(_ChildJob(msg[1], outbox, *msg[2:]))
             continue
-        rid, args = msg[1], msg[2:]
-        if op == "hold":  # the parent changes the weights: no batch runs until "release"
-            worker.update_waiting.set()
-            worker.weights_lock.acquire()
-            held = True
-            outbox.reply(rid, True)
-        elif op == "release":
-            policy.clear_cache()  # the child's tensors' version counters do not see the parent's writes
-            worker.version += 1
-            worker.weights_lock.release()
-            held = False
-            worker.update_waiting.clear()
-            outbox.reply(rid, worker.version)
-        elif op == "cache_stats":
-            outbox.reply(rid, dict(policy.cache_stats))
-        elif op == "longest":
-            with contextlib.nullcontext() if held else worker.weights_lock:  # not while a batch writes the cache
-                outbox.reply(rid, board.put(policy.longest_cached(args[0])))
-        elif op == "close":
+        if op == "close":
             worker.close()
-            outbox.reply(rid, True)
+            outbox.reply(msg[1], True)
             return
+        try:
+            value = getattr(control, op)(*msg[2:])
+        except Exception as exc:  # an unknown call or its own failure: the parent hears of it, the child lives
+            log.exception("model worker process: %s failed", op)
+            value = CallFailed(f"{op}: {type(exc).__name__}: {exc}")
+        outbox.reply(msg[1], value)
 
 
 def _child_main(conn_in, conn_out, model, tokenizer, config: LocalPolicyConfig, device: str | None,
-                max_batch_size: int, batch_window_s: float, threads: int) -> None:
+                max_batch_size: int, batch_window_s: float, threads: int, version: int) -> None:
     """Entry point of the worker process."""
     outbox = _Outbox(conn_out)
     try:
@@ -169,7 +192,7 @@ def _child_main(conn_in, conn_out, model, tokenizer, config: LocalPolicyConfig, 
         worker = ModelWorker(policy, max_batch_size=max_batch_size, batch_window_s=batch_window_s,
                              decode=lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip),
                              after_step=outbox.flush)
-        outbox.stats = worker.stats
+        outbox.stats, worker.version = worker.stats, version
     except Exception as exc:  # the parent raises WorkerStartError with this
         conn_out.send(("failed", f"{type(exc).__name__}: {exc}"))
         return
@@ -194,9 +217,9 @@ class ProcessWorker:
     ``version``, ``stats``, ``prefix_cache``) over a worker process that holds the model's shared weights."""
 
     def __init__(self, model, tokenizer, config: LocalPolicyConfig, *, device: str | None, max_batch_size: int,
-                 batch_window_s: float, start_timeout_s: float = START_TIMEOUT_S) -> None:
+                 batch_window_s: float, version: int = 0, start_timeout_s: float = START_TIMEOUT_S) -> None:
         self.model = model
-        self.version = 0
+        self.version = version
         self.dead: str | None = None  # why the child is gone (every later job fails with it)
         self.closing = False
         self._stats: dict = {}
@@ -214,7 +237,7 @@ class ProcessWorker:
         self.process = ctx.Process(
             target=_child_main, name="mosaic-model-worker", daemon=True,
             args=(down_r, up_w, model, tokenizer, config, device, max_batch_size, batch_window_s,
-                  torch.get_num_threads()))
+                  torch.get_num_threads(), version))
         try:
             with _bare_main():
                 self.process.start()
@@ -267,12 +290,11 @@ class ProcessWorker:
         with self._state:
             self.dead = why
             self._state.notify_all()
-        if not (self.closing and not self._jobs):
-            log.error("%s: failing its %d waiting requests", why, len(self._jobs))
-        for jid in list(self._jobs):
-            job = self._jobs.pop(jid, None)
-            if job is not None:
-                job.send(("error", why))
+            jobs, self._jobs = self._jobs, {}
+        if not (self.closing and not jobs):
+            log.error("%s: failing its %d waiting requests", why, len(jobs))
+        for job in jobs.values():
+            job.send(("error", why))
 
     def _send(self, msg: tuple) -> None:
         with self._send_lock:
@@ -292,15 +314,19 @@ class ProcessWorker:
                 raise RuntimeError(f"the model worker process did not answer {op!r} in {timeout_s:.0f} s")
             if rid not in self._replies:
                 raise RuntimeError(self.dead)
-            return self._replies.pop(rid)[0]
+            value = self._replies.pop(rid)[0]
+        if isinstance(value, CallFailed):
+            raise value
+        return value
 
     # ------------------------------------------------------------------ ModelWorker's interface
     def submit(self, job: Job) -> None:
-        if self.dead:
-            job.send(("error", self.dead))
-            return
         jid = next(self._ids)
-        self._jobs[jid] = job
+        with self._state:  # (a job is failed here or by _fail_all, never by neither)
+            if self.dead:
+                job.send(("error", self.dead))
+                return
+            self._jobs[jid] = job
         try:
             self._send(("job", jid, job.reqs, job.temperature, job.top_p, job.stop_ids, job.seed, job.stream,
                         job.stop_strings, job.skip_special))
@@ -313,11 +339,15 @@ class ProcessWorker:
         """No batch decodes in the child while the caller changes the shared weights in place; then the
         child's prefix cache is dropped and ``version`` goes up by one."""
         with self._update:
-            self._call("hold")
+            with contextlib.suppress(RuntimeError):  # a dead child decodes nothing: the update goes ahead
+                self._call("hold")
             try:
                 yield
             finally:
-                self.version = self._call("release")
+                try:
+                    self.version = self._call("release")
+                except RuntimeError:
+                    self.version += 1
 
     @property
     def stats(self) -> dict:
@@ -361,18 +391,21 @@ class ProcessWorker:
         self._down.close()
 
 
-def start_worker(policy: LocalPolicy, tokenizer, *, process: bool, max_batch_size: int,
-                 batch_window_s: float) -> tuple[ModelWorker | ProcessWorker, str | None]:
-    """The server's worker over ``policy``'s model: a :class:`ProcessWorker` when ``process`` and it starts, else
-    a :class:`~mosaic.agent.server.worker.ModelWorker` thread; and why a process asked for did not start."""
+def start_worker(policy: LocalPolicy, tokenizer, *, process: bool, max_batch_size: int, batch_window_s: float,
+                 version: int = 0) -> tuple[ModelWorker | ProcessWorker, str | None]:
+    """The server's worker over ``policy``'s model, starting at policy ``version``: a :class:`ProcessWorker` when
+    ``process`` and it starts, else a :class:`~mosaic.agent.server.worker.ModelWorker` thread; and why a process
+    asked for did not start."""
     if process:
         try:
             return ProcessWorker(policy.model, tokenizer, policy.config, device=str(policy.device),
-                                 max_batch_size=max_batch_size, batch_window_s=batch_window_s), None
+                                 max_batch_size=max_batch_size, batch_window_s=batch_window_s, version=version), None
         except WorkerStartError as exc:
             log.warning("%s; the model decodes in a thread of this process instead", exc)
             fallback = str(exc)
     else:
         fallback = None
-    return ModelWorker(policy, max_batch_size=max_batch_size, batch_window_s=batch_window_s,
-                       decode=lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip)), fallback
+    worker = ModelWorker(policy, max_batch_size=max_batch_size, batch_window_s=batch_window_s,
+                         decode=lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip))
+    worker.version = version
+    return worker, fallback
