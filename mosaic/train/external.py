@@ -203,6 +203,16 @@ class ExternalRollouts:
         self.server_thread.stop()
 
     # ------------------------------------------------------------------ one step
+    def _revive(self, step: int) -> bool:
+        """Replace a worker process that died since the last step (True), saying so on the console."""
+        if not self.server.revive_worker():
+            return False
+        fb = self.server.worker_fallback
+        print(f"[mosaic] step {step + 1}: the served model's worker process had died; "
+              + ("a new one serves" if fb is None else f"a new one did not start ({fb}): a thread serves"),
+              file=sys.stderr, flush=True)
+        return True
+
     def _task(self, task, step: int, k: int) -> HarnessTask:
         rid = f"s{step}-{self.run_nonce}-{task.id}-{k}"
         base = f"{self.url}/rollouts/{rid}"
@@ -331,12 +341,7 @@ class ExternalRollouts:
         if self.service:  # a fresh account backend per rollout, before its harness starts
             for task, ht in pairs:
                 self.env.open(ht.rollout_id, task)
-        revived = self.server.revive_worker()  # a worker process that died since the last step is replaced
-        if revived:
-            fb = self.server.worker_fallback
-            print(f"[mosaic] step {step + 1}: the served model's worker process had died; "
-                  + ("a new one serves" if fb is None else f"a new one did not start ({fb}): a thread serves"),
-                  file=sys.stderr, flush=True)
+        revived = self._revive(step)
         served0 = dict(self.server.worker.stats)
         t0 = time.perf_counter()
         try:
