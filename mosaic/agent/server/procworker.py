@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 __all__ = ["CallFailed", "ProcessWorker", "WorkerStartError", "start_worker"]
 
 START_TIMEOUT_S = 300.0  # importing torch and transformers in a fresh interpreter, and building the policy
-CALL_TIMEOUT_S = 600.0  # a control call (hold waits for the running batch to end)
+CALL_TIMEOUT_S = 600.0  # a control call ("hold" waits as long as the running batch takes)
 
 
 class WorkerStartError(RuntimeError):
@@ -268,6 +268,7 @@ class ProcessWorker:
             try:
                 msg = self._up.recv()
             except (EOFError, OSError):
+                self.process.join(timeout=2)  # (its exit code, when it has one)
                 self._fail_all(f"the model worker process exited (code {self.process.exitcode})")
                 return
             if msg[0] == "events":
@@ -300,7 +301,9 @@ class ProcessWorker:
         with self._send_lock:
             self._down.send(msg)
 
-    def _call(self, op: str, *args, timeout_s: float = CALL_TIMEOUT_S):
+    def _call(self, op: str, *args, timeout_s: float | None = CALL_TIMEOUT_S):
+        """The child's answer to ``op`` (None ``timeout_s``: as long as it lives); RuntimeError if it is gone or
+        does not answer in time, :class:`CallFailed` if the call raised there."""
         rid = next(self._ids)
         with self._state:
             if self.dead:
@@ -311,7 +314,7 @@ class ProcessWorker:
             raise RuntimeError(f"the model worker process is gone: {exc}") from exc
         with self._state:
             if not self._state.wait_for(lambda: rid in self._replies or self.dead, timeout_s):
-                raise RuntimeError(f"the model worker process did not answer {op!r} in {timeout_s:.0f} s")
+                raise RuntimeError(f"the model worker process did not answer {op!r} in {timeout_s} s")
             if rid not in self._replies:
                 raise RuntimeError(self.dead)
             value = self._replies.pop(rid)[0]
@@ -340,7 +343,7 @@ class ProcessWorker:
         child's prefix cache is dropped and ``version`` goes up by one."""
         with self._update:
             with contextlib.suppress(RuntimeError):  # a dead child decodes nothing: the update goes ahead
-                self._call("hold")
+                self._call("hold", timeout_s=None)  # as long as the running batch takes (as the thread waits)
             try:
                 yield
             finally:
