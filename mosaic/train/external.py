@@ -143,6 +143,11 @@ class ExternalRollouts:
                          max_batch_size=self.rc.batch_size, default_max_tokens=self.hcfg.max_new_tokens,
                          worker_process=self.rc.worker_process)
         self.server = app.state.server
+        fb = self.server.worker_fallback
+        print("[mosaic] harness rollouts: the served model decodes in " + (
+            "a worker process (rollout.worker_process)" if self.rc.worker_process and fb is None
+            else "a thread of the trainer" + (f" (the worker process did not start: {fb})" if fb else "")),
+            file=sys.stderr, flush=True)
         self.server_thread = ServerThread(app).start()
         pcfg = ProxyConfig(upstream=self.server_thread.url, out_dir=str(self.records_dir), port=0,
                            timeout_s=max(30.0, self.rc.deadline_s + 30.0))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import copy
+import os
 import time
 
 import httpx
@@ -125,7 +126,9 @@ def test_a_dead_worker_process_fails_requests_instead_of_hanging(model_tok):
             r = c.post("/v1/completions", json={"model": NAME, "prompt": PROMPT, "max_tokens": 4, "stream": stream})
             assert r.status_code >= 500 or "error" in r.text, r.text
         assert time.monotonic() - t0 < 10
-        assert c.get("/health").json()["worker"]["sequences"] >= 1  # the last counters known
+        health = c.get("/health")
+        assert health.status_code == 503 and health.json()["status"] == "worker_dead"
+        assert health.json()["worker"]["sequences"] >= 1  # the last counters known
         with app.state.server.weights_update():  # goes ahead without a child: nothing decodes
             pass
         assert app.state.server.policy_version == 1
@@ -134,6 +137,25 @@ def test_a_dead_worker_process_fails_requests_instead_of_hanging(model_tok):
         assert isinstance(app.state.server.worker, ProcessWorker) and app.state.server.worker is not worker
         r = c.post("/v1/completions", json={"model": NAME, "prompt": PROMPT, "max_tokens": 4})
         assert r.status_code == 200 and r.json()["policy_version"] == 1
+        assert c.get("/health").status_code == 200
+
+
+def test_requests_queued_while_the_weights_are_held_never_block_the_event_loop(model_tok):
+    """The child stops reading its pipe while the trainer holds the weights; what the server sends meanwhile
+    (here ~40 requests of 16 x 200 token ids, far more than a pipe buffer) waits in a queue, not on the loop."""
+    model, tok = model_tok
+    app = _app(copy.deepcopy(model), tok, True)
+    srv = app.state.server
+    big = [[5 + (i + j) % 300 for j in range(200)] for i in range(16)]
+    with ServerThread(app) as st, httpx.Client(base_url=st.url, timeout=120) as c:
+        with cf.ThreadPoolExecutor(40) as ex, srv.weights_update():
+            futs = [ex.submit(c.post, "/v1/completions", json={"model": NAME, "prompt": big, "max_tokens": 1})
+                    for _ in range(40)]
+            time.sleep(2.0)  # the requests reach the worker's queue
+            t0 = time.monotonic()
+            assert c.get("/health").status_code == 200
+            assert time.monotonic() - t0 < 2.0
+        assert all(f.result().status_code == 200 for f in futs)
 
 
 def test_a_control_call_that_fails_in_the_child_is_an_error_there_not_a_dead_child(model_tok):
@@ -147,8 +169,10 @@ def test_a_control_call_that_fails_in_the_child_is_an_error_there_not_a_dead_chi
             worker._call("longest", None)
         assert worker.longest_cached([1, 2, 3]) is None and worker.dead is None  # still serving
     finally:
+        pid = worker.process.pid
         worker.close()
-    assert not worker.process.is_alive()
+    with pytest.raises(ProcessLookupError):  # ended and reaped
+        os.kill(pid, 0)
 
 
 def test_a_worker_process_that_cannot_start_says_why_and_the_server_falls_back(model_tok):

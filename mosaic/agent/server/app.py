@@ -378,15 +378,15 @@ def _add_routes(app: FastAPI, srv: ModelServer, model_name: str) -> None:
         return resp
 
     @app.get("/health")
-    async def health() -> dict:
-        w = srv.worker
-        return {"status": "ok", "worker": dict(w.stats), "worker_process": isinstance(w, ProcessWorker),
-                "worker_fallback": srv.worker_fallback}
+    async def health() -> JSONResponse:  # 503 once a worker process has died: nothing is served until a restart
+        w, dead = srv.worker, getattr(srv.worker, "dead", None)
+        return JSONResponse({"status": "worker_dead" if dead else "ok", "worker": dict(w.stats), "worker_dead": dead,
+                             "worker_process": isinstance(w, ProcessWorker), "worker_fallback": srv.worker_fallback},
+                            status_code=503 if dead else 200)
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": model_name, "object": "model",
-                                            "created": 0, "owned_by": "mosaic"}]}
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "mosaic"}]}
 
     @app.post("/v1/completions")
     async def completions(request: Request):

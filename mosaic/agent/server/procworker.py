@@ -29,11 +29,14 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import atexit
 import logging
 import math
+import queue
 import sys
 import threading
 import types
+import weakref
 from typing import Any
 
 import torch
@@ -44,7 +47,7 @@ from mosaic.agent.server.worker import Job, ModelWorker
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CallFailed", "ProcessWorker", "WorkerStartError", "start_worker"]
+__all__ = ["CallFailed", "ProcessWorker", "WorkerStartError", "child_threads", "start_worker"]
 
 START_TIMEOUT_S = 300.0  # importing torch and transformers in a fresh interpreter, and building the policy
 CALL_TIMEOUT_S = 600.0  # a control call ("hold" waits as long as the running batch takes)
@@ -226,19 +229,20 @@ class ProcessWorker:
         self._jobs: dict[int, Job] = {}
         self._replies: dict[int, list] = {}
         self._ids = itertools.count()
-        self._send_lock = threading.Lock()
         self._state = threading.Condition()
         self._update = threading.Lock()  # one weights update at a time
         self._board: torch.Tensor | None = None  # the child's shared buffer of cache hits
         self._board_lock = threading.Lock()
+        self._outq: queue.Queue = queue.Queue()  # what goes down: a thread sends it, nobody else blocks on the pipe
         ctx = tmp.get_context("spawn")
         down_r, self._down = ctx.Pipe(duplex=False)
         self._up, up_w = ctx.Pipe(duplex=False)
         self.process = ctx.Process(
             target=_child_main, name="mosaic-model-worker", daemon=True,
             args=(down_r, up_w, model, tokenizer, config, device, max_batch_size, batch_window_s,
-                  torch.get_num_threads(), version))
+                  child_threads(), version))
         try:
+            model.share_memory()  # (before the start: what is pickled while __main__ is bare is handles only)
             with _bare_main():
                 self.process.start()
         except Exception as exc:  # pickling the model or tokenizer, no shared memory
@@ -248,6 +252,9 @@ class ProcessWorker:
         self._await_ready(start_timeout_s)
         self._reader = threading.Thread(target=self._read, name="mosaic-worker-reader", daemon=True)
         self._reader.start()
+        self._sender = threading.Thread(target=self._send_loop, name="mosaic-worker-sender", daemon=True)
+        self._sender.start()
+        _LIVE.add(self)
 
     def _await_ready(self, timeout_s: float) -> None:
         try:
@@ -289,17 +296,24 @@ class ProcessWorker:
 
     def _fail_all(self, why: str) -> None:
         with self._state:
-            self.dead = why
+            first, self.dead = self.dead is None, self.dead or why
             self._state.notify_all()
             jobs, self._jobs = self._jobs, {}
-        if not (self.closing and not jobs):
-            log.error("%s: failing its %d waiting requests", why, len(jobs))
+        if jobs or (first and not self.closing):
+            log.error("%s: failing its %d waiting requests", self.dead, len(jobs))
         for job in jobs.values():
             job.send(("error", why))
 
     def _send(self, msg: tuple) -> None:
-        with self._send_lock:
-            self._down.send(msg)
+        """Queue ``msg`` for the child; never blocks (the child stops reading while it holds the weights)."""
+        self._outq.put(msg)
+
+    def _send_loop(self) -> None:
+        while (msg := self._outq.get()) is not None:
+            try:
+                self._down.send(msg)
+            except (BrokenPipeError, OSError) as exc:
+                self._fail_all(f"the model worker process is gone: {exc}")
 
     def _call(self, op: str, *args, timeout_s: float | None = CALL_TIMEOUT_S):
         """The child's answer to ``op`` (None ``timeout_s``: as long as it lives); RuntimeError if it is gone or
@@ -308,10 +322,7 @@ class ProcessWorker:
         with self._state:
             if self.dead:
                 raise RuntimeError(self.dead)
-        try:
-            self._send((op, rid, *args))
-        except (BrokenPipeError, OSError) as exc:
-            raise RuntimeError(f"the model worker process is gone: {exc}") from exc
+        self._send((op, rid, *args))
         with self._state:
             if not self._state.wait_for(lambda: rid in self._replies or self.dead, timeout_s):
                 raise RuntimeError(f"the model worker process did not answer {op!r} in {timeout_s} s")
@@ -330,12 +341,8 @@ class ProcessWorker:
                 job.send(("error", self.dead))
                 return
             self._jobs[jid] = job
-        try:
-            self._send(("job", jid, job.reqs, job.temperature, job.top_p, job.stop_ids, job.seed, job.stream,
-                        job.stop_strings, job.skip_special))
-        except (BrokenPipeError, OSError) as exc:
-            if self._jobs.pop(jid, None) is not None:
-                job.send(("error", f"the model worker process is gone: {exc}"))
+        self._send(("job", jid, job.reqs, job.temperature, job.top_p, job.stop_ids, job.seed, job.stream,
+                    job.stop_strings, job.skip_special))
 
     @contextlib.contextmanager
     def weights_update(self):
@@ -384,14 +391,40 @@ class ProcessWorker:
         return n, [(layer[0], layer[1]) for layer in kv]
 
     def close(self) -> None:
+        """Stop the child (its running batch is failed), the reader and the sender; release the pipes."""
+        if self.closing:
+            return
         self.closing = True
+        _LIVE.discard(self)
         if self.dead is None and self.process.is_alive():
             with contextlib.suppress(RuntimeError):
                 self._call("close", timeout_s=15.0)
         self.process.join(timeout=10)
         if self.process.is_alive():
             self.process.kill()
-        self._down.close()
+            self.process.join(timeout=10)
+        self._outq.put(None)
+        self._sender.join(timeout=10)
+        self._reader.join(timeout=10)
+        self._down.close(), self._up.close()
+        with contextlib.suppress(ValueError):  # (still running: its handle stays)
+            self.process.close()
+
+
+_LIVE: "weakref.WeakSet[ProcessWorker]" = weakref.WeakSet()
+
+
+@atexit.register
+def _quiet_at_exit() -> None:
+    """An interpreter that exits with a worker not closed ends its child: that is no error to report."""
+    for w in list(_LIVE):
+        w.closing = True
+
+
+def child_threads() -> int:
+    """Intra-op threads of a worker process: this process's less one (at least one), so the serving threads keep
+    a core (a child given as many as the trainer decoded 4-40x slower on a loaded 2-core machine)."""
+    return max(1, torch.get_num_threads() - 1)
 
 
 def start_worker(policy: LocalPolicy, tokenizer, *, process: bool, max_batch_size: int, batch_window_s: float,
