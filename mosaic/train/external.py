@@ -2,8 +2,10 @@
 
 Per RL step the trainer
 
-1. serves the current policy in-process over the OpenAI-compatible API (``mosaic serve``'s app,
-   token ids and sampling log-probs returned) behind the recording proxy, both on 127.0.0.1;
+1. serves the current policy over the OpenAI-compatible API (``mosaic serve``'s app in this process, token
+   ids and sampling log-probs returned) behind the recording proxy, both on 127.0.0.1; the model decodes in
+   a worker process over the trainer's shared weights (``rollout.worker_process``,
+   :mod:`mosaic.agent.server.procworker`; one that died is replaced at the next step), else in a thread;
 2. launches the user's harness once per task × sample, each with its own rollout base URL
    (``/rollouts/{id}/v1``), the task, a tool endpoint for the deep-search tools and a deadline,
    at most ``rollout.concurrency`` at once (:mod:`mosaic.train.launch`). The harness is a Python
@@ -111,8 +113,9 @@ class ExternalRollouts:
 
     @property
     def scoring_policy(self):
-        """The served policy: its prefix cache still holds the rollouts' contexts when the trainer scores
-        their states (before the update), so those states are probed off it (:func:`~mosaic.train.served_scoring.known_from_cache`)."""
+        """The served policy's prefix cache (in the worker process, if one serves): it still holds the rollouts'
+        contexts when the trainer scores their states (before the update), so those states are probed off it
+        (:func:`~mosaic.train.served_scoring.known_from_cache`)."""
         return self.server.worker.prefix_cache
 
     def __init__(self, cfg, model, tokenizer, split, records_dir: str | os.PathLike, *, model_name: str = "mosaic-policy"):
