@@ -79,7 +79,7 @@ class ModelServer:
     def revive_worker(self) -> bool:
         """Replace a worker process that died by a new one at the same policy version (True); else False."""
         old = self.worker
-        if not isinstance(old, ProcessWorker) or (old.dead is None and old.process.is_alive()):
+        if not isinstance(old, ProcessWorker) or not old.gone:
             return False
         old.close()
         self.worker, self.worker_fallback = start_worker(self.policy, self.tokenizer, version=old.version,

@@ -11,25 +11,25 @@ after the other with the model's (docs/speed.md). :class:`ProcessWorker` runs th
   ``load_state_dict``) are what the child reads. :meth:`ProcessWorker.weights_update` holds the child's
   worker (no batch decodes) while the caller changes them, then drops the child's prefix cache and bumps the
   version, as the in-process worker does. A swap that replaces the parameter tensors is not seen by the child.
-- **The wire is two pipes.** Jobs go down as token ids and sampling parameters; each decode step's
-  tokens come back as one message (the events of every streaming job that got one), a job's result as one
-  message. A reader thread in the parent hands them to the jobs' event loops.
+- **The wire is two pipes.** Jobs go down (token ids, sampling parameters) through a sender thread; each decode
+  step's tokens come back as one message, a job's result as one; a reader thread hands them to the event loops.
 - **The prefix cache stays readable.** ``longest_cached(ids)`` asks the child and gets the keys/values
   back through shared memory, so a trainer scores the rollouts' states off the contexts the child cached.
 - **The caller's script is not run again.** ``spawn`` would import the parent's ``__main__`` in the child (a
   script without an ``if __name__ == "__main__":`` guard would start over there); the child is started with a
   bare ``__main__`` instead, so what it unpickles must be importable by name (a model class defined in the
   script is not: that child fails to start).
-- **Failure is loud and contained.** A child that cannot start raises :class:`WorkerStartError` (the caller
-  falls back to the in-process worker, see :func:`mosaic.agent.server.app.create_app`); a child that dies
-  fails every waiting job and every later one with an error, it does not hang them.
+- **Failure is loud and contained.** A child that cannot start raises :class:`WorkerStartError` (the server
+  falls back to the in-process worker); one that dies fails every waiting and later job, it hangs none
+  (the trainer replaces it at its next step: ``ModelServer.revive_worker``). The child takes one intra-op
+  thread less than the caller (:func:`child_threads`).
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import itertools
-import atexit
 import logging
 import math
 import queue
@@ -37,6 +37,7 @@ import sys
 import threading
 import types
 import weakref
+from multiprocessing.connection import wait as mp_wait
 from typing import Any
 
 import torch
@@ -105,8 +106,7 @@ class _Board:
     """A shared-memory buffer the child copies a cache hit's keys/values into and the parent copies them out of:
     one copy each way (a new shared tensor per hit costs far more: a segment and a file descriptor each)."""
 
-    def __init__(self) -> None:
-        self.buf: torch.Tensor | None = None
+    buf: torch.Tensor | None = None
 
     def put(self, hit) -> tuple | None:
         """``(n, shape, new buffer or None)`` of a :meth:`LocalPolicy.longest_cached` hit, its tensors copied in."""
@@ -372,6 +372,11 @@ class ProcessWorker:
             return {}
 
     @property
+    def gone(self) -> bool:
+        """The child has exited (or was closed): known from its sentinel, whoever reaped it."""
+        return self.closing or self.dead is not None or bool(mp_wait([self.process.sentinel], timeout=0))
+
+    @property
     def prefix_cache(self) -> "ProcessWorker":
         return self
 
@@ -381,7 +386,7 @@ class ProcessWorker:
             try:
                 hit = self._call("longest", list(ids))
             except RuntimeError:
-                return None
+                hit = None
             if hit is None:
                 return None
             n, shape, fresh = hit
@@ -400,7 +405,7 @@ class ProcessWorker:
             with contextlib.suppress(RuntimeError):
                 self._call("close", timeout_s=15.0)
         self.process.join(timeout=10)
-        if self.process.is_alive():
+        if not mp_wait([self.process.sentinel], timeout=0):  # (not is_alive(): another thread may have reaped it)
             self.process.kill()
             self.process.join(timeout=10)
         self._outq.put(None)
@@ -411,12 +416,11 @@ class ProcessWorker:
             self.process.close()
 
 
-_LIVE: "weakref.WeakSet[ProcessWorker]" = weakref.WeakSet()
+_LIVE: "weakref.WeakSet[ProcessWorker]" = weakref.WeakSet()  # started, not closed
 
 
 @atexit.register
-def _quiet_at_exit() -> None:
-    """An interpreter that exits with a worker not closed ends its child: that is no error to report."""
+def _quiet_at_exit() -> None:  # an interpreter that exits with a worker open ends its child: no error to report
     for w in list(_LIVE):
         w.closing = True
 
@@ -432,6 +436,7 @@ def start_worker(policy: LocalPolicy, tokenizer, *, process: bool, max_batch_siz
     """The server's worker over ``policy``'s model, starting at policy ``version``: a :class:`ProcessWorker` when
     ``process`` and it starts, else a :class:`~mosaic.agent.server.worker.ModelWorker` thread; and why a process
     asked for did not start."""
+    fallback = None
     if process:
         try:
             return ProcessWorker(policy.model, tokenizer, policy.config, device=str(policy.device),
@@ -439,8 +444,6 @@ def start_worker(policy: LocalPolicy, tokenizer, *, process: bool, max_batch_siz
         except WorkerStartError as exc:
             log.warning("%s; the model decodes in a thread of this process instead", exc)
             fallback = str(exc)
-    else:
-        fallback = None
     worker = ModelWorker(policy, max_batch_size=max_batch_size, batch_window_s=batch_window_s,
                          decode=lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip))
     worker.version = version
