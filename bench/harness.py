@@ -59,6 +59,7 @@ def main() -> None:
     from mosaic.train import setup
     from mosaic.config.loader import load_config
     from mosaic.train.entrypoints import ensure_warm_start
+    from mosaic.agent.server.procworker import decodes_in
     from mosaic.train.external import ExternalRollouts
     from mosaic.train.optim import build_optimizer, build_scheduler
     from mosaic.train.rl import RLState, rl_step
@@ -81,11 +82,9 @@ def main() -> None:
         source = ExternalRollouts(cfg, model, tok, split, work / "records") if cfg.rollout.source == "harness" else None
         states[name] = RLState(cfg, model, tok, setup.chat_format(tok), split, opt,
                                build_scheduler(opt, cfg.optim, args.steps), dev, source=source)
-        if cfg.rollout.source == "harness":
-            print(f"{name}: the served model decodes in "
-                  + ("a worker process" if source.server.worker_fallback is None and cfg.rollout.worker_process
-                     else "a thread of this process" + (f" ({source.server.worker_fallback})"
-                                                        if source.server.worker_fallback else "")))
+        if source is not None:
+            srv = source.server
+            print(f"{name}: the served model decodes in {decodes_in(srv.worker, srv.worker_fallback)}")
     rows: dict[str, list[dict]] = {n: [] for n in states}
     kinds: dict[str, Counter] = {n: Counter() for n in states}
     served_by = {n: getattr(getattr(st.source, "server", None), "worker", None) for n, st in states.items()}

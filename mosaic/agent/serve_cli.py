@@ -71,6 +71,7 @@ def _run(args: argparse.Namespace) -> int:
         print(f"mosaic serve: {bad}", file=sys.stderr)
         return 2
     from mosaic.agent.server import create_app  # lazy: torch, FastAPI; keeps `mosaic --help` fast
+    from mosaic.agent.server.procworker import decodes_in
     from mosaic.serving import run_server  # lazy: uvicorn
 
     try:
@@ -84,10 +85,9 @@ def _run(args: argparse.Namespace) -> int:
                      max_body_bytes=max(1, int(args.max_body_mb * 1024 * 1024)),
                      prefix_cache_tokens=args.prefix_cache_tokens, max_heavy_requests=args.max_heavy_requests,
                      worker_process=args.worker_process)
-    fallback = app.state.server.worker_fallback
-    print("mosaic serve: the model decodes in " + ("a worker process" if args.worker_process and fallback is None
-          else "a thread of this process" + (f" (the worker process did not start: {fallback})" if fallback else "")),
-          file=sys.stderr, flush=True)
+    srv = app.state.server
+    print(f"mosaic serve: the model decodes in {decodes_in(srv.worker, srv.worker_fallback)}", file=sys.stderr,
+          flush=True)
     run_server(app, host=args.host, port=args.port, log_level="info",
                announce=f"mosaic serve: {args.name or args.model} listening on {{url}}")
     return 0

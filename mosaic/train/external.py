@@ -120,6 +120,7 @@ class ExternalRollouts:
 
     def __init__(self, cfg, model, tokenizer, split, records_dir: str | os.PathLike, *, model_name: str = "mosaic-policy"):
         from mosaic.agent.server.app import create_app
+        from mosaic.agent.server.procworker import decodes_in
         from mosaic.capture.proxy import ProxyConfig, create_proxy_app
         from mosaic.serving import ServerThread
 
@@ -146,11 +147,8 @@ class ExternalRollouts:
                          max_batch_size=self.rc.batch_size, default_max_tokens=self.hcfg.max_new_tokens,
                          worker_process=self.rc.worker_process)
         self.server = app.state.server
-        fb = self.server.worker_fallback
-        print("[mosaic] harness rollouts: the served model decodes in " + (
-            "a worker process (rollout.worker_process)" if self.rc.worker_process and fb is None
-            else "a thread of the trainer" + (f" (the worker process did not start: {fb})" if fb else "")),
-            file=sys.stderr, flush=True)
+        print("[mosaic] harness rollouts: the served model decodes in "
+              f"{decodes_in(self.server.worker, self.server.worker_fallback)}", file=sys.stderr, flush=True)
         self.server_thread = ServerThread(app).start()
         pcfg = ProxyConfig(upstream=self.server_thread.url, out_dir=str(self.records_dir), port=0,
                            timeout_s=max(30.0, self.rc.deadline_s + 30.0))

@@ -1,28 +1,19 @@
 """The batching model worker in its own process: the served model decodes beside the serving threads, not
-between them.
+between them (in one process their Python takes the interpreter lock between the model's small tensor calls;
+docs/speed.md). :class:`ProcessWorker` runs the same :class:`~mosaic.agent.server.worker.ModelWorker` in a child
+started with ``spawn``, one intra-op thread less than the caller (:func:`child_threads`):
 
-In one process the server's and proxy's event loops and a harness's threads take the interpreter lock
-from the model thread between its small tensor calls; on a machine with few cores that Python runs one
-after the other with the model's (docs/speed.md). :class:`ProcessWorker` runs the same
-:class:`~mosaic.agent.server.worker.ModelWorker` in a child process started with ``spawn``:
-
-- **Weights are shared, not copied.** The model goes to the child through ``torch.multiprocessing``, which
-  moves its parameters' storage to shared memory, so the trainer's in-place updates (an optimizer step,
-  ``load_state_dict``) are what the child reads. :meth:`ProcessWorker.weights_update` holds the child's
-  worker (no batch decodes) while the caller changes them, then drops the child's prefix cache and bumps the
-  version, as the in-process worker does. A swap that replaces the parameter tensors is not seen by the child.
-- **The wire is two pipes.** Jobs go down (token ids, sampling parameters) through a sender thread; each decode
-  step's tokens come back as one message, a job's result as one; a reader thread hands them to the event loops.
-- **The prefix cache stays readable.** ``longest_cached(ids)`` asks the child and gets the keys/values
-  back through shared memory, so a trainer scores the rollouts' states off the contexts the child cached.
-- **The caller's script is not run again.** ``spawn`` would import the parent's ``__main__`` in the child (a
-  script without an ``if __name__ == "__main__":`` guard would start over there); the child is started with a
-  bare ``__main__`` instead, so what it unpickles must be importable by name (a model class defined in the
-  script is not: that child fails to start).
-- **Failure is loud and contained.** A child that cannot start raises :class:`WorkerStartError` (the server
-  falls back to the in-process worker); one that dies fails every waiting and later job, it hangs none
-  (the trainer replaces it at its next step: ``ModelServer.revive_worker``). The child takes one intra-op
-  thread less than the caller (:func:`child_threads`).
+- **Weights are shared, not copied**: ``torch.multiprocessing`` moves the parameters' storage to shared
+  memory, so in-place updates (an optimizer step, ``load_state_dict``) are what the child reads; a swap of the
+  tensors is not. :meth:`ProcessWorker.weights_update` holds the child's own ``weights_update`` meanwhile.
+- **Two pipes**: jobs go down (token ids, sampling parameters) through a sender thread; each decode step's
+  tokens come back as one message, a job's result as one; a reader thread hands them to the event loops.
+  ``longest_cached(ids)`` (what a trainer scores gains off) comes back through a shared buffer.
+- **The caller's script is not run again**: the child gets a bare ``__main__``, so what it unpickles must be
+  importable by name (a model class defined in the script is not: that child fails to start).
+- **Failure is loud and contained**: a child that cannot start raises :class:`WorkerStartError` (the server
+  then serves from a thread); one that dies fails every waiting and later job, it hangs none (a trainer
+  replaces it at its next step: ``ModelServer.revive_worker``).
 """
 
 from __future__ import annotations
@@ -48,7 +39,7 @@ from mosaic.agent.server.worker import Job, ModelWorker
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CallFailed", "ProcessWorker", "WorkerStartError", "child_threads", "start_worker"]
+__all__ = ["CallFailed", "ProcessWorker", "WorkerStartError", "child_threads", "decodes_in", "start_worker"]
 
 START_TIMEOUT_S = 300.0  # importing torch and transformers in a fresh interpreter, and building the policy
 CALL_TIMEOUT_S = 600.0  # a control call ("hold" waits as long as the running batch takes)
@@ -126,26 +117,24 @@ class _Board:
 
 class _Control:
     """The child's control calls (the parent waits for each reply): ``hold``/``release`` around a weights
-    update, ``longest`` (a cache hit), ``cache_stats``."""
+    update (the worker's own :meth:`~mosaic.agent.server.worker.ModelWorker.weights_update`, entered and left
+    across two calls), ``longest`` (a cache hit), ``cache_stats``."""
 
     def __init__(self, worker: ModelWorker, policy: LocalPolicy) -> None:
         self.worker, self.policy = worker, policy
         self.board = _Board()
-        self.held = False  # between "hold" and "release" this thread holds the worker's weights lock
+        self.update, self.held = contextlib.ExitStack(), False  # the weights update between "hold" and "release"
 
     def hold(self) -> bool:  # the parent changes the weights: no batch runs until "release"
-        self.worker.update_waiting.set()
-        self.worker.weights_lock.acquire()
+        self.update.enter_context(self.worker.weights_update())
         self.held = True
         return True
 
     def release(self) -> int:
-        self.policy.clear_cache()  # the child's tensors' version counters do not see the parent's writes
-        self.worker.version += 1
-        if self.held:
-            self.worker.weights_lock.release()
+        if not self.held:  # (a hold that failed: the update still drops the cache and bumps the version)
+            self.hold()
         self.held = False
-        self.worker.update_waiting.clear()
+        self.update.close()  # the prefix cache dropped (the child's version counters miss the parent's writes)
         return self.worker.version
 
     def longest(self, ids: list[int]):
@@ -193,8 +182,7 @@ def _child_main(conn_in, conn_out, model, tokenizer, config: LocalPolicyConfig, 
         torch.set_num_threads(threads)
         policy = LocalPolicy(model, tokenizer, config, device=device)
         worker = ModelWorker(policy, max_batch_size=max_batch_size, batch_window_s=batch_window_s,
-                             decode=lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip),
-                             after_step=outbox.flush)
+                             decode=_decoder(tokenizer), after_step=outbox.flush)
         outbox.stats, worker.version = worker.stats, version
     except Exception as exc:  # the parent raises WorkerStartError with this
         conn_out.send(("failed", f"{type(exc).__name__}: {exc}"))
@@ -425,6 +413,18 @@ def _quiet_at_exit() -> None:  # an interpreter that exits with a worker open en
         w.closing = True
 
 
+def _decoder(tokenizer):
+    """``decode(ids, skip_special)``: the text a worker checks stop strings against."""
+    return lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip)
+
+
+def decodes_in(worker, fallback: str | None) -> str:
+    """Where a server's model decodes, for a console line: a worker process, or a thread (and why no process)."""
+    if isinstance(worker, ProcessWorker):
+        return "a worker process"
+    return "a thread of this process" + (f" (the worker process did not start: {fallback})" if fallback else "")
+
+
 def child_threads() -> int:
     """Intra-op threads of a worker process: this process's less one (at least one), so the serving threads keep
     a core (a child given as many as the trainer decoded 4-40x slower on a loaded 2-core machine)."""
@@ -445,6 +445,6 @@ def start_worker(policy: LocalPolicy, tokenizer, *, process: bool, max_batch_siz
             log.warning("%s; the model decodes in a thread of this process instead", exc)
             fallback = str(exc)
     worker = ModelWorker(policy, max_batch_size=max_batch_size, batch_window_s=batch_window_s,
-                         decode=lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip))
+                         decode=_decoder(tokenizer))
     worker.version = version
     return worker, fallback
