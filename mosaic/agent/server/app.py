@@ -1,18 +1,17 @@
 """The FastAPI app of ``mosaic serve``: request checks, the two completion endpoints, routing.
 
-Guards: a body over ``max_body_bytes`` is refused with 413 before it is read whole; with
-``api_key`` every route but ``/health`` needs ``Authorization: Bearer <key>`` (401). Parsing a
-body of ``inline_body_bytes`` or more, rendering its chat template and tokenising run in worker threads, so a
-large request never stalls the event loop; a smaller one is handled on the loop (well under a millisecond of
-work, where a thread's round trip cost 1-2 ms on a busy 2-core machine); answers go out as plain JSON.
+Guards: a body over ``max_body_bytes`` is refused with 413 before it is read whole; with ``api_key`` every route but
+``/health`` needs ``Authorization: Bearer <key>`` (401). Parsing a body of ``inline_body_bytes`` or more, rendering
+its chat template and tokenising run in worker threads, so a large request never stalls the event loop; a smaller
+one is handled on the loop (well under a millisecond of work, where a thread's round trip cost 1-2 ms on a busy
+2-core machine); answers go out as plain JSON.
 
-Work per request is bounded by the model's context, not by the body limit: a prompt text (a
-completions string, a rendered chat) longer than ``(context - 1) * L`` characters is refused with
-400 before it is tokenised, where ``L``, the longest token string in the vocabulary, bounds the
-characters one token covers (byte-level BPE writes each byte of the text as one character of a
-token string; SentencePiece one character as one), so such a text could never fit. At most
-``max_heavy_requests`` bodies of ``heavy_body_bytes`` or more are parsed and tokenised at once;
-one more gets 503 (``Retry-After: 1``) at once, without being parsed.
+Work per request is bounded by the model's context, not by the body limit: a prompt text (a completions string, a
+rendered chat) longer than ``(context - 1) * L`` characters is refused with 400 before it is tokenised, where ``L``,
+the longest token string in the vocabulary, bounds the characters one token covers (byte-level BPE writes each byte
+of the text as one character of a token string; SentencePiece one character as one), so such a text could never fit.
+At most ``max_heavy_requests`` bodies of ``heavy_body_bytes`` or more are parsed and tokenised at once; one more
+gets 503 (``Retry-After: 1``) at once, without being parsed.
 """
 
 from __future__ import annotations
@@ -71,10 +70,15 @@ class ModelServer:
         # worker_fallback: why a worker process asked for did not start (the model then decodes in a thread)
         self.worker, self.worker_fallback = start_worker(self.policy, tokenizer, **self.worker_args)
 
+    @contextlib.contextmanager
     def weights_update(self):
         """A context manager held while the caller changes the weights in place (a trainer's update): no request
-        decodes meanwhile (those that arrive wait); the ``policy_version`` responses carry goes up by one on exit."""
-        return self.worker.weights_update()
+        decodes meanwhile (those that arrive wait); the ``policy_version`` responses carry goes up by one on exit.
+        A worker process the update left reading replaced tensors is replaced at once, over the new ones."""
+        with self.worker.weights_update():
+            yield
+        if isinstance(self.worker, ProcessWorker) and self.worker.replaced:
+            self.revive_worker()  # (the old one said why it stopped)
 
     def revive_worker(self) -> bool:
         """Replace a worker process that died by a new one at the same policy version (True); else False."""
@@ -129,14 +133,8 @@ class ModelServer:
             prompts = prompt
         else:
             raise ApiError(400, "prompt must be a non-empty string, token-id list, or list of either", "prompt")
-        out = []
-        for p in prompts:
-            if isinstance(p, str):
-                ids = self.tokenizer(self.check_chars(p, "prompt"), add_special_tokens=False)["input_ids"]
-            else:
-                ids = list(p)
-            out.append(self.check_ids(ids))
-        return out
+        return [self.check_ids(self.tokenizer(self.check_chars(p, "prompt"), add_special_tokens=False)["input_ids"]
+                               if isinstance(p, str) else list(p)) for p in prompts]
 
     def check_ids(self, ids: list[int]) -> list[int]:
         if not ids:

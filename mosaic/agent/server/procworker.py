@@ -4,8 +4,9 @@ docs/speed.md). :class:`ProcessWorker` runs the same :class:`~mosaic.agent.serve
 started with ``spawn``, one intra-op thread less than the caller (:func:`child_threads`):
 
 - **Weights are shared, not copied**: ``torch.multiprocessing`` moves the parameters' storage to shared
-  memory, so in-place updates (an optimizer step, ``load_state_dict``) are what the child reads; a swap of the
-  tensors is not. :meth:`ProcessWorker.weights_update` holds the child's own ``weights_update`` meanwhile.
+  memory, so in-place updates (an optimizer step, ``load_state_dict``) are what the child reads; an update that
+  swaps tensors instead stops the child (the server starts one over the new tensors). The parent's
+  :meth:`~ProcessWorker.weights_update` holds the child's own meanwhile.
 - **Two pipes**: jobs go down (token ids, sampling parameters) through a sender thread; each decode step's
   tokens come back as one message, a job's result as one; a reader thread hands them to the event loops.
   ``longest_cached(ids)`` (what a trainer scores gains off) comes back through a shared buffer.
@@ -15,6 +16,8 @@ started with ``spawn``, one intra-op thread less than the caller (:func:`child_t
   then serves from a thread); one that dies fails every waiting and later job, it hangs none (a trainer
   replaces it at its next step: ``ModelServer.revive_worker``).
 """
+
+# long: both ends of one pipe protocol (the child's loop and the parent's proxy of it), read together
 
 from __future__ import annotations
 
@@ -212,6 +215,7 @@ class ProcessWorker:
         self.model = model
         self.version = version
         self.dead: str | None = None  # why the child is gone (every later job fails with it)
+        self.replaced = False  # an update swapped the weights' tensors: the child read stale ones and was stopped
         self.closing = False
         self._stats: dict = {}
         self._jobs: dict[int, Job] = {}
@@ -231,6 +235,7 @@ class ProcessWorker:
                   child_threads(), version))
         try:
             model.share_memory()  # (before the start: what is pickled while __main__ is bare is handles only)
+            self._storages = _storages(model)  # what the child reads: an update that swaps tensors leaves them
             with _bare_main():
                 self.process.start()
         except Exception as exc:  # pickling the model or tokenizer, no shared memory
@@ -335,16 +340,23 @@ class ProcessWorker:
     @contextlib.contextmanager
     def weights_update(self):
         """No batch decodes in the child while the caller changes the shared weights in place; then the
-        child's prefix cache is dropped and ``version`` goes up by one."""
+        child's prefix cache is dropped and ``version`` goes up by one. A caller that replaced tensors instead
+        (``p.data = ...``, ``model.to(dtype)``) leaves the child reading the old ones: it is stopped before it
+        decodes again (:attr:`replaced`; the server starts a new one over the new tensors)."""
         with self._update:
             with contextlib.suppress(RuntimeError):  # a dead child decodes nothing: the update goes ahead
                 self._call("hold", timeout_s=None)  # as long as the running batch takes (as the thread waits)
             try:
                 yield
             finally:
+                if _storages(self.model) != self._storages:
+                    self.replaced = True
+                    self._fail_all("the served model's weights were replaced by new tensors, not written in "
+                                   "place: its worker process read the old ones and was stopped")
+                    self.process.kill()
                 try:
                     self.version = self._call("release")
-                except RuntimeError:
+                except RuntimeError:  # (a dead or stopped child)
                     self.version += 1
 
     @property
@@ -411,6 +423,11 @@ _LIVE: "weakref.WeakSet[ProcessWorker]" = weakref.WeakSet()  # started, not clos
 def _quiet_at_exit() -> None:  # an interpreter that exits with a worker open ends its child: no error to report
     for w in list(_LIVE):
         w.closing = True
+
+
+def _storages(model) -> list[int]:
+    """Where the model's weights and buffers live: changed by a swap, not by an in-place write."""
+    return [t.untyped_storage().data_ptr() for t in itertools.chain(model.parameters(), model.buffers())]
 
 
 def _decoder(tokenizer):
