@@ -48,6 +48,8 @@ def main() -> None:
         raise SystemExit(f"error: {exc}") from None
     model, tok = setup.build_base_model(cfg, torch.device("cpu"), torch.float32)
     split = setup.load_split(cfg, "train")
+    # reset mode's frozen partner plays the second role from the warm start: copied before any update
+    partner = setup.frozen_copy(model) if cfg.harness.partner == "frozen" else None
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if os.environ.get("ACCELERATE_USE_CPU") == "True" and "WORLD_SIZE" not in os.environ:
         print("[mosaic] one process: `accelerate launch --cpu` starts one; for several CPU processes use "
@@ -69,7 +71,8 @@ def main() -> None:
     try:
         trainer = MosaicGRPOTrainer(
             model=model, args=args, processing_class=tok, train_dataset=task_dataset(split.tasks),
-            mosaic=cfg, rollouts=HarnessRollouts(split, cfg.harness, batch_size=cfg.rollout.batch_size),
+            mosaic=cfg, rollouts=HarnessRollouts(split, cfg.harness, batch_size=cfg.rollout.batch_size,
+                                                 partner_model=partner),
         )  # fmt: skip
     except ValueError as exc:  # a TRL setting this trainer cannot honour (check_args): one line
         raise SystemExit(f"error: {exc}") from None

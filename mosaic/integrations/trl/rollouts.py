@@ -6,8 +6,9 @@ row's number within its task's group over the whole batch, see
 :func:`~mosaic.integrations.trl.batch.sample_indices`); it returns one validated
 :class:`~mosaic.trace.Trajectory` per row, in order, with ``group_id`` naming the task's group.
 
-- :class:`HarnessRollouts`: the built-in harness (compaction, sub-agents; ``harness.*`` of a Mosaic
-  config) with a batched KV-cache local policy over the model being trained.
+- :class:`HarnessRollouts`: the built-in harness (compaction, sub-agents, resets; ``harness.*`` of a Mosaic
+  config) with a batched KV-cache local policy over the model being trained (and reset mode's partner:
+  the scripted expert, or a frozen warm start given as ``partner_model``).
 - :class:`RecordedRollouts`: trajectories from a ``.jsonl`` / ``.parquet`` file (the same batch every
   time: the cross-engine and multi-process tests train on it).
 """
@@ -52,13 +53,14 @@ def task_dataset(tasks: Sequence):
 class HarnessRollouts:
     """The built-in multi-session harness on ``split``'s deep-search world, sampling from the live model."""
 
-    def __init__(self, split: Split, harness: HarnessConfig, *, batch_size: int = 64):
+    def __init__(self, split: Split, harness: HarnessConfig, *, batch_size: int = 64, partner_model=None):
         self.split = split
         self.env = DeepSearchEnv(split)
         self.harness_cfg = harness
-        if harness.partner != "self":  # one policy serves these rollouts
-            raise ValueError(f"harness.partner={harness.partner!r} is not supported here yet (reset mode's frozen or "
-                             "scripted partner runs in the built-in trainer: mosaic train); use harness.partner=self")
+        if harness.partner == "frozen" and partner_model is None:
+            raise ValueError("harness.partner='frozen' plays reset mode's second role from a frozen copy of the warm "
+                             "start: pass it as partner_model (mosaic.train.setup.frozen_copy(model) before training)")
+        self.partner_model = partner_model if harness.partner == "frozen" else None
         self.batch_size = batch_size
         self.tasks = {t.id: t for t in split.tasks}
         self._chat = None
@@ -78,7 +80,8 @@ class HarnessRollouts:
         was_training = model.training  # (the policy puts the model in eval mode; TRL's step needs it back)
         policy = LocalPolicy(model, tokenizer, LocalPolicyConfig(temperature=temperature, top_p=top_p,
                                                                  max_batch_size=self.batch_size, seed=seed))
-        harness = Harness(policy, self._chat, self.env, self.harness_cfg)
+        harness = Harness(policy, self._chat, self.env, self.harness_cfg,
+                          partner=self._partner(runs, tokenizer, temperature=temperature, top_p=top_p, seed=seed))
         try:
             trajs = harness.run(runs, group_size=1, seed=seed, step=step)
         finally:
@@ -86,6 +89,19 @@ class HarnessRollouts:
         for t, (task, j) in zip(trajs, rows):
             t.task_id, t.group_id, t.id = task.id, f"{step}/{task.id}", f"{step}/{task.id}/{j}"
         return trajs
+
+
+    def _partner(self, runs, tokenizer, *, temperature, top_p, seed):
+        """Who plays reset mode's second role (``harness.partner``): None (the live model), the scripted
+        expert over this batch's tasks, or the local sampler over the frozen warm start."""
+        if self.harness_cfg.partner == "expert":
+            from mosaic.agent.expert import ExpertNoise, ExpertPolicy
+
+            return ExpertPolicy(tokenizer, runs, ExpertNoise.off(), seed=seed)
+        if self.partner_model is None:
+            return None
+        return LocalPolicy(self.partner_model, tokenizer, LocalPolicyConfig(
+            temperature=temperature, top_p=top_p, max_batch_size=self.batch_size, seed=seed + 7919))
 
 
 class RecordedRollouts:

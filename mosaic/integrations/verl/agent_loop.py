@@ -34,6 +34,9 @@ its world and search index (the split is built once per process and cached), or,
 (``mosaic data export data.family=service``), ``tools_kwargs.service_config``: the episode is regenerated
 from it and played on a fresh account backend; its stale actions and visits land in the final row's
 ``reward_extra_info`` (``env_stale_actions``, ``env_actions``, ``env_visits_correct``, ...).
+Reset mode's second role (``harness.partner``) may be played by the policy being trained (``self``) or by the
+scripted expert (``expert``, deep search only: its sessions stay in the outputs with response mask 0, so only
+the trained role's tokens train); ``frozen`` is refused here (verl serves one set of weights).
 """
 
 from __future__ import annotations
@@ -218,9 +221,10 @@ class MosaicAgentLoop(AgentLoopBase):
         super().__init__(*args, **kwargs)
         block = self.config.get("mosaic") or {}
         self.harness_config = HarnessConfig(**dict(block.get("harness") or {}))
-        if self.harness_config.partner != "self":  # one policy serves these rollouts
-            raise ValueError(f"harness.partner={self.harness_config.partner!r} is not supported here yet (reset mode's frozen or "
-                             "scripted partner runs in the built-in trainer: mosaic train); use harness.partner=self")
+        if self.harness_config.partner == "frozen":  # verl's servers hold the trained weights only
+            raise ValueError("harness.partner='frozen' is not supported in verl: its rollout servers hold the weights "
+                             "being trained, and a frozen partner needs a second copy served beside them; use "
+                             "harness.partner=self or expert here (mosaic train and the TRL path play a frozen one)")
         self.score_gains = bool(block.get("gains", True))
         self.score_downstream = bool(block.get("downstream", False))
         if self.score_downstream and not self.score_gains:
@@ -251,6 +255,17 @@ class MosaicAgentLoop(AgentLoopBase):
             return episode, ServiceEnv([episode])  # one backend per rollout: no state shared across threads
         return row_to_task(row), DeepSearchEnv(self._split(tools_kwargs.get("split_config", "")))
 
+    def _partner(self, task, env):
+        """Reset mode's scripted partner over this rollout's task (``harness.partner=expert``), else None."""
+        if self.harness_config.partner != "expert":
+            return None
+        if not isinstance(env, DeepSearchEnv):
+            raise ValueError("harness.partner='expert': the scripted partner plays deep search only, not this "
+                             "service-family row; use harness.partner=self")
+        from mosaic.agent.expert import ExpertNoise, ExpertPolicy
+
+        return ExpertPolicy(self.tokenizer, [task], ExpertNoise.off())
+
     async def run(self, sampling_params: dict[str, Any], **kwargs) -> list[AgentLoopOutput]:
         extra_info = kwargs["extra_info"]
         tools_kwargs = kwargs.get("tools_kwargs") or extra_info.get("tools_kwargs") or {}
@@ -261,7 +276,7 @@ class MosaicAgentLoop(AgentLoopBase):
         policy = ServerPolicy(self.server_manager, loop, sampling_params, traj_key=traj_key,
                               end_ids=[self.chat.im_end_id, *([self.tokenizer.eos_token_id]
                                                               if self.tokenizer.eos_token_id is not None else [])])  # fmt: skip
-        harness = Harness(policy, self.chat, env, self.harness_config)
+        harness = Harness(policy, self.chat, env, self.harness_config, partner=self._partner(task, env))
         (traj,) = await asyncio.to_thread(harness.run, [task], 1)
         traj.id = traj_key  # verl's own trajectory key, so our rows and its keys agree
         t0 = time.perf_counter()

@@ -103,11 +103,11 @@ def tokenizer(split):
     return build_project_tokenizer([split])
 
 
-def _loop(tokenizer, server, *, gains=True, logprobs=True, downstream=False) -> MosaicAgentLoop:
+def _loop(tokenizer, server, *, gains=True, logprobs=True, downstream=False, harness=None) -> MosaicAgentLoop:
     config = OmegaConf.create({
         "actor_rollout_ref": {"rollout": {"calculate_log_probs": logprobs, "prompt_length": 4096,
                                           "response_length": 4096}},
-        "data": {}, "mosaic": {"harness": HARNESS, "gains": gains, "downstream": downstream},
+        "data": {}, "mosaic": {"harness": harness or HARNESS, "gains": gains, "downstream": downstream},
     })  # fmt: skip
     return hydra.utils.instantiate(_agent_loop_registry["mosaic_agent"], trainer_config=DictConfigWrap(config),
                                    server_manager=server, tokenizer=tokenizer, processor=None, hf_model_type=None,
@@ -346,3 +346,35 @@ def test_context_reset_sessions_through_the_loop_and_the_estimator(split, tokeni
     assert batch.session_counts.tolist() == ours.session_counts.tolist() and batch.is_final.tolist() == [False, True]
     advantages, _ = get_estimator("mosaic")(batch)
     assert torch.isfinite(advantages).all() and advantages.shape == (2,)
+
+
+ROLES = ["searcher: search and note what you find", "solver: use the notes, answer"]
+
+
+def test_a_scripted_partner_plays_the_second_role_and_only_ours_trains(split, tokenizer):
+    """Reset mode's ``harness.partner=expert`` in verl: the expert plays the second role's sessions (none of
+    its requests reach verl's server), they stay in the outputs (the graph and its reward) with response mask
+    0, and the tokens are the built-in harness's with the same partner."""
+    from mosaic.agent.expert import ExpertNoise, ExpertPolicy
+
+    harness = {"mode": "reset", "context_budget": 260, "reset_context_budget": 600, "max_new_tokens": 40,
+               "reset_k": 4, "max_sessions": 4, "reset_roles": ROLES, "partner": "expert"}
+    task = split.tasks[2]
+    server = ResetServer(tokenizer, task.answer)
+    outs = asyncio.run(_loop(tokenizer, server, harness=harness).run({"temperature": 1.0}, **_kwargs(split, task)))
+    ref = Harness(ScriptPolicy(ResetServer(tokenizer, task.answer)), ChatFormat(tokenizer), DeepSearchEnv(split),
+                  HarnessConfig(**harness), partner=ExpertPolicy(tokenizer, [task], ExpertNoise.off())).run([task], 1)[0]
+    partner = [bool(s.meta.get("partner")) for s in ref.sessions]
+    assert partner[:2] == [False, True] and ref.reward == 1.0
+    assert [(o.prompt_ids, o.response_ids) for o in outs] == [(s.prompt_ids, s.completion_ids) for s in ref.sessions]
+    for o, theirs in zip(outs, partner):
+        assert any(o.response_mask) != theirs  # the partner's tokens are in the rows, never trained
+    sampled = [r for r in server.requests if "prompt_logprobs" not in r[2]]
+    assert len(sampled) == sum(s.num_turns for s, p in zip(ref.sessions, partner) if not p)
+    assert outs[-1].reward_score == 1.0 and all(o.extra_fields["mosaic_kind"] == "reset" for o in outs)
+
+
+def test_a_frozen_partner_is_refused_in_verl_with_the_reason(tokenizer):
+    harness = {"mode": "reset", "reset_roles": ROLES, "partner": "frozen"}
+    with pytest.raises(Exception, match="frozen.*not supported in verl"):  # (hydra may wrap it)
+        _loop(tokenizer, ResetServer(tokenizer, "x"), harness=harness)

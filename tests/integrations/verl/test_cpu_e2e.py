@@ -1,6 +1,7 @@
 """Two training steps of verl's real trainer on CPU (runs in .venv-verl; slow: ``make slow``).
 
-``examples/verl/run_mosaic_compaction.sh`` and its broadcast twin with ``DEVICE=cpu``: ``python -m
+``examples/verl/run_mosaic_compaction.sh``, its broadcast twin, and the first with context resets and the
+scripted partner (``++mosaic.harness.mode=reset ...``), with ``DEVICE=cpu``: ``python -m
 verl.trainer.main_ppo`` (v1: Ray, TransferQueue, the ``mosaic_agent`` loop on the HF rollout server,
 the FSDP2 actor on gloo, weight sync after each step) on the shipped model. The metrics must reach
 verl's logger (its ``file`` backend, JSON lines) for both steps, with the Mosaic estimator's own rows,
@@ -22,12 +23,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.peer]
 REPO = Path(__file__).resolve().parents[3]
 
 
-def _train(script: str, tmp_path: Path) -> tuple[list[dict], str]:
+def _train(script: str, tmp_path: Path, *extra: str) -> tuple[list[dict], str]:
     log = tmp_path / "metrics.jsonl"
     bindir = str(Path(sys.executable).parent)
     env = {**os.environ, "DEVICE": "cpu", "STEPS": "2", "DATA": str(tmp_path / "data"), "PYTHON": sys.executable,
            "PATH": f"{bindir}:{os.environ.get('PATH', '')}", "VERL_FILE_LOGGER_PATH": str(log), "RAY_DEDUP_LOGS": "0"}
-    res = subprocess.run(["bash", str(REPO / "examples/verl" / script)], cwd=tmp_path, env=env, capture_output=True,
+    res = subprocess.run(["bash", str(REPO / "examples/verl" / script), *extra], cwd=tmp_path, env=env, capture_output=True,
                          text=True, timeout=1500)  # fmt: skip
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-6000:]
@@ -42,10 +43,16 @@ def _finite(d: dict, key: str) -> float:
     return v
 
 
-@pytest.mark.parametrize("script,estimator", [("run_mosaic_compaction.sh", "mosaic"),
-                                              ("run_broadcast_compaction.sh", "broadcast")])  # fmt: skip
-def test_two_steps_through_verls_trainer_on_cpu(script, estimator, tmp_path):
-    steps, out = _train(script, tmp_path)
+RESET = ("++mosaic.harness.mode=reset", "+mosaic.harness.reset_k=2", "+mosaic.harness.partner=expert",
+         '+mosaic.harness.reset_roles=["searcher: search and note","solver: use the notes, answer"]')
+
+
+@pytest.mark.parametrize("script,estimator,extra", [("run_mosaic_compaction.sh", "mosaic", ()),
+                                                    ("run_broadcast_compaction.sh", "broadcast", ()),
+                                                    ("run_mosaic_compaction.sh", "mosaic", RESET)])  # fmt: skip
+def test_two_steps_through_verls_trainer_on_cpu(script, estimator, extra, tmp_path):
+    """The third case: context resets, two roles, the scripted expert as the partner (its rows masked)."""
+    steps, out = _train(script, tmp_path, *extra)
     assert [s["step"] for s in steps] == [1, 2], out[-3000:]
     for s in steps:
         d = s["data"]
