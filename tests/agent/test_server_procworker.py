@@ -71,29 +71,10 @@ def test_the_worker_process_answers_as_the_thread_does(model_tok):
     assert answers[True] == answers[False]
 
 
-def test_the_trainers_in_place_update_reaches_the_worker_process(model_tok):
-    model, tok = model_tok
-    model = copy.deepcopy(model)
-    app = _app(model, tok, True)
-    srv = app.state.server
-    ids = tok(PROMPT, add_special_tokens=False)["input_ids"]
-    body = {"model": NAME, "prompt": ids, "max_tokens": 8, "temperature": 0, "return_token_ids": True}
-    with ServerThread(app) as st, httpx.Client(base_url=st.url, timeout=60) as c:
-        before = c.post("/v1/completions", json=body).json()
-        assert srv.worker.prefix_cache.longest_cached(ids + [1]) is not None
-        with srv.weights_update(), torch.no_grad():  # what an optimizer step does: in place
-            for p in model.parameters():
-                p.add_(torch.randn_like(p) * 0.3)
-        assert srv.policy_version == 1
-        assert srv.worker.prefix_cache.longest_cached(ids + [1]) is None  # the child's cache was dropped
-        after = c.post("/v1/completions", json=body).json()
-    fresh = LocalPolicy(copy.deepcopy(model), tok, LocalPolicyConfig(temperature=0)).generate([GenRequest("x", ids, 8)])
-    assert after["choices"][0]["token_ids"] == fresh[0].token_ids != before["choices"][0]["token_ids"]
-    assert (before["policy_version"], after["policy_version"]) == (0, 1)
-
-
-def test_an_update_that_swaps_the_tensors_gets_a_new_worker_process_over_them(model_tok):
-    """``p.data = ...`` (not in place) would leave the child decoding the old weights: it is replaced instead."""
+@pytest.mark.parametrize("swap", [False, True])
+def test_an_update_reaches_the_worker_process_in_place_or_by_a_new_one(model_tok, swap):
+    """An optimizer step writes the shared weights in place: the child reads them, its cache dropped. An update
+    that swaps the tensors (``p.data = ...``) would leave it decoding the old ones: a new child serves instead."""
     model, tok = model_tok
     model = copy.deepcopy(model)
     app = _app(model, tok, True)
@@ -103,18 +84,23 @@ def test_an_update_that_swaps_the_tensors_gets_a_new_worker_process_over_them(mo
     with ServerThread(app) as st, httpx.Client(base_url=st.url, timeout=60) as c:
         before = c.post("/v1/completions", json=body).json()
         old = srv.worker
+        assert old.prefix_cache.longest_cached(ids + [1]) is not None
         with srv.weights_update(), torch.no_grad():
             for p in model.parameters():
-                p.data = p.data + torch.randn_like(p) * 0.3  # new tensors, not shared with the child
-        assert old.replaced and old.gone and srv.worker is not old and not srv.worker.gone
+                if swap:  # new tensors, not shared with the child
+                    p.data = p.data + torch.randn_like(p) * 0.3
+                else:  # what an optimizer step does
+                    p.add_(torch.randn_like(p) * 0.3)
         assert srv.policy_version == 1 and srv.worker_fallback is None
+        assert (old.replaced, old.gone, srv.worker is old) == ((True, True, False) if swap else (False, False, True))
+        assert srv.worker.prefix_cache.longest_cached(ids + [1]) is None  # the child's cache was dropped
         after = c.post("/v1/completions", json=body).json()
-        with srv.weights_update():  # an in-place update afterwards keeps the new child
+        with srv.weights_update():  # an update that changes nothing keeps the child
             pass
         assert not srv.worker.replaced and srv.policy_version == 2
     fresh = LocalPolicy(copy.deepcopy(model), tok, LocalPolicyConfig(temperature=0)).generate([GenRequest("x", ids, 8)])
     assert after["choices"][0]["token_ids"] == fresh[0].token_ids != before["choices"][0]["token_ids"]
-    assert after["policy_version"] == 1
+    assert (before["policy_version"], after["policy_version"]) == (0, 1)
 
 
 def test_the_worker_processs_prefix_cache_reads_as_the_threads(model_tok):
