@@ -426,8 +426,9 @@ def _quiet_at_exit() -> None:  # an interpreter that exits with a worker open en
 
 
 def _storages(model) -> list[int]:
-    """Where the model's weights and buffers live: changed by a swap, not by an in-place write."""
-    return [t.untyped_storage().data_ptr() for t in itertools.chain(model.parameters(), model.buffers())]
+    """Where the model's weights live: changed by a swap, not by an in-place write (buffers are left out: a
+    forward may rebuild its own caches, as a dynamic rotary embedding does, and the child's forward does too)."""
+    return [p.untyped_storage().data_ptr() for p in model.parameters()]
 
 
 def _decoder(tokenizer):
