@@ -90,7 +90,6 @@ class HarnessRollouts:
             t.task_id, t.group_id, t.id = task.id, f"{step}/{task.id}", f"{step}/{task.id}/{j}"
         return trajs
 
-
     def _partner(self, runs, tokenizer, *, temperature, top_p, seed):
         """Who plays reset mode's second role (``harness.partner``): None (the live model), the scripted
         expert over this batch's tasks, or the local sampler over the frozen warm start."""
