@@ -12,19 +12,24 @@ from mosaic.train import setup
 ROLES = '["searcher: search and note what you find", "solver: use the notes, answer"]'
 
 
-def _source(partner: str, **kw):
-    cfg = load_config("cpu", overrides=["model.base=tiny-base2", "harness.mode=reset", "harness.reset_k=2",
-                                        f"harness.reset_roles={ROLES}", f"harness.partner={partner}"])
+def _harness(partner: str):
+    return load_config("cpu", overrides=["model.base=tiny-base2", "harness.mode=reset", "harness.reset_k=2",
+                                         f"harness.reset_roles={ROLES}", f"harness.partner={partner}"])
+
+
+@pytest.fixture(scope="module")
+def world():
+    cfg = _harness("self")
     model, tok = setup.build_base_model(cfg, torch.device("cpu"), torch.float32)
-    split = setup.load_split(cfg, "train")
-    return HarnessRollouts(split, cfg.harness, batch_size=8, **kw), model, tok, split
+    return model, tok, setup.load_split(cfg, "train")
 
 
 @pytest.mark.parametrize("partner", ["expert", "frozen"])
-def test_a_partner_plays_the_second_role_and_its_rows_train_nothing(partner):
-    src, model, tok, split = _source("self")
+def test_a_partner_plays_the_second_role_and_its_rows_train_nothing(world, partner):
+    model, tok, split = world
     frozen = setup.frozen_copy(model)
-    src, *_ = _source(partner, partner_model=frozen if partner == "frozen" else None)
+    src = HarnessRollouts(split, _harness(partner).harness, batch_size=8,
+                          partner_model=frozen if partner == "frozen" else None)
     rows = [(split.tasks[i], j) for i in range(2) for j in range(2)]
     trajs = src.collect(rows, 0, model, tok, temperature=0.5, top_p=1.0, seed=3)
     assert [t.group_id for t in trajs] == [f"0/{task.id}" for task, _ in rows]
@@ -37,6 +42,6 @@ def test_a_partner_plays_the_second_role_and_its_rows_train_nothing(partner):
     assert pol.model is frozen if partner == "frozen" else type(pol).__name__ == "ExpertPolicy"
 
 
-def test_a_frozen_partner_without_its_model_is_refused_before_any_rollout():
+def test_a_frozen_partner_without_its_model_is_refused_before_any_rollout(world):
     with pytest.raises(ValueError, match="partner_model"):
-        _source("frozen")
+        HarnessRollouts(world[2], _harness("frozen").harness)
