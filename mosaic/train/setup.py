@@ -125,17 +125,28 @@ def frozen_copy(model):
 def partner_policy(cfg: Config, tokenizer, split, frozen_model=None, *, seed: int = 0,
                    temperature: float | None = None, batch_size: int | None = None):
     """The policy that plays the partner's role in reset mode (``harness.partner``), or None when the
-    trained policy plays both: the scripted expert (no noise) over ``split``'s tasks, or the local
-    sampler over ``frozen_model`` (a frozen copy of the warm start)."""
-    partner = cfg.harness.partner
+    trained policy plays both: :func:`partner_for` over ``split``'s tasks at ``cfg.rollout``'s sampling
+    settings (``temperature`` and ``batch_size`` override theirs)."""
+    r = cfg.rollout
+    return partner_for(cfg.harness.partner, tokenizer, split.tasks, frozen_model, seed=seed,
+                       temperature=r.temperature if temperature is None else temperature, top_p=r.top_p,
+                       batch_size=r.batch_size if batch_size is None else batch_size)
+
+
+def partner_for(partner: str, tokenizer, tasks, frozen_model=None, *, seed: int = 0, temperature: float = 1.0,
+                top_p: float = 1.0, batch_size: int = 64):
+    """Who plays reset mode's second role, by ``harness.partner``: None (``self``: the trained policy), the
+    scripted expert (no noise) over ``tasks``, or a local sampler over ``frozen_model`` (a frozen copy of the
+    warm start) on a seed stream of its own. Used by ``mosaic train``, its evaluation and the TRL and verl
+    rollouts alike."""
     if partner == "self":
         return None
     if partner == "expert":
         from mosaic.agent.expert import ExpertNoise, ExpertPolicy
 
-        return ExpertPolicy(tokenizer, split.tasks, ExpertNoise.off(), seed=seed)
+        return ExpertPolicy(tokenizer, tasks, ExpertNoise.off(), seed=seed)
     if frozen_model is None:
         raise ValueError("harness.partner='frozen' needs the frozen warm start (frozen_model)")
-    return sampling_policy(cfg, frozen_model, tokenizer, temperature=temperature, seed=seed + 7919,
-                           batch_size=batch_size)
+    return LocalPolicy(frozen_model, tokenizer, LocalPolicyConfig(temperature=temperature, top_p=top_p,
+                                                                   max_batch_size=batch_size, seed=seed + 7919))
 

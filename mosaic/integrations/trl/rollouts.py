@@ -27,7 +27,7 @@ from mosaic.agent.policies.local import LocalPolicy, LocalPolicyConfig
 from mosaic.envs.splits import Split
 from mosaic.trace.graph import Trajectory
 from mosaic.trace.storage import load_trajectories
-from mosaic.train.setup import chat_format
+from mosaic.train.setup import chat_format, partner_for
 
 __all__ = ["RowSource", "HarnessRollouts", "RecordedRollouts", "task_dataset"]
 
@@ -93,14 +93,8 @@ class HarnessRollouts:
     def _partner(self, runs, tokenizer, *, temperature, top_p, seed):
         """Who plays reset mode's second role (``harness.partner``): None (the live model), the scripted
         expert over this batch's tasks, or the local sampler over the frozen warm start."""
-        if self.harness_cfg.partner == "expert":
-            from mosaic.agent.expert import ExpertNoise, ExpertPolicy
-
-            return ExpertPolicy(tokenizer, runs, ExpertNoise.off(), seed=seed)
-        if self.partner_model is None:
-            return None
-        return LocalPolicy(self.partner_model, tokenizer, LocalPolicyConfig(
-            temperature=temperature, top_p=top_p, max_batch_size=self.batch_size, seed=seed + 7919))
+        return partner_for(self.harness_cfg.partner, tokenizer, runs, self.partner_model, seed=seed,
+                           temperature=temperature, top_p=top_p, batch_size=self.batch_size)
 
 
 class RecordedRollouts:

@@ -60,6 +60,7 @@ from mosaic.envs.splits import Split, load_split
 from mosaic.integrations.verl import AGENT_NAME
 from mosaic.trace.graph import Trajectory
 from mosaic.train.downstream import downstream_from_logprobs
+from mosaic.train.setup import partner_for
 
 __all__ = ["MosaicAgentLoop", "ServerPolicy", "score_session_gains", "session_outputs"]
 
@@ -262,9 +263,7 @@ class MosaicAgentLoop(AgentLoopBase):
         if not isinstance(env, DeepSearchEnv):
             raise ValueError("harness.partner='expert': the scripted partner plays deep search only, not this "
                              "service-family row; use harness.partner=self")
-        from mosaic.agent.expert import ExpertNoise, ExpertPolicy
-
-        return ExpertPolicy(self.tokenizer, [task], ExpertNoise.off())
+        return partner_for("expert", self.tokenizer, [task])
 
     async def run(self, sampling_params: dict[str, Any], **kwargs) -> list[AgentLoopOutput]:
         extra_info = kwargs["extra_info"]
