@@ -42,6 +42,7 @@ from mosaic.config.harness import MODES, HarnessConfig
 from mosaic.agent.expert import ExpertNoise, ExpertPolicy
 from mosaic.agent.episode import make_env
 from mosaic.agent.harness import Harness
+from mosaic.agent.reset import reset_counts
 from mosaic.agent.models import load_any
 from mosaic.agent.models.corpus import build_project_tokenizer
 from mosaic.agent.tokenizer import load_tokenizer, save_tokenizer
@@ -327,6 +328,7 @@ def summarize(trajs) -> dict:
         "tokens_sampled": sum(t.meta.get("tokens_sampled", 0) for t in trajs) / n,
         "tokens_inserted": sum(t.meta.get("tokens_inserted", 0) for t in trajs) / n,
         **service_summary(trajs),
+        **{f"reset_{k}": v for k, v in reset_counts(trajs).items()},
     }
 
 
@@ -358,6 +360,9 @@ def summary_table(trajs) -> str:
         table.add_row(f"end: {k}", str(v))
     table.add_row("tokens sampled", f"{s['tokens_sampled']:.1f}")
     table.add_row("tokens inserted", f"{s['tokens_inserted']:.1f}")
+    for k in ("resets", "notes_written", "workspace_full", "partner_sessions", "partner_tokens"):
+        if f"reset_{k}" in s:  # (reset mode)
+            table.add_row(k.replace("_", " "), f"{s[f'reset_{k}']:.2f}")
     if "actions" in s:  # the service family
         table.add_row("stale actions / actions", f"{s['stale_actions']:.2f} / {s['actions']:.2f}")
         table.add_row("stale-action rate", f"{s['stale_rate']:.3f}")

@@ -85,6 +85,8 @@ class Harness(EnvCalls, ForkSessions, ResetSessions):
         self.partner = partner  # (mode=reset) plays the partner's role's sessions; see mosaic.agent.reset
         if self.config.partner != "self" and partner is None:
             raise ValueError(f"harness.partner={self.config.partner!r}: give the harness its partner policy")
+        if self.config.resets:
+            self._check_reset_fits()
 
     # ------------------------------------------------------------------ public
     def run(self, tasks: Sequence, group_size: int = 1, seed: int = 0, *,

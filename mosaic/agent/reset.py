@@ -29,15 +29,43 @@ from mosaic.agent.episode import LiveSession, RunState
 from mosaic.config.harness import TOOL_DOCS
 from mosaic.trace.graph import StateRef
 
-__all__ = ["ResetSessions", "RESET_TOOLS"]
+__all__ = ["ResetSessions", "RESET_TOOLS", "reset_counts"]
 
 RESET_TOOLS = ("note_write", "handoff")
 """The workspace tools of reset mode (besides ``search``)."""
 
 
+def reset_counts(trajs) -> dict[str, float]:
+    """Reset mode's counters per trajectory (means over the trajectories that ran in reset mode; {} for
+    none): ``resets``, ``notes_written``, ``workspace_full`` (notes refused for the size budget),
+    ``partner_sessions`` (sessions played by a frozen or expert partner: no training rows) and
+    ``partner_tokens`` (the tokens they sampled)."""
+    runs = [t for t in trajs if "resets" in t.meta]
+    if not runs:
+        return {}
+    out = {k: sum(t.meta.get(k, 0) for t in runs) / len(runs)
+           for k in ("resets", "notes_written", "workspace_full", "partner_tokens")}
+    out["partner_sessions"] = sum(1 for t in runs for s in t.sessions if s.meta.get("partner")) / len(runs)
+    return out
+
+
 class ResetSessions:
     """The reset-mode part of :class:`~mosaic.agent.harness.Harness` (a mixin: it uses the harness's
     ``config``, ``chat``, ``hooks`` and session helpers)."""
+
+    def _check_reset_fits(self) -> None:
+        """Refuse a reset budget that cannot hold a fresh session: its prompt with an empty question and an
+        empty workspace plus one reply's ``max_new_tokens`` (else every trajectory would end at once,
+        ``context_overflow``, and a run would train on nothing)."""
+        cfg = self.config
+        roles = range(len(cfg.reset_roles)) if cfg.reset_roles else [None]
+        prompt = max(len(self.chat.initial_prompt(self._reset_system(r), cfg.reset_text("", []))[0]) for r in roles)
+        budget = cfg.budget("reset")
+        if prompt + cfg.max_new_tokens > budget:
+            raise ValueError(f"harness.reset_context_budget: a fresh reset session's prompt is {prompt} tokens "
+                             f"before any question or note, and a reply may take max_new_tokens="
+                             f"{cfg.max_new_tokens}; the reset budget {budget} cannot hold them (raise "
+                             f"harness.reset_context_budget, 0 = context_budget, or lower harness.max_new_tokens)")
 
     def _reset_system(self, role: int | None) -> str:
         system = self.hooks.system_text(self.config, 0, TOOL_DOCS["delegate"])

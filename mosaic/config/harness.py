@@ -127,6 +127,9 @@ class HarnessConfig:
              "must be an int >= 0 (0 = no cap)")
         need(self.subagent_states in ("merge", "own"), "subagent_states", "must be 'merge' or 'own'")
         need(self.max_new_tokens < self.context_budget, "max_new_tokens", "must be < context_budget")
+        for kind, knob in (("reset", "reset_context_budget"), ("subagent", "subagent_context_budget")):
+            if (self.resets if kind == "reset" else self.forks) and getattr(self, knob):
+                need(self.max_new_tokens < self.budget(kind), "max_new_tokens", f"must be < {knob}")
         need(self.reward_metric in ("em", "f1"), "reward_metric", "must be 'em' or 'f1'")
         need(0.0 < self.success_threshold <= 1.0, "success_threshold", "must be in (0, 1]")
         need("{tools}" in self.system_prompt, "system_prompt", "must contain the {tools} placeholder")
@@ -144,8 +147,8 @@ class HarnessConfig:
              "reset_roles", "must be empty or two non-empty role descriptions")
         need(not self.reset_roles or self.resets, "reset_roles", "needs mode='reset'")
         need(self.partner in ("self", "frozen", "expert"), "partner", "must be 'self', 'frozen' or 'expert'")
-        need(self.partner == "self" or bool(self.reset_roles), "partner",
-             "a frozen or expert partner plays the second of reset_roles; set two reset_roles")
+        need(self.partner == "self" or (self.resets and bool(self.reset_roles)), "partner",
+             "a frozen or expert partner plays the second of reset_roles: needs mode='reset' and two reset_roles")
 
     @property
     def compacts(self) -> bool:

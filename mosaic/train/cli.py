@@ -85,14 +85,15 @@ def _run(fn_name: str):
         from mosaic.train.checkpoint import CheckpointError
         from mosaic.agent.models.checkdir import ModelDirError
         from mosaic.config.loader import ConfigError
-        from mosaic.train.preflight import eval_error, sft_error, train_error, train_notes
+        from mosaic.train.preflight import eval_error, eval_notes, sft_error, train_error, train_notes
 
         bad = {"run_train": lambda: train_error(cfg), "run_sft": lambda: sft_error(cfg),
                "run_eval": lambda: eval_error(cfg, args.checkpoint)}[fn_name]()
         if bad:  # a path the config names that cannot be used: before any work
             print(f"mosaic {args.command}: config error: {bad}", file=sys.stderr)
             return EXIT_CONFIG
-        for note in train_notes(cfg) if fn_name == "run_train" else []:
+        notes = {"run_train": lambda: train_notes(cfg), "run_eval": lambda: eval_notes(cfg, args.checkpoint)}
+        for note in notes.get(fn_name, list)():
             print(f"[mosaic] note: {note}", file=sys.stderr, flush=True)
         try:
             if fn_name == "run_eval":

@@ -29,7 +29,7 @@ from mosaic.agent.models.embedded import save_model
 from mosaic.trace import TraceError, ids_outside, load_trajectories, write_jsonl
 from mosaic.train import setup
 from mosaic.train.checkpoint import check_resume_config, find_latest, load_checkpoint, resolve_resume, save_checkpoint
-from mosaic.config.loader import Config, ConfigError, dump_config, resolve_steps
+from mosaic.config.loader import Config, ConfigError, config_tree, dump_config, resolve_steps
 from mosaic.train.evaluate import evaluate, paired_outcomes
 from mosaic.train.hf_export import save_final_model, set_sampling_defaults
 from mosaic.train.metrics import as_val_aux
@@ -255,10 +255,14 @@ def _heldout_eval(cfg: Config, run_dir: Path, name: str, model, tok, chat, split
     cached in the run dir so a resumed run reuses it."""
     meta = run_dir / f"eval_{name}.json"
     where = cfg.train.heldout_split
+    key = _eval_key(cfg)
     if name == "warmstart" and meta.exists() and (run_dir / f"eval_{name}.jsonl").exists():
         res = json.loads(meta.read_text())
-        _log(f"warm start on {where} (cached): {100 * res['accuracy']:.1f} %")
-        return res
+        if res.get("key", key) == key:  # (a cache from before the key: reused as before)
+            _log(f"warm start on {where} (cached): {100 * res['accuracy']:.1f} %")
+            return res
+        _log(f"warm start on {where}: the cached result was measured under another harness, data, model or "
+             "evaluation setting (train.resume_force); evaluating again")
     label, what = ("warm start", "the warm start") if name == "warmstart" else ("after RL", "the model after RL")
     n_tasks = cfg.data.n_eval_tasks or len(split.tasks)
     _log(f"evaluating {what} on {where}: {n_tasks} questions x {cfg.train.eval_samples} samples")
@@ -267,10 +271,18 @@ def _heldout_eval(cfg: Config, run_dir: Path, name: str, model, tok, chat, split
                  out=run_dir / f"eval_{name}.jsonl", partner_model=partner_model,
                  progress=f"eval {label}" if "console" in cfg.train.sinks() else False)  # fmt: skip
     res = {"split": where, "accuracy": r.accuracy, "lo": r.lo, "hi": r.hi, "outcomes": r.outcomes,
-           "metrics": r.metrics}  # fmt: skip
+           "metrics": r.metrics, "key": key}  # fmt: skip
     meta.write_text(json.dumps(res))
     _log(r.line(f"{label} on {where}"))
     return res
+
+
+def _eval_key(cfg: Config) -> str:
+    """What a held-out result depends on besides the weights: the harness (its partner included), data and
+    model sections and the evaluation's own settings (a cached warm-start result is reused only under it)."""
+    t = cfg.train
+    return json.dumps([config_tree(cfg.harness), config_tree(cfg.data), config_tree(cfg.model), t.heldout_split,
+                       t.eval_samples, t.eval_temperature], sort_keys=True, default=str)
 
 
 def _records_replay(cfg: Config):

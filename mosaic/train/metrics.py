@@ -32,6 +32,9 @@ state (not dropped by a later compaction, not aborted; from the graph, no model)
 | ``env/stale_rate``, ``env/stale_actions``, ``env/actions``, ``env/visits_correct``, ``env/state_match``,
 ``env/answer_correct``, ``env/tool_errors`` | the service family's outcome per batch (stale actions per mutating
 action, pooled; mutating actions per trajectory) |
+| ``reset/resets``, ``reset/notes_written``, ``reset/workspace_full``, ``reset/partner_sessions``,
+``reset/partner_tokens`` | ``harness.mode=reset``, per trajectory: resets, notes kept, notes refused for the
+workspace's size, sessions a frozen or expert partner played (no training rows) and the tokens they sampled |
 | ``dag/*``, ``timing_s/score_downstream`` | the downstream credit's work (``mosaic-dag``, docs/algorithm.md §4.10) |
 | ``capo/action_token_share``, ``capo/action_unit_share`` | ``algo.capo``: share of trained tokens that are action
 labels, of routed units in the action partition (docs/algorithm.md §5.1) |
@@ -55,6 +58,7 @@ from typing import Sequence
 
 import numpy as np
 
+from mosaic.agent.reset import reset_counts
 from mosaic.trace.graph import Trajectory
 
 __all__ = ["rollout_metrics", "CONSOLE_ORDER", "VAL_SOURCE", "val_keys", "ci_keys", "upgrade_names", "as_val_aux"]
@@ -180,6 +184,7 @@ def rollout_metrics(trajs: Sequence[Trajectory], gains=None, is_final=None) -> d
     m.update(_outcome_split(trajs, kinds))
     m.update(_results_in_final(trajs))
     m.update(_env_metrics(trajs))
+    m.update({f"reset/{k}": v for k, v in reset_counts(trajs).items()})
     # drift repairs (captured rollouts whose harness re-sent a turn differently): stretches trained apart
     m["rollout/drift_repairs"] = float(sum(len(s.detached) for t in trajs for s in t.sessions))
     m["rollout/drift_detached_tokens"] = float(sum(sum(x.loss_mask) for t in trajs for s in t.sessions

@@ -114,15 +114,21 @@ def train_error(cfg) -> str | None:
 def train_notes(cfg) -> list[str]:
     """What ``mosaic train`` says before it starts about a config that runs but may not do what its name
     suggests: a session-credit estimator under ``harness.mode=single`` (one session per trajectory: no session
-    term, as a grid's single-context setting compares on purpose)."""
+    term, as a grid's single-context setting compares on purpose), and reset mode from a base model that never
+    saw it."""
     from mosaic.core.estimators import ESTIMATORS
 
+    notes = []
+    base = cfg.model.base or f"{cfg.model.embedded_preset}-base"
+    if cfg.harness.resets and cfg.model.source == "base" and base == "tiny-base":
+        notes.append("harness.mode=reset with model.base=tiny-base: that base never saw context resets (about 2 % "
+                     "on validation at reset_k 4); model.base=tiny-base2 knows them (docs/models.md)")
     est = ESTIMATORS[cfg.algo.estimator]
     if cfg.harness.mode == "single" and (est.needs_gains or "downstream" in est.needs):
         extra = " (and algo.gain_reference=group has nothing to score)" if cfg.algo.gain_reference == "group" else ""
-        return [f"harness.mode=single makes one session per trajectory: {est.name}'s session term is 0 here (every "
-                f"session is final), so it trains on its trajectory term alone{extra}"]
-    return []
+        notes.append(f"harness.mode=single makes one session per trajectory: {est.name}'s session term is 0 here "
+                     f"(every session is final), so it trains on its trajectory term alone{extra}")
+    return notes
 
 
 def eval_error(cfg, checkpoint: str | None) -> str | None:
@@ -137,3 +143,36 @@ def eval_error(cfg, checkpoint: str | None) -> str | None:
         return None
     return warm_start_error(cfg) or (output_error(_key("sft.output_dir"), cfg.sft.output_dir, is_dir=True)
                                  if _sft_output_needed(cfg) else None)
+
+
+def eval_notes(cfg, checkpoint: str | None) -> list[str]:
+    """What ``mosaic eval`` says before it starts when the run it evaluates was trained with another harness
+    (or task family) than the config given: the run's ``config.yaml`` is not read on its own, so a run
+    trained with ``harness.mode=reset`` is evaluated under the preset's compaction unless told."""
+    import yaml
+
+    from mosaic.config.loader import config_tree
+    from mosaic.train.checkpoint import find_latest
+
+    start = Path(checkpoint) if checkpoint else Path(cfg.train.run_dir)
+    if not checkpoint and (not start.is_dir() or find_latest(start) is None):
+        return []  # (the warm start is what gets evaluated)
+    found = next((d / "config.yaml" for d in (start, *list(start.parents)[:3]) if (d / "config.yaml").is_file()), None)
+    if found is None:
+        return []
+    try:
+        run = yaml.safe_load(found.read_text())
+    except (OSError, yaml.YAMLError):
+        run = None
+    if not isinstance(run, dict) or not isinstance(run.get("harness", {}), dict) \
+            or not isinstance(run.get("data", {}), dict):
+        return [f"{found}: unreadable as a config; cannot tell whether its run was trained with this harness"]
+    now = config_tree(cfg)
+    differ = [f"harness.{k}" for k, v in (run.get("harness") or {}).items() if now["harness"].get(k, v) != v]
+    if (run.get("data") or {}).get("family", now["data"]["family"]) != now["data"]["family"]:
+        differ.insert(0, "data.family")
+    if not differ:
+        return []
+    shown = ", ".join(differ[:6]) + (f" and {len(differ) - 6} more" if len(differ) > 6 else "")
+    return [f"the run in {found.parent} was trained with other values of {shown} than this evaluation uses; "
+            f"to evaluate it as it was trained, pass --config {found}"]

@@ -86,9 +86,32 @@ def test_a_context_that_fills_up_resets_and_a_fresh_one_that_overflows_ends(chat
     (t,), _ = run(chat, lambda r: call("search", query="Ruo Ces"), context_budget=room, reset_context_budget=0,
                   max_new_tokens=64, reset_k=50, max_sessions=3, max_total_turns=100)
     assert t.sessions[0].end_reason == "context_reset" and t.sessions[0].num_turns >= 1
-    (t,), _ = run(chat, lambda r: call("search", query="Ruo Ces"), context_budget=120, reset_context_budget=0,
-                  max_new_tokens=64)
-    assert t.end_reason == "context_overflow" and len(t.sessions) == 1 and t.sessions[0].num_turns == 0
+    # a budget that cannot hold even a fresh prompt and one reply is refused before any rollout
+    with pytest.raises(ValueError, match="reset_context_budget: a fresh reset session's prompt is"):
+        run(chat, lambda r: call("search", query="Ruo Ces"), context_budget=120, reset_context_budget=0,
+            max_new_tokens=64)
+    # one that does, until the notes grow: the next fresh session overflows and ends the trajectory
+    long = "Ruo Ces founder Ama Rell word word " * 3
+    (t,), _ = run(chat, lambda r: call("handoff", note=long), context_budget=room, reset_context_budget=0,
+                  max_new_tokens=64, workspace_chars=2000)
+    assert t.end_reason == "context_overflow" and len(t.sessions) >= 2 and t.sessions[-1].num_turns == 0
+    assert all(s.num_turns == 1 for s in t.sessions[:-1]) and len(t.meta["notes"]) == len(t.sessions) - 1
+
+
+def test_reset_counts_reach_the_rollout_summary_and_the_training_logs(chat):
+    from mosaic.agent.cli import summarize
+    from mosaic.train.metrics import rollout_metrics
+
+    long = "Ruo Ces founder Ama Rell " * 2
+    trajs, _ = run(chat, script([[call("note_write", text="short note"), call("note_write", text=long),
+                                  call("handoff", note="go")], ["<answer>Ama Rell</answer>"]]), group=2,
+                   context_budget=2000, max_new_tokens=64, workspace_chars=40)
+    m, s = rollout_metrics(trajs), summarize(trajs)
+    assert m["reset/resets"] == s["reset_resets"] == 1.0 and m["reset/workspace_full"] == 1.0
+    assert m["reset/notes_written"] == 2.0 and m["reset/partner_sessions"] == 0.0
+    (single,), _ = run(chat, lambda r: "<answer>x</answer>", context_budget=2000, max_new_tokens=64)
+    single.meta = {k: v for k, v in single.meta.items() if k not in ("resets",)}  # (as another mode records it)
+    assert not any(k.startswith("reset/") for k in rollout_metrics([single]))
 
 
 def test_the_workspace_round_trips_through_jsonl_and_parquet(chat, tmp_path):
@@ -106,6 +129,8 @@ def test_config_checks():
         HarnessConfig(mode="reset", reset_k=1)
     with pytest.raises(ValueError, match="reset_template"):
         HarnessConfig(mode="reset", reset_template="no placeholders")
+    with pytest.raises(ValueError, match="must be < reset_context_budget"):
+        HarnessConfig(mode="reset", context_budget=2048, reset_context_budget=256, max_new_tokens=256)
     c = HarnessConfig(mode="reset", context_budget=512, reset_context_budget=1024)
     assert c.tools() == ("search", "note_write", "handoff") and c.budget("reset") == 1024 and c.budget("main") == 512
     assert "(empty)" in c.reset_text("Q?", []) and "- a\n- b" in c.reset_text("Q?", ["a", "b"])
@@ -138,5 +163,7 @@ def test_partner_settings_are_checked():
         HarnessConfig(mode="reset", reset_roles=("only one",))
     with pytest.raises(ValueError, match="partner"):
         HarnessConfig(mode="reset", partner="expert")
+    with pytest.raises(ValueError, match="needs mode='reset' and two reset_roles"):
+        HarnessConfig(mode="compaction", partner="frozen")
     with pytest.raises(ValueError, match="give the harness its partner policy"):
         Harness(None, None, FakeEnv(), HarnessConfig(mode="reset", reset_roles=ROLES, partner="frozen"))

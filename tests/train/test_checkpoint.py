@@ -325,3 +325,31 @@ def test_a_config_key_removed_since_the_run_started_does_not_block_resume(tmp_pa
     (run / "config.yaml").write_text(yaml.safe_dump(saved))
     with pytest.raises(ck.CheckpointError, match="optim.lr"):
         ck.check_resume_config(run, dump_config(cfg), force=False)
+
+
+def test_the_cached_warm_start_result_is_reused_only_under_the_same_evaluation(tmp_path, monkeypatch):
+    """A resumed run reuses the warm start's held-out result; one forced on under another harness (here, another
+    reset partner) evaluates again instead of comparing against a result measured under the old one."""
+    from types import SimpleNamespace
+
+    from mosaic.config.loader import load_config
+    from mosaic.train import entrypoints
+
+    calls = []
+
+    def fake_evaluate(cfg, *a, out=None, **k):
+        calls.append(cfg.harness.partner)
+        out.write_text("")
+        return SimpleNamespace(accuracy=0.5, lo=0.4, hi=0.6, outcomes=[], metrics={}, line=lambda label: label)
+
+    monkeypatch.setattr(entrypoints, "evaluate", fake_evaluate)
+    roles = 'harness.reset_roles=["a: search", "b: answer"]'
+    cfg = {p: load_config("cpu", overrides=["harness.mode=reset", roles, f"harness.partner={p}", "data.n_eval_tasks=2"])
+           for p in ("self", "expert")}
+    for partner in ("self", "self", "expert", "expert"):
+        entrypoints._heldout_eval(cfg[partner], tmp_path, "warmstart", None, None, None, SimpleNamespace(tasks=[]))
+    assert calls == ["self", "expert"]
+    meta = tmp_path / "eval_warmstart.json"  # a cache written before the key was kept: reused as it was
+    meta.write_text(json.dumps({k: v for k, v in json.loads(meta.read_text()).items() if k != "key"}))
+    entrypoints._heldout_eval(cfg["self"], tmp_path, "warmstart", None, None, None, SimpleNamespace(tasks=[]))
+    assert calls == ["self", "expert"]

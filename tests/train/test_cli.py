@@ -1,4 +1,5 @@
 import json
+from pathlib import Path
 
 import pytest
 
@@ -131,3 +132,36 @@ def test_train_notes_a_session_credit_estimator_without_sessions():
         assert len(notes) == 1 and f"{est}'s session term is 0" in notes[0]
     assert train_notes(load_config("cpu", overrides=["harness.mode=single", "algo.estimator=grpo"])) == []
     assert train_notes(load_config("cpu", overrides=["algo.estimator=mosaic-dag", "harness.mode=fork"])) == []
+
+
+def test_train_notes_reset_mode_from_a_base_that_never_saw_it():
+    from mosaic.config.loader import load_config
+    from mosaic.train.preflight import train_notes
+
+    (note,) = train_notes(load_config("cpu", overrides=["harness.mode=reset"]))
+    assert "model.base=tiny-base2 knows them" in note
+    assert train_notes(load_config("cpu", overrides=["harness.mode=reset", "model.base=tiny-base2"])) == []
+
+
+def test_eval_notes_a_run_trained_in_another_harness(tmp_path, monkeypatch):
+    """``mosaic eval`` does not read a run's config.yaml on its own: it says when the run it evaluates was
+    trained with another harness or family, and how to evaluate it as it was trained."""
+    from mosaic.config.loader import dump_config, load_config
+    from mosaic.train import checkpoint
+    from mosaic.train.preflight import eval_notes
+
+    run = tmp_path / "r"
+    (run / "checkpoints" / "ckpt-2").mkdir(parents=True)
+    (run / "config.yaml").write_text(dump_config(load_config("cpu", overrides=["harness.mode=reset"])))
+    cfg = load_config("cpu", overrides=[f"train.run_dir={run}"])
+    assert eval_notes(cfg, None) == []  # no finished checkpoint there: the warm start is evaluated
+    monkeypatch.setattr(checkpoint, "find_latest", lambda d: Path(d) / "checkpoints" / "ckpt-2")
+    (note,) = eval_notes(cfg, None)
+    assert "harness.mode" in note and f"--config {run / 'config.yaml'}" in note
+    assert eval_notes(cfg, str(run / "checkpoints" / "ckpt-2")) == [note]
+    same = load_config("cpu", overrides=["harness.mode=reset", f"train.run_dir={run}"])
+    assert eval_notes(same, None) == []
+    assert eval_notes(load_config("cpu", overrides=[f"train.run_dir={tmp_path / 'none'}"]), None) == []
+    for bad in ("harness: [unclosed", "- a list", "harness: 3"):
+        (run / "config.yaml").write_text(bad)
+        assert "unreadable as a config" in eval_notes(cfg, None)[0]

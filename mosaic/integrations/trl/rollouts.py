@@ -54,6 +54,9 @@ class HarnessRollouts:
     """The built-in multi-session harness on ``split``'s deep-search world, sampling from the live model."""
 
     def __init__(self, split: Split, harness: HarnessConfig, *, batch_size: int = 64, partner_model=None):
+        if not isinstance(split, Split):  # (a ServiceSplit: its backend is not wired into this path)
+            raise ValueError(f"HarnessRollouts plays the deep-search family, not a {type(split).__name__} "
+                             "(data.family=service trains with mosaic train or verl's mosaic_agent loop)")
         self.split = split
         self.env = DeepSearchEnv(split)
         self.harness_cfg = harness

@@ -45,3 +45,9 @@ def test_a_partner_plays_the_second_role_and_its_rows_train_nothing(world, partn
 def test_a_frozen_partner_without_its_model_is_refused_before_any_rollout(world):
     with pytest.raises(ValueError, match="partner_model"):
         HarnessRollouts(world[2], _harness("frozen").harness)
+
+
+def test_the_service_family_is_refused_in_one_line():
+    cfg = load_config("cpu-service")
+    with pytest.raises(ValueError, match="plays the deep-search family, not a ServiceSplit"):
+        HarnessRollouts(setup.load_split(cfg, "train"), cfg.harness)
