@@ -47,6 +47,7 @@ from mosaic.agent.models import load_any
 from mosaic.agent.models.corpus import build_project_tokenizer
 from mosaic.agent.tokenizer import load_tokenizer, save_tokenizer
 from mosaic.config.cliargs import add_config_args, deprecated, device_error, output_error, print_deprecations, resolve_config
+from mosaic.config.values import ConfigError
 from mosaic.agent.models.checkdir import ModelDirError, tokenizer_dir_error
 from mosaic.envs.cache import resolve_cache_dir
 from mosaic.envs.cli import EXIT_USAGE, ConfigExit, UsageError, parse_value
@@ -101,6 +102,9 @@ def _guarded(args: argparse.Namespace) -> int:
         return code
     except (UsageError, ModelDirError) as exc:
         print(f"mosaic rollout: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except ConfigError as exc:  # found once the harness is built (a reset budget that cannot hold a session)
+        print(f"mosaic rollout: config error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except ConfigExit as done:
         return done.code

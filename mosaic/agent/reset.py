@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from mosaic.agent.episode import LiveSession, RunState
 from mosaic.config.harness import TOOL_DOCS
+from mosaic.config.values import ConfigError
 from mosaic.trace.graph import StateRef
 
 __all__ = ["ResetSessions", "RESET_TOOLS", "reset_counts"]
@@ -54,7 +55,7 @@ class ResetSessions:
     ``config``, ``chat``, ``hooks`` and session helpers)."""
 
     def _check_reset_fits(self) -> None:
-        """Refuse a reset budget that cannot hold a fresh session: its prompt with an empty question and an
+        """Refuse (:class:`ConfigError`) a reset budget that cannot hold a fresh session: its prompt with an empty question and an
         empty workspace plus one reply's ``max_new_tokens`` (else every trajectory would end at once,
         ``context_overflow``, and a run would train on nothing)."""
         cfg = self.config
@@ -62,7 +63,7 @@ class ResetSessions:
         prompt = max(len(self.chat.initial_prompt(self._reset_system(r), cfg.reset_text("", []))[0]) for r in roles)
         budget = cfg.budget("reset")
         if prompt + cfg.max_new_tokens > budget:
-            raise ValueError(f"harness.reset_context_budget: a fresh reset session's prompt is {prompt} tokens "
+            raise ConfigError(f"harness.reset_context_budget: a fresh reset session's prompt is {prompt} tokens "
                              f"before any question or note, and a reply may take max_new_tokens="
                              f"{cfg.max_new_tokens}; the reset budget {budget} cannot hold them (raise "
                              f"harness.reset_context_budget, 0 = context_budget, or lower harness.max_new_tokens)")

@@ -72,6 +72,15 @@ def test_rollout_bad_arguments_exit_2_with_one_line_naming_the_flag(tmp_path, ca
     assert not (tmp_path / "x.jsonl").exists() and not (tmp_path / "cache").exists()  # before any work
 
 
+def test_rollout_a_reset_budget_that_cannot_hold_a_session_is_a_config_error(tmp_path, capsys):
+    out = tmp_path / "x.jsonl"
+    assert main(["rollout", "--policy", "expert", "--preset", "cpu", "--mode", "reset", "--n-tasks", "2",
+                 "--out", str(out), "--no-progress", "harness.reset_context_budget=300"]) == 2
+    err = capsys.readouterr().err
+    assert "mosaic rollout: config error: harness.reset_context_budget: a fresh reset session's prompt is" in err
+    assert "Traceback" not in err and not out.exists()
+
+
 @pytest.mark.slow  # builds, saves and loads a model: ~20 s alone, minutes on a loaded machine
 def test_rollout_local_model(tmp_path):
     embedded = pytest.importorskip("mosaic.agent.models.embedded")
