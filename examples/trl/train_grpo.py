@@ -76,7 +76,10 @@ def main() -> None:
         )  # fmt: skip
     except ValueError as exc:  # a TRL setting this trainer cannot honour (check_args): one line
         raise SystemExit(f"error: {exc}") from None
-    trainer.train()
+    try:
+        trainer.train()
+    except ConfigError as exc:  # found once the harness is built (a reset budget that cannot hold a session)
+        raise SystemExit(f"error: {exc}") from None
     trainer.save_model(a.output_dir)
 
 

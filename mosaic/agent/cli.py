@@ -228,6 +228,8 @@ def _shared(args: argparse.Namespace):
     if args.cache_dir is not None:
         deprecated(args, f"--cache-dir {args.cache_dir}", f"data.cache_dir={args.cache_dir}")
         aliases.append(f"data.cache_dir={args.cache_dir}")
+    if args.mode is not None:  # in the shared config too: overrides that need it (reset_roles) are checked with it
+        aliases.append(f"harness.mode={args.mode}")
     shared, code = resolve_config(args, "rollout", aliases=aliases, sections=("data", "harness", "rollout", "train"))
     if shared is None:
         raise ConfigExit(code)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -52,6 +52,8 @@ class RunPlan:
     resume_from: Path | None
     """Checkpoint to resume from (``train.resume``), or None for a fresh run."""
     config_yaml: str
+    config_checked: bool = False
+    """The resumed run's saved config was compared with this one (before the warm start's evaluation)."""
 
 
 def prepare_run(cfg: Config) -> RunPlan:
@@ -226,6 +228,10 @@ def run_train(cfg: Config) -> int:
         check_callables(cfg.rollout)
     replay = _records_replay(cfg)  # captured records that cannot be read fail before the warm start's evaluation
     plan = prepare_run(cfg)
+    if plan.resume_from is not None and (plan.resume_from.parent.parent / "config.yaml").is_file():
+        # a resume that must not go on stops before the warm start is evaluated (and its cached result rewritten)
+        check_resume_config(plan.resume_from.parent.parent, plan.config_yaml, cfg.train.resume_force)
+        plan = replace(plan, config_checked=True)
     plan.run_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.train.seed)
     device = setup.resolve_device(cfg)
@@ -262,7 +268,7 @@ def _heldout_eval(cfg: Config, run_dir: Path, name: str, model, tok, chat, split
             _log(f"warm start on {where} (cached): {100 * res['accuracy']:.1f} %")
             return res
         _log(f"warm start on {where}: the cached result was measured under another harness, data, model or "
-             "evaluation setting (train.resume_force); evaluating again")
+             "evaluation setting; evaluating again")
     label, what = ("warm start", "the warm start") if name == "warmstart" else ("after RL", "the model after RL")
     n_tasks = cfg.data.n_eval_tasks or len(split.tasks)
     _log(f"evaluating {what} on {where}: {n_tasks} questions x {cfg.train.eval_samples} samples")
@@ -338,8 +344,9 @@ def _rl_loop(cfg: Config, plan: RunPlan, model, tok, chat, device, replay=None, 
         if plan.resume_from is not None:
             ck = load_checkpoint(plan.resume_from, model=model, optimizer=optimizer, scheduler=scheduler)
             start = ck.step
-            check_resume_config(plan.resume_from.parent.parent, plan.config_yaml, cfg.train.resume_force,
-                                state=ck.state)
+            if not plan.config_checked:  # (an older run without config.yaml: the checkpoint's estimator)
+                check_resume_config(plan.resume_from.parent.parent, plan.config_yaml, cfg.train.resume_force,
+                                    state=ck.state)
             _log(f"resumed from {plan.resume_from} at step {start}")
         st = RLState(cfg, model, tok, chat, train, optimizer, scheduler, device, ref_model=ref, source=source)
         return _run_steps(st, plan, start, steps, base=base, final_eval=final_eval)

@@ -162,7 +162,7 @@ def eval_notes(cfg, checkpoint: str | None) -> list[str]:
         return []
     try:
         run = yaml.safe_load(found.read_text())
-    except (OSError, yaml.YAMLError):
+    except (OSError, ValueError, yaml.YAMLError):  # (ValueError: bytes that are not text)
         run = None
     if not isinstance(run, dict) or not isinstance(run.get("harness", {}), dict) \
             or not isinstance(run.get("data", {}), dict):

@@ -79,6 +79,13 @@ def test_rollout_a_reset_budget_that_cannot_hold_a_session_is_a_config_error(tmp
     err = capsys.readouterr().err
     assert "mosaic rollout: config error: harness.reset_context_budget: a fresh reset session's prompt is" in err
     assert "Traceback" not in err and not out.exists()
+    # --mode counts for the overrides that need it (two roles and a partner need mode=reset)
+    assert main(["rollout", "--policy", "expert", "--preset", "cpu", "--mode", "reset", "--n-tasks", "2",
+                 "--out", str(out), "--no-progress", 'harness.reset_roles=["a: search", "b: answer"]',
+                 "harness.partner=expert"]) == 0
+    assert main(["rollout", "--policy", "expert", "--preset", "cpu", "--mode", "reset", "--n-tasks", "2",
+                 "--out", str(out), "--no-progress", "harness.max_new_tokens=300", "harness.reset_context_budget=300"]) == 2
+    assert "config error: config key 'harness.max_new_tokens': must be < reset_context_budget" in capsys.readouterr().err
 
 
 @pytest.mark.slow  # builds, saves and loads a model: ~20 s alone, minutes on a loaded machine

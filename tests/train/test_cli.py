@@ -165,3 +165,5 @@ def test_eval_notes_a_run_trained_in_another_harness(tmp_path, monkeypatch):
     for bad in ("harness: [unclosed", "- a list", "harness: 3"):
         (run / "config.yaml").write_text(bad)
         assert "unreadable as a config" in eval_notes(cfg, None)[0]
+    (run / "config.yaml").write_bytes(b"\xff\xfe\x00bin")  # not text
+    assert "unreadable as a config" in eval_notes(cfg, None)[0]

@@ -236,8 +236,12 @@ def test_resume_with_a_changed_config_is_refused_unless_forced(base_dir, tmp_pat
     common = ["train.steps=2", "train.save_every=1", "train.eval_every=0"]
     _train_killed_at(_cfg(base_dir, tmp_path, "algo.estimator=broadcast", *common), 1, monkeypatch)
     changed = _cfg(base_dir, tmp_path, "algo.estimator=mosaic", "optim.lr=0.5", *common)
-    with pytest.raises(CheckpointError) as exc:
-        entrypoints.run_train(changed)
+    evals = []
+    with monkeypatch.context() as m:  # refused before the warm start's evaluation (it would rewrite its cached result)
+        m.setattr(entrypoints, "_heldout_eval", lambda *a, **k: evals.append(a) or {})
+        with pytest.raises(CheckpointError) as exc:
+            entrypoints.run_train(changed)
+    assert evals == []
     assert "algo.estimator: 'broadcast' -> 'mosaic'" in str(exc.value) and "optim.lr: 0.01 -> 0.5" in str(exc.value)
     run = tmp_path / "run"
     assert not (run / "checkpoints" / "ckpt-2").exists()  # refused before any step
