@@ -55,9 +55,9 @@ class ResetSessions:
     ``config``, ``chat``, ``hooks`` and session helpers)."""
 
     def _check_reset_fits(self) -> None:
-        """Refuse (:class:`ConfigError`) a reset budget that cannot hold a fresh session: its prompt with an empty question and an
-        empty workspace plus one reply's ``max_new_tokens`` (else every trajectory would end at once,
-        ``context_overflow``, and a run would train on nothing)."""
+        """Refuse (:class:`ConfigError`) a reset budget that cannot hold a fresh session: its prompt with an
+        empty question and an empty workspace plus one reply's ``max_new_tokens`` (else every trajectory would
+        end at once, ``context_overflow``, and a run would train on nothing)."""
         cfg = self.config
         roles = range(len(cfg.reset_roles)) if cfg.reset_roles else [None]
         prompt = max(len(self.chat.initial_prompt(self._reset_system(r), cfg.reset_text("", []))[0]) for r in roles)

@@ -151,7 +151,7 @@ def eval_notes(cfg, checkpoint: str | None) -> list[str]:
     trained with ``harness.mode=reset`` is evaluated under the preset's compaction unless told."""
     import yaml
 
-    from mosaic.config.loader import config_tree
+    from mosaic.config.loader import config_diff, dump_config
     from mosaic.train.checkpoint import find_latest
 
     start = Path(checkpoint) if checkpoint else Path(cfg.train.run_dir)
@@ -161,16 +161,16 @@ def eval_notes(cfg, checkpoint: str | None) -> list[str]:
     if found is None:
         return []
     try:
-        run = yaml.safe_load(found.read_text())
+        text = found.read_text()
+        run = yaml.safe_load(text)
     except (OSError, ValueError, yaml.YAMLError):  # (ValueError: bytes that are not text)
         run = None
     if not isinstance(run, dict) or not isinstance(run.get("harness", {}), dict) \
             or not isinstance(run.get("data", {}), dict):
         return [f"{found}: unreadable as a config; cannot tell whether its run was trained with this harness"]
-    now = config_tree(cfg)
-    differ = [f"harness.{k}" for k, v in (run.get("harness") or {}).items() if now["harness"].get(k, v) != v]
-    if (run.get("data") or {}).get("family", now["data"]["family"]) != now["data"]["family"]:
-        differ.insert(0, "data.family")
+    # the resume check's diff; a key only one side has (a field added or removed since) is no difference
+    differ = [line.split(": ", 1)[0] for line in config_diff(text, dump_config(cfg)) if "(absent)" not in line
+              and line.startswith(("harness.", "data.family:"))]
     if not differ:
         return []
     shown = ", ".join(differ[:6]) + (f" and {len(differ) - 6} more" if len(differ) > 6 else "")
