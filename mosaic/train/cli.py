@@ -92,7 +92,8 @@ def _run(fn_name: str):
         if bad:  # a path the config names that cannot be used: before any work
             print(f"mosaic {args.command}: config error: {bad}", file=sys.stderr)
             return EXIT_CONFIG
-        notes = {"run_train": lambda: train_notes(cfg), "run_eval": lambda: eval_notes(cfg, args.checkpoint)}
+        notes = {"run_train": lambda: train_notes(cfg),
+                 "run_eval": lambda: eval_notes(cfg, args.checkpoint, getattr(args, "config", None))}
         for note in notes.get(fn_name, list)():
             print(f"[mosaic] note: {note}", file=sys.stderr, flush=True)
         try:

@@ -145,10 +145,12 @@ def eval_error(cfg, checkpoint: str | None) -> str | None:
                                  if _sft_output_needed(cfg) else None)
 
 
-def eval_notes(cfg, checkpoint: str | None) -> list[str]:
+def eval_notes(cfg, checkpoint: str | None, config_path: str | None = None) -> list[str]:
     """What ``mosaic eval`` says before it starts when the run it evaluates was trained with another harness
     (or task family) than the config given: the run's ``config.yaml`` is not read on its own, so a run
-    trained with ``harness.mode=reset`` is evaluated under the preset's compaction unless told."""
+    trained with ``harness.mode=reset`` is evaluated under the preset's compaction unless told. When
+    ``config_path`` (``--config``) is that very file, the differences are the user's own overrides: the note
+    names them and gives no advice."""
     import yaml
 
     from mosaic.config.loader import config_diff, dump_config
@@ -174,5 +176,7 @@ def eval_notes(cfg, checkpoint: str | None) -> list[str]:
     if not differ:
         return []
     shown = ", ".join(differ[:6]) + (f" and {len(differ) - 6} more" if len(differ) > 6 else "")
+    if config_path and Path(config_path).resolve() == found.resolve():
+        return [f"this evaluation overrides {shown} of the run's own config ({found})"]
     return [f"the run in {found.parent} was trained with other values of {shown} than this evaluation uses; "
             f"to evaluate it as it was trained, pass --config {found}"]

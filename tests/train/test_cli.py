@@ -161,6 +161,9 @@ def test_eval_notes_a_run_trained_in_another_harness(tmp_path, monkeypatch):
     assert eval_notes(cfg, str(run / "checkpoints" / "ckpt-2")) == [note]
     same = load_config("cpu", overrides=["harness.mode=reset", f"train.run_dir={run}"])
     assert eval_notes(same, None) == []
+    # --config RUN/config.yaml with an override on top: the override is the user's own, named without advice
+    (given,) = eval_notes(cfg, None, str(run / "config.yaml"))
+    assert given.startswith("this evaluation overrides harness.mode") and "--config" not in given
     assert eval_notes(load_config("cpu", overrides=[f"train.run_dir={tmp_path / 'none'}"]), None) == []
     for bad in ("harness: [unclosed", "- a list", "harness: 3"):
         (run / "config.yaml").write_text(bad)
