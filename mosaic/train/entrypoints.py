@@ -203,7 +203,7 @@ def run_eval(cfg: Config, checkpoint: str | None, out: str | None) -> int:
     _log(f"model {path}")
     _log(res.line(f"eval[{cfg.data.eval_split}]"))
     for k in sorted(res.metrics):
-        if k.startswith(("session/", "env/", "val-core/", "val-aux/")):  # env/: the service family's outcome
+        if k.startswith(("session/", "env/", "reset/", "val-core/", "val-aux/")):  # env/: the service outcome
             print(f"  {k}: {res.metrics[k]:.4f}")
     if out:
         _log(f"per-question outcomes → {out}")

@@ -3,6 +3,8 @@ the family's outcome (stale-action rate and the rest) beside the usual metrics."
 
 import json
 
+import pytest
+
 
 def test_one_step_on_the_service_family_logs_its_outcome(tmp_path):
     from mosaic.config.loader import load_config
@@ -42,15 +44,18 @@ def test_one_step_on_the_service_family_in_context_reset_mode(tmp_path):
     assert kinds == {"reset"}, kinds
 
 
-def test_eval_on_the_service_family_prints_its_outcome(tmp_path, capsys):
+@pytest.mark.parametrize("mode", ["compaction", "reset"])
+def test_eval_on_the_service_family_prints_its_outcome(tmp_path, capsys, mode):
     """``mosaic eval`` on the service family prints the stale-action rate and the visits handled right (the
-    family's first-class metrics) in its result line and with the session statistics."""
+    family's first-class metrics) in its result line and with the session statistics; in reset mode also
+    the reset counters (``reset/*``, as training logs them)."""
     from mosaic.config.loader import load_config
     from mosaic.train import entrypoints
 
     cfg = load_config("cpu-service", overrides=[
         f"data.cache_dir={tmp_path / 'cache'}", "data.eval_split=validation", "data.n_eval_tasks=2",
-        "train.eval_samples=1", "train.eval_temperature=0.5", f"train.run_dir={tmp_path / 'run'}"])  # fmt: skip
+        "train.eval_samples=1", "train.eval_temperature=0.5", f"train.run_dir={tmp_path / 'run'}",
+        f"harness.mode={mode}"])  # fmt: skip
     assert entrypoints.run_eval(cfg, None, str(tmp_path / "outcomes.jsonl")) == 0
     out = capsys.readouterr()
     text = out.out + out.err
@@ -62,6 +67,8 @@ def test_eval_on_the_service_family_prints_its_outcome(tmp_path, capsys):
     for k in ("env/stale_rate", "env/visits_correct", "env/answer_correct", "val-core/service/acc/mean@1"):
         assert f"  {k}: " in out.out, k
     assert "deepsearch" not in out.out  # (its accuracy once went by deep search's name)
+    for k in ("reset/resets", "reset/notes_written", "reset/workspace_full"):
+        assert (f"  {k}: " in out.out) == (mode == "reset"), k
 
 
 def test_eval_line_says_na_for_a_stale_rate_over_no_account_changes():
