@@ -223,13 +223,15 @@ class Harness(EnvCalls, ForkSessions, ResetSessions):
         return sorted(cuts)
 
     def _append(self, run: RunState, live: LiveSession, ids: list[int], mask: list[bool] | None = None,
-                logprobs: list[float] | None = None) -> None:
+                logprobs: list[float] | None = None, inserted: int | None = None) -> None:
+        """Append tokens to a live session; ``inserted`` counts the harness's own tokens among them when the
+        mask cannot tell (a partner's sampled turn is masked out but was sampled, not inserted)."""
         s = live.session
         mask = [False] * len(ids) if mask is None else mask
         s.completion_ids += ids
         s.loss_mask += mask
         s.logprobs += [0.0] * len(ids) if logprobs is None else logprobs
-        run.counters["tokens_inserted"] += sum(1 for m in mask if not m)
+        run.counters["tokens_inserted"] += sum(1 for m in mask if not m) if inserted is None else inserted
 
     def _end_trajectory(self, run: RunState, reason: str, *, reward: float = 0.0, answer: str | None = None) -> None:
         top = run.stack[-1] if run.stack else None
@@ -357,7 +359,8 @@ class Harness(EnvCalls, ForkSessions, ResetSessions):
         turn = self.chat.close_turn(sampled)
         lp = list(res.logprobs) + [0.0] * (len(turn.ids) - len(sampled))
         if s.meta.get("partner"):  # the partner's tokens: in the record, never trained
-            self._append(run, live, turn.ids, [False] * len(turn.ids), [0.0] * len(turn.ids))
+            self._append(run, live, turn.ids, [False] * len(turn.ids), [0.0] * len(turn.ids),
+                         inserted=len(turn.ids) - len(sampled))
             run.counters["partner_tokens"] += len(sampled)
         else:
             self._append(run, live, turn.ids, turn.loss_mask, lp)

@@ -189,9 +189,10 @@ def _pieces_from(vocab: Path | None, tokenizer: str | None) -> list[str]:
 
         return vocab_pieces(load_tokenizer(tokenizer))
     if vocab is None or not vocab.is_file():
-        raise ViewError(f"no vocab.json beside the samples ({vocab}); pass --tokenizer MODEL_DIR to print the token "
-                        f"ids: a run's checkpoints/*/model, or for a `mosaic rollout` file the model it sampled with "
-                        f"(e.g. mosaic/assets/models/tiny-svc)")
+        raise ViewError(f"no vocab.json beside the samples ({vocab}); pass --tokenizer DIR to print the token ids: "
+                        "a run's checkpoints/*/model; for a `mosaic rollout` file, the model it sampled with (e.g. "
+                        "mosaic/assets/models/tiny-svc), or with --policy expert/openai the directory its "
+                        "--save-tokenizer wrote (the tokenizer trained on the split: rerun the rollout with it)")
     try:
         pieces = json.loads(vocab.read_text(encoding="utf-8"))["pieces"]
     except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:

@@ -153,6 +153,8 @@ def test_two_roles_alternate_and_a_partner_plays_the_second_untrained(chat):
     for s in t.sessions:  # the partner's tokens are recorded, never trained
         assert any(s.loss_mask) != bool(s.meta.get("partner"))
     assert t.meta["partner_tokens"] > 0 and "partner was here" in t.meta["notes"]
+    # every completion token is counted once: sampled (by us or the partner) or inserted by the harness
+    assert t.meta["tokens_sampled"] + t.meta["tokens_inserted"] == sum(len(s.completion_ids) for s in t.sessions)
     assert theirs.released == ["t0/0/1", "t0/0/3"]
 
 

@@ -141,6 +141,10 @@ def test_train_notes_reset_mode_from_a_base_that_never_saw_it():
     (note,) = train_notes(load_config("cpu", overrides=["harness.mode=reset"]))
     assert "model.base=tiny-base2 knows them" in note
     assert train_notes(load_config("cpu", overrides=["harness.mode=reset", "model.base=tiny-base2"])) == []
+    # reset-only knobs outside reset mode run and do nothing: said, not refused (reset_roles / partner are refused)
+    (note,) = train_notes(load_config("cpu", overrides=["harness.mode=compaction", "harness.reset_k=2"]))
+    assert note.startswith("harness.reset_k only acts under harness.mode=reset") and "mode=compaction" in note
+    assert train_notes(load_config("cpu-service", overrides=["harness.mode=compaction"])) == []  # its preset's own
 
 
 def test_eval_notes_a_run_trained_in_another_harness(tmp_path, monkeypatch):

@@ -90,8 +90,9 @@ def test_bad_inputs_fail_with_a_message(tmp_path, capsys):
     with pytest.raises(ViewError, match="outside the vocabulary"):
         load_view(d)
     (d / "vocab.json").unlink()
-    with pytest.raises(ViewError, match="--tokenizer"):
+    with pytest.raises(ViewError, match="--tokenizer") as err:  # where to find one, an expert rollout's too
         load_view(d)
+    assert "checkpoints/*/model" in str(err.value) and "--save-tokenizer wrote" in str(err.value)
     assert main(["view", str(tmp_path / "nowhere")]) == 2
     assert "no such file" in capsys.readouterr().err
 
