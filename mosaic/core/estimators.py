@@ -15,7 +15,7 @@ of metrics.
 | ``mosaic`` | ``Â_i + lam z`` (§4.3 + §4.4) |
 | ``mosaic-dag`` | ``Â_i + lam z(D)``: the downstream credit ``D`` of each session on the final answer (§4.10) |
 | ``turn-level`` | per turn: ``A_i + lam z_turn`` (IGPO-style, §4.7) |
-| ``fold`` | per turn: ``A_i``, minus ``p`` on main turns past half the context budget (FoldGRPO-style, §4.8) |
+| ``fold`` | per turn: ``A_i``, minus ``p`` on main (and reset) turns past half their budget (FoldGRPO-style, §4.8) |
 
 Each knob is declared once, in :data:`KNOBS` (name, type, default, one-line doc, range); an estimator
 lists the ones it reads. The trainer config (``algo.<knob>``), ``--help-config``, the verl plugin
@@ -80,7 +80,7 @@ class AdvantageBatch:
     turn_is_final: torch.Tensor | None = None
     """(U,) bool, True for the answer turn (the last turn of a final session)."""
     turn_over_half: torch.Tensor | None = None
-    """(U,) bool, True for a main-session turn taken while its context exceeds half the budget (§4.8)."""
+    """(U,) bool, True for a main- or reset-session turn taken while its context exceeds half its budget (§4.8)."""
     downstream: torch.Tensor | None = None
     """(S,) downstream credit ``D``: a session's effect on the final state's answer likelihood (§4.10); 0 for finals."""
     gain_valid: torch.Tensor | None = None
@@ -167,7 +167,7 @@ for _k in (
     Knob("eps", float, 1e-6, "Added to standard deviations", "(0, inf)"),
     Knob("gamma", float, 0.0, "Discount of later turns' gains in turn-level (0: each turn its own gain; §4.7)",
          "[0, 1]"),
-    Knob("fold_penalty", float, 1.0, "p of fold: subtracted on main turns taken past half the context budget (§4.8)",
+    Knob("fold_penalty", float, 1.0, "p of fold: subtracted on main/reset turns past half their budget (§4.8)",
          "[0, inf)"),
 ):
     add_knob(_k)
@@ -410,7 +410,7 @@ for _e in (
               needs=frozenset({"gains", "downstream"}), knobs=("rho", "delta", "lam", *_SESSION_KNOBS)),
     Estimator("turn-level", _turn_level, "IGPO-style: A_i + lam z_turn on each turn's tokens (4.7)",
               needs=frozenset({"turn_gains", "turn_is_final"}), level="turn", knobs=("lam", "gamma", *_SESSION_KNOBS)),
-    Estimator("fold", _fold, "FoldGRPO-style: A_i, minus p on main turns past half the budget (4.8)",
+    Estimator("fold", _fold, "FoldGRPO-style: A_i, minus p on main (and reset) turns past half the budget (4.8)",
               needs=frozenset({"turn_over_half"}), level="turn", knobs=("fold_penalty", *_SESSION_KNOBS)),
 ):
     register(_e)

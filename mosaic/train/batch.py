@@ -11,7 +11,7 @@ estimators). What an estimator needs is read from its registry entry
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -24,7 +24,7 @@ from mosaic.train.downstream import group_references, score_downstream, with_ref
 from mosaic.train.scorer import score_gains, score_turns
 
 __all__ = ["Scores", "StepAdvantages", "drop_uniform_groups", "estimator_params", "advantage_batch", "step_advantages",
-           "compute_advantages", "every_estimator", "training_rows", "score_for"]
+           "half_budgets", "compute_advantages", "every_estimator", "training_rows", "score_for"]
 
 
 @dataclass
@@ -67,12 +67,21 @@ def estimator_params(algo: AlgoConfig) -> EstimatorParams:
     return EstimatorParams(**algo.knobs())
 
 
+def half_budgets(harness) -> dict[str, int]:
+    """The context budgets ``fold``'s half-budget flags read (docs/algorithm.md §4.8): a main session's, and in
+    reset mode a reset session's (the agent's own line of work; summaries and helpers are not flagged)."""
+    return {"main": harness.context_budget, "reset": harness.budget("reset")}
+
+
 def advantage_batch(trajs: Sequence[Trajectory], gains=None, *, count_kinds: Sequence[str] | None = None,
                     layout: TurnLayout | None = None, turn_gains=None,
-                    context_budget: int | None = None, downstream=None, gain_valid=None) -> AdvantageBatch:  # fmt: skip
+                    context_budget: int | Mapping[str, int] | None = None, downstream=None,
+                    gain_valid=None) -> AdvantageBatch:  # fmt: skip
     """An :class:`AdvantageBatch` from trajectories; ``gains``, ``downstream`` (float), ``gain_valid`` (bool):
     (S,) in flatten order or None; ``layout`` (+ ``turn_gains`` (U,), ``context_budget`` for the half-budget
-    flags) for turn-level fields."""
+    flags) for turn-level fields. ``context_budget``: the budget of ``main`` sessions, or ``{kind: budget}``
+    for the kinds whose turns the flags cover (the agent's own line of work: ``main``, and ``reset`` in reset
+    mode, whose sessions have their own budget)."""
     fb = flatten(trajs, count_kinds=count_kinds)
 
     def per_session(name: str, values, dtype):
@@ -91,8 +100,12 @@ def advantage_batch(trajs: Sequence[Trajectory], gains=None, *, count_kinds: Seq
         if turn_gains is not None:
             turns["turn_gains"] = torch.as_tensor(turn_gains, dtype=torch.float32)
         if context_budget is not None:
-            main = fb.kinds[layout.session] == KIND_CODES["main"]
-            turns["turn_over_half"] = torch.from_numpy(main & (layout.context > context_budget / 2))
+            budgets = {"main": context_budget} if isinstance(context_budget, int) else dict(context_budget)
+            kinds = fb.kinds[layout.session]
+            over = np.zeros(len(layout.session), dtype=bool)
+            for kind, cap in budgets.items():
+                over |= (kinds == KIND_CODES[kind]) & (layout.context > cap / 2)
+            turns["turn_over_half"] = torch.from_numpy(over)
     return AdvantageBatch(
         rewards=torch.from_numpy(fb.rewards), group_ids=torch.from_numpy(fb.group_ids),
         session_counts=torch.from_numpy(fb.session_counts), success=torch.from_numpy(fb.success),
@@ -137,7 +150,7 @@ def step_advantages(trajs: Sequence[Trajectory], cfg: Config, scores: Scores | N
     budget = every or "turn_over_half" in est.needs
     batch = advantage_batch(trajs, scores.gains if every or est.needs_gains else None, count_kinds=cfg.algo.count_kinds,
                             layout=layout if turns else None, turn_gains=scores.turn_gains,
-                            context_budget=cfg.harness.context_budget if budget else None,
+                            context_budget=half_budgets(cfg.harness) if budget else None,
                             downstream=scores.downstream if every or "downstream" in est.needs else None,
                             gain_valid=scores.gain_valid)  # fmt: skip
     params = estimator_params(cfg.algo)

@@ -16,8 +16,8 @@ gives it, without a model or a tokenizer::
                    "prefix": [p, n],          # optional: the prompt starts with the first n tokens of its
                                               # parent p's prompt + completion (stored once; n >= 32)
                    "fork_at": 57,             # optional, a fork: the parent's token count where it left
-                  "notes": {"before": [..], "after": [..]},  # optional, a reset session's workspace
-                  "role": {"index": 0, "text": "..", "partner": null},  # optional, a reset session's role
+                   "notes": {"before": [..], "after": [..]},  # optional, a reset session's workspace
+                   "role": {"index": 0, "text": "..", "partner": null},  # optional, a reset session's role
                    "prompt": [ids], "completion": [ids],
                    "mask": [runs],            # loss_mask as run lengths, starting with a False run
                    "gain": 0.12,              # L(after) - L(before), nats per answer token; null where not scored
@@ -55,7 +55,7 @@ _MIN_PREFIX = 32
 
 
 def all_estimator_advantages(trajs: Sequence[Trajectory], params: EstimatorParams, *, gains=None, turn_gains=None,
-                             layout: TurnLayout | None = None, context_budget: int | None = None,
+                             layout: TurnLayout | None = None, context_budget: int | dict[str, int] | None = None,
                              count_kinds: Sequence[str] | None = None, downstream=None,
                              ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:  # fmt: skip
     """Every registered estimator on one batch: ``({name: (S,) or (U,) advantages}, {name: why not})``.

@@ -41,11 +41,11 @@ def test_spec_worked_example_through_the_glue():
         compute_advantages(trajs, _cfg("mosaic"))
 
 
-def _turn_traj(i, reward, prompt_len, masks):
-    """A trajectory of one main session per mask list (compactions between them omitted: only turns matter)."""
+def _turn_traj(i, reward, prompt_len, masks, kind="main"):
+    """A trajectory of one ``kind`` session per mask list (compactions between them omitted: only turns matter)."""
     ss = []
     for k, m in enumerate(masks):
-        ss.append(Session(id=k, kind="main", prompt_ids=[1] * prompt_len, completion_ids=[3] * len(m), loss_mask=m,
+        ss.append(Session(id=k, kind=kind, prompt_ids=[1] * prompt_len, completion_ids=[3] * len(m), loss_mask=m,
                           logprobs=[-1.0 if x else 0.0 for x in m], parent=None if k == 0 else k - 1,
                           edge=None if k == 0 else "continues", is_final=k == len(masks) - 1))
     return Trajectory(id=f"t{i}", task_id="q", group_id="g", sessions=ss, reward=reward, success=reward >= 1)
@@ -89,3 +89,19 @@ def test_fold_estimator_penalises_main_turns_past_half_the_budget():
                                atol=1e-4, rtol=0)
     rows = training_rows(trajs, adv, get_estimator("fold"))
     assert rows[1].token_advantages == pytest.approx([float(adv[2]), float(adv[2]), float(adv[3])])
+
+
+def test_fold_flags_reset_turns_against_the_reset_budget():
+    """In reset mode the agent's line of work is its reset sessions: fold flags their turns past half of
+    ``harness.reset_context_budget`` (1024 here, against a main session's 512), never a summary's."""
+    T, F = True, False
+    cfg = load_config("cpu", overrides=["algo.estimator=fold", "harness.mode=reset"])
+    assert (cfg.harness.context_budget, cfg.harness.budget("reset")) == (512, 1024)
+    p = cfg.algo.fold_penalty
+    trajs = [_turn_traj(0, 1.0, 300, [[T, F, T]], "reset"), _turn_traj(1, 0.0, 600, [[T, F, T]], "reset")]
+    adv, _ = compute_advantages(trajs, cfg)  # 300 < 512 (not flagged although past a main session's half)
+    torch.testing.assert_close(adv.double(), torch.tensor([0.7071, 0.7071, -0.7071 - p, -0.7071 - p]).double(),
+                               atol=1e-4, rtol=0)
+    summaries = [_turn_traj(0, 1.0, 900, [[T, F, T]], "compaction"), _turn_traj(1, 0.0, 900, [[T, F, T]], "compaction")]
+    adv, _ = compute_advantages(summaries, cfg)
+    torch.testing.assert_close(adv.double(), torch.tensor([0.7071] * 2 + [-0.7071] * 2).double(), atol=1e-4, rtol=0)
