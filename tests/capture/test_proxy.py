@@ -105,6 +105,37 @@ def test_reward_and_export_cli(upstream, make_proxy, tmp_path, capsys):
     assert t.id == "ro" and t.task_id == "q1" and t.reward == 1.0 and t.success and t.ground_truth == "north"
 
 
+def test_a_harness_that_resets_through_the_proxy_rebuilds_as_reset_sessions(upstream, make_proxy, tmp_path, capsys):
+    """Issue 30, end to end: a harness that restarts its agent every two calls from the same system prompt, the
+    task and the notes so far (written by the harness: a reply carried over verbatim would be a summary, i.e.
+    a compaction), talking to the proxy with the official client; `mosaic proxy export` rebuilds
+    the rollout as a chain of ``reset`` sessions (not unrelated mains), the last one final, each after-state
+    the next session's prompt."""
+    px = make_proxy(upstream.url)
+    client, notes = _client(px.url, "hma"), []
+    system = {"role": "system", "content": "You work in sessions of two steps; your notes carry over."}
+    for s in range(3):
+        shown = "\n".join(f"- {n}" for n in notes) or "(none)"
+        msgs = [system, {"role": "user", "content": f"Task: where is the river?\nNotes:\n{shown}"}]
+        for _ in range(2):
+            text = client.chat.completions.create(model="scripted", messages=msgs).choices[0].message.content
+            msgs += [{"role": "assistant", "content": text}, {"role": "user", "content": "Go on."}]
+        notes.append(f"session {s}: checked {2 * s + 2} places")  # the harness's notes, not a reply's text
+    assert httpx.post(f"{px.url}/rollouts/hma/reward", json={"reward": 1.0, "ground_truth": "north"}).status_code == 200
+    px.stop()
+    out = tmp_path / "hma.jsonl"
+    assert mosaic_main(["proxy", "export", "--records", px.out_dir, "--out", str(out)]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["rollouts"] == 1 and summary["sessions"] == {"reset": 3}
+    (t,) = load_trajectories(out)
+    assert [(x.kind, x.parent, x.edge, x.is_final) for x in t.sessions] == [
+        ("reset", None, None, False), ("reset", 0, "continues", False), ("reset", 1, "continues", True)]
+    for a, b in zip(t.sessions, t.sessions[1:]):
+        assert t.resolve_state(a.state_after) == b.prompt_ids  # the next session's prompt, notes included
+        assert t.resolve_state(a.state_before) == a.prompt_ids
+    assert "session 1:" in upstream.app.state.calls[-1]["messages"][1]["content"]
+
+
 def test_retokenized_when_upstream_gives_no_ids(scripted_app_factory, make_proxy, tok, tmp_path, capsys):
     app = scripted_app_factory(token_ids=False)
     with ServerThread(app) as up:

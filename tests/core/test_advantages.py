@@ -23,6 +23,7 @@ from mosaic.core.advantages import (
     turn_level_gains,
 )
 from mosaic.core.estimators import ESTIMATORS, AdvantageBatch, get_estimator
+from mosaic.trace import KIND_CODES
 
 SETTINGS = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -103,7 +104,10 @@ def ref_mosaic(r, g, n, ok, st_, gains, kinds, fin, *, rho=0.2, delta=0.1, lam=0
 @st.composite
 def batches(draw, *, binary=None, max_groups=5, max_size=16):
     """A random multi-session batch: groups of size 1-16 with arbitrary id values,
-    trajectories in random order, 1-8 sessions each, 1-3 kinds, one final per trajectory."""
+    trajectories in random order, 1-8 sessions each, one final per trajectory. A trajectory is either of
+    main / compaction / subagent sessions (1-3 kinds, final main) or, in about a quarter of the batches'
+    trajectories, of context-reset sessions only (kind 3, final reset: ``harness.mode=reset``), so the
+    properties of §4.5 are checked with reset sessions in the batch beside the other kinds."""
     n_groups = draw(st.integers(1, max_groups))
     ids = draw(st.lists(st.integers(-(10**9), 10**9), min_size=n_groups, max_size=n_groups, unique=True))
     sizes = draw(st.lists(st.integers(1, max_size), min_size=n_groups, max_size=n_groups))
@@ -121,10 +125,14 @@ def batches(draw, *, binary=None, max_groups=5, max_size=16):
     n = draw(st.lists(st.integers(1, 8), min_size=t, max_size=t))
     n_kinds = draw(st.integers(1, 3))
     st_, kinds, fin = [], [], []
+    resets = draw(st.lists(st.integers(0, 3), min_size=t, max_size=t))
     for i in range(t):
         for k in range(n[i]):
             st_.append(i)
-            kinds.append(0 if k == n[i] - 1 else draw(st.integers(0, n_kinds - 1)))
+            if resets[i] == 0:
+                kinds.append(KIND_CODES["reset"])
+            else:
+                kinds.append(0 if k == n[i] - 1 else draw(st.integers(0, n_kinds - 1)))
             fin.append(k == n[i] - 1)
     gains = draw(st.lists(st.floats(-5, 5, allow_nan=False, width=32), min_size=len(st_), max_size=len(st_)))
     return dict(r=r, g=g, n=n, ok=ok, st=st_, gains=gains, kinds=kinds, fin=fin)
@@ -169,6 +177,26 @@ def test_worked_example_spec_4_6():
     expected = [0.7801, 0.7729, 0.6928, -0.8019, -0.8049, -0.6710, -0.6608, -0.6928, 1.0392, -1.0392]
     torch.testing.assert_close(out, torch.tensor(expected), atol=1e-4, rtol=0)
     assert out.dtype == torch.float32
+
+
+def test_worked_example_with_reset_sessions():
+    """§4.6 with reset sessions: relabelling main as reset changes nothing (z is per kind, whatever its code);
+    when trajectory 1 runs in reset mode (five reset sessions), its four non-final gains are z-scored as their
+    own kind, and the lone non-final main and compaction sessions left get 0."""
+    r, g, ok = torch.tensor(EX_R), torch.tensor([3, 3, 3, 3]), torch.tensor(EX_R) == 1
+    n, st_ = torch.tensor(EX_N), torch.tensor(EX_ST)
+    gains, fin = torch.tensor(EX_GAINS), torch.tensor(EX_FIN)
+    reset = KIND_CODES["reset"]
+    relabelled = torch.tensor([reset if k == 0 else k for k in EX_KINDS])
+    torch.testing.assert_close(mosaic(r, g, n, ok, st_, gains, relabelled, fin),
+                               mosaic(r, g, n, ok, st_, gains, torch.tensor(EX_KINDS), fin))
+    kinds = [0, 1, 0, reset, reset, reset, reset, reset, 0, 0]
+    z = normalized_session_gains(gains, torch.tensor(kinds), fin)
+    torch.testing.assert_close(z, torch.tensor(ref_z(EX_GAINS, kinds, EX_FIN), dtype=torch.float32), atol=1e-5, rtol=0)
+    assert z[0] == 0 and z[1] == 0 and z[3:7].abs().min() > 0 and abs(float(z[3:7].mean())) < 1e-5
+    out = mosaic(r, g, n, ok, st_, gains, torch.tensor(kinds), fin)
+    ref = ref_mosaic(EX_R, [3, 3, 3, 3], EX_N, list(ok.tolist()), EX_ST, EX_GAINS, kinds, EX_FIN)
+    torch.testing.assert_close(out, torch.tensor(ref, dtype=torch.float32), atol=1e-5, rtol=0)
 
 
 def test_numpy_inputs_and_dtypes():

@@ -83,3 +83,32 @@ def test_notes_that_keep_the_needed_fact_score_a_higher_gain(world):
     # intermediate hop's entity, as the scripted expert's first session writes, measured no difference on
     # average: +0.04 on 19 pairs, -0.05 on 73; docs/algorithm.md §2.)
     assert float(diffs.mean()) > 1.0 and share >= 0.8, (float(diffs.mean()), share)
+
+
+def test_a_chain_of_reset_sessions_scores_each_shared_state_once(world):
+    """A session's after-state is the next one's before-state (its prompt with the updated notes): a chain of
+    n reset sessions has n - 1 non-final sessions, 2 (n - 1) state references and n distinct states, each
+    probed once (docs/algorithm.md §4.4), by the cached scorer and the reference alike, with equal gains."""
+    from mosaic.agent.harness import DeepSearchEnv, Harness
+    from mosaic.agent.tools import format_call
+    from mosaic.train.scorer import score_gains
+    from tests.agent._doubles import TextPolicy
+
+    cfg, model, tok, chat, split = world
+    tasks = split.tasks[:4]
+    by_id = {t.id: t for t in tasks}
+
+    def text(r) -> str:  # sessions 0 to n - 2 hand off one hop each; the last answers
+        task, k = by_id[r.meta["task_id"]], r.meta["session"]
+        if k >= len(task.gold_chain):
+            return f"<answer>{task.answer}</answer>"
+        h = task.gold_chain[k]
+        return format_call("handoff", f"{h.title} {h.relation}: {h.target}")
+
+    for t in Harness(TextPolicy(tok, text), chat, DeepSearchEnv(split), cfg.harness).run(tasks, 1):
+        n = len(t.sessions)
+        assert n >= 3 and t.success and all(s.kind == "reset" for s in t.sessions), (n, t.end_reason)
+        res = {m: score_gains([t], model, chat.answer_probe, method=m) for m in ("cached", "reference")}
+        for r in res.values():
+            assert (r.stats.num_state_refs, r.stats.num_unique_states, r.stats.num_probes) == (2 * (n - 1), n, n)
+        torch.testing.assert_close(res["cached"].gains, res["reference"].gains, atol=1e-4, rtol=0)
