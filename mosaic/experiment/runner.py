@@ -153,26 +153,35 @@ def adopt(work: Path, r: RunSpec, text: str, *, rename: bool) -> Path:
 REUSED = "reused.json"
 
 
-def reusable(grid: Grid, r: RunSpec, text: str) -> Path | None:
-    """A finished run of ``r``'s config (same key, no drift, a final checkpoint) in a ``reuse`` work dir."""
+def _evaluated(d: Path, grid: Grid, eval_yaml: str) -> bool:
+    """Every evaluation of ``grid`` is in run dir ``d``, each known to have run under ``eval_yaml``."""
+    return all(_eval_done(d, e) and _same_eval_config(_read_eval(d / "evals" / f"{e.name}.json") or {}, eval_yaml)
+               for e in grid.evals)
+
+
+def reusable(grid: Grid, r: RunSpec, text: str, eval_yaml: str | None = None) -> Path | None:
+    """A finished run of ``r``'s config (same key, no drift) in a ``reuse`` work dir that has its weights (a
+    final checkpoint) or, without them (checkpoints are not committed), every evaluation this grid asks for,
+    run under ``eval_yaml``: nothing is left to do with the weights, so its results are reused as they are."""
     for w in grid.reuse:
         for cand in sorted((w / "runs").glob(f"*-{r.key[:8]}")):
             saved = cand / "config.yaml"
-            if (cand / DONE).exists() and saved.exists() and not _drift(saved.read_text(), text) \
-                    and any((cand / "checkpoints").glob("ckpt-*/model")):  # fmt: skip
+            if (cand / DONE).exists() and saved.exists() and not _drift(saved.read_text(), text) and (
+                    any((cand / "checkpoints").glob("ckpt-*/model"))
+                    or (eval_yaml is not None and _evaluated(cand, grid, eval_yaml))):  # fmt: skip
                 return cand
     return None
 
 
 def reuse_notes(grid: Grid, units: list[Unit]) -> list[str]:
     """Why ``reuse:`` copies less than it could: a work dir that does not exist, and runs to train although a
-    finished run of the same config lies in a reuse dir without its weights (checkpoints are not committed,
-    so on a fresh clone every reused run is trained again)."""
+    finished run of the same config lies in a reuse dir without its weights and without some evaluation this
+    grid asks for (checkpoints are not committed: on a fresh clone such a run is trained again)."""
     out = [f"reuse: {w} does not exist here (nothing is reused from it)" for w in grid.reuse if not (w / "runs").is_dir()]
     for w in (w for w in grid.reuse if (w / "runs").is_dir()):
         bare = [u.name for u in units if u.train and u.run is not None and any(
             (c / DONE).exists() and not any((c / "checkpoints").glob("ckpt-*/model"))
-            for c in (w / "runs").glob(f"*-{u.run.key[:8]}"))]  # fmt: skip
+            and not _evaluated(c, grid, u.eval_config_yaml) for c in (w / "runs").glob(f"*-{u.run.key[:8]}"))]
         if bare:
             out.append(f"reuse: {len(bare)} run(s) to train here finished in {w} with the same config but without "
                        f"their weights (checkpoints are not committed): trained again, e.g. {bare[0]}")
@@ -196,7 +205,7 @@ def plan(grid: Grid, work: Path, *, rename: bool = False, arms: Sequence[str] | 
         d = adopt(work, r, dump_config(r.config), rename=rename)
         cfg = dataclasses.replace(r.config, train=dataclasses.replace(r.config.train, run_dir=str(d)))
         done, text = (d / DONE).exists(), dump_config(cfg)
-        src = None if done or any(d.glob("checkpoints/ckpt-*")) else reusable(grid, r, text)
+        src = None if done or any(d.glob("checkpoints/ckpt-*")) else reusable(grid, r, text, eval_yaml[r.setting])
         if src is not None and rename:  # copy the other grid's run (checkpoints, metrics, evals) and say so
             if d.exists():
                 shutil.rmtree(d)

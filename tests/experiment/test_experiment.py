@@ -240,6 +240,42 @@ def test_a_run_finished_in_another_grid_is_copied_not_retrained(tmp_path, capsys
         parse_grid({**QUICK_GRID, "reuse": "somewhere"})
 
 
+def test_a_run_without_weights_is_reused_when_it_has_every_evaluation_this_grid_asks_for(tmp_path, capsys):
+    """Checkpoints are not committed, so a run finished in another grid has no weights on a fresh clone; when
+    it holds every evaluation this grid asks for, under this grid's evaluation config, nothing is left to do
+    with the weights: its results are copied, not trained again. One evaluation missing (or made under another
+    config) and it is trained again, as before."""
+    from mosaic.experiment.runner import DONE, REUSED, plan, print_plan, run_dir
+    from mosaic.config.loader import dump_config, load_config
+
+    first = tmp_path / "first"
+    g = parse_grid(QUICK_GRID)
+    ours = dump_config(load_config(g.preset, overrides=g.eval_overrides("base")))
+    full, partial = g.runs[0], g.runs[1]
+    for r, evals in ((full, g.evals), (partial, g.evals[:1])):  # finished, no weights; all / one evaluation
+        d = run_dir(first, r)
+        (d / "evals").mkdir(parents=True)
+        (d / "config.yaml").write_text(dump_config(r.config))
+        (d / DONE).write_text('{"step_s": 1.0, "rollouts_per_step": 4}')
+        for e in evals:
+            (d / "evals" / f"{e.name}.json").write_text(json.dumps({"key": e.key(), "eval_config": ours}))
+            (d / "evals" / f"{e.name}.jsonl").write_text("")
+    second = parse_grid({**QUICK_GRID, "reuse": [str(first)]})
+    print_plan(second, plan(second, tmp_path / "second"), tmp_path / "second", 1)
+    assert "1 run(s) to train here finished in" in capsys.readouterr().out  # the partial one only
+    by_key = {u.run.key: u for u in plan(second, tmp_path / "second", rename=True) if u.run}
+    got = by_key[full.key]
+    assert got.reuse_from == run_dir(first, full) and not got.train and not got.retrain and got.evals == []
+    assert json.loads((got.dir / REUSED).read_text())["evals_dropped"] == []
+    assert by_key[partial.key].train and by_key[partial.key].reuse_from is None
+    # an evaluation made under another harness is not this grid's: trained again
+    theirs = dump_config(load_config(g.preset, overrides=[*g.eval_overrides("base"), "harness.mode=single"]))
+    e = g.evals[-1]
+    (run_dir(first, full) / "evals" / f"{e.name}.json").write_text(json.dumps({"key": e.key(), "eval_config": theirs}))
+    again = {u.run.key: u for u in plan(second, tmp_path / "third") if u.run}
+    assert again[full.key].reuse_from is None and again[full.key].train
+
+
 def test_a_copied_run_keeps_only_evaluations_made_under_this_grids_evaluation_config(tmp_path):
     """Two grids can share a run (an arm that sets its own harness, e.g. single-session GRPO) yet evaluate
     under different harnesses (the grid's common one): the copy keeps an evaluation only when it recorded
