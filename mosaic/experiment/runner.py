@@ -153,10 +153,15 @@ def adopt(work: Path, r: RunSpec, text: str, *, rename: bool) -> Path:
 REUSED = "reused.json"
 
 
+def _kept(d: Path, e: EvalSpec, eval_yaml: str) -> bool:
+    """Evaluation ``e`` in another grid's run dir ``d`` is one this grid keeps when copying it: done, and
+    known to have run under ``eval_yaml`` (:func:`_drop_foreign_evals` removes the others)."""
+    return _eval_done(d, e) and bool(_same_eval_config(_read_eval(d / "evals" / f"{e.name}.json") or {}, eval_yaml))
+
+
 def _evaluated(d: Path, grid: Grid, eval_yaml: str) -> bool:
     """Every evaluation of ``grid`` is in run dir ``d``, each known to have run under ``eval_yaml``."""
-    return all(_eval_done(d, e) and _same_eval_config(_read_eval(d / "evals" / f"{e.name}.json") or {}, eval_yaml)
-               for e in grid.evals)
+    return all(_kept(d, e, eval_yaml) for e in grid.evals)
 
 
 def reusable(grid: Grid, r: RunSpec, text: str, eval_yaml: str | None = None) -> Path | None:
@@ -173,15 +178,22 @@ def reusable(grid: Grid, r: RunSpec, text: str, eval_yaml: str | None = None) ->
     return None
 
 
+def _bare(c: Path, grid: Grid, u: Unit) -> bool:
+    """Run dir ``c`` of another grid finished ``u``'s config (no drift) but is not reusable: its weights are
+    gone and some evaluation this grid asks for is missing there."""
+    saved = c / "config.yaml"
+    return (c / DONE).exists() and saved.exists() and not _drift(saved.read_text(), u.config_yaml) \
+        and not any((c / "checkpoints").glob("ckpt-*/model")) and not _evaluated(c, grid, u.eval_config_yaml)
+
+
 def reuse_notes(grid: Grid, units: list[Unit]) -> list[str]:
     """Why ``reuse:`` copies less than it could: a work dir that does not exist, and runs to train although a
     finished run of the same config lies in a reuse dir without its weights and without some evaluation this
     grid asks for (checkpoints are not committed: on a fresh clone such a run is trained again)."""
     out = [f"reuse: {w} does not exist here (nothing is reused from it)" for w in grid.reuse if not (w / "runs").is_dir()]
     for w in (w for w in grid.reuse if (w / "runs").is_dir()):
-        bare = [u.name for u in units if u.train and u.run is not None and any(
-            (c / DONE).exists() and not any((c / "checkpoints").glob("ckpt-*/model"))
-            and not _evaluated(c, grid, u.eval_config_yaml) for c in (w / "runs").glob(f"*-{u.run.key[:8]}"))]
+        bare = [u.name for u in units if u.train and u.run is not None
+                and any(_bare(c, grid, u) for c in (w / "runs").glob(f"*-{u.run.key[:8]}"))]
         if bare:
             out.append(f"reuse: {len(bare)} run(s) to train here finished in {w} with the same config but without "
                        f"their weights (checkpoints are not committed): trained again, e.g. {bare[0]}")
@@ -214,7 +226,10 @@ def plan(grid: Grid, work: Path, *, rename: bool = False, arms: Sequence[str] | 
             (d / REUSED).write_text(json.dumps({"from": str(src), "evals_dropped": dropped}, indent=1))
             done = True
         drift = tuple(_drift((d / "config.yaml").read_text(), text)) if done and (d / "config.yaml").exists() else ()
-        evals = [e for e in grid.evals if not _eval_done(d, e, eval_yaml[r.setting])]
+        if src is not None and not rename:  # a plan only: what the copy will hold
+            evals = [e for e in grid.evals if not _kept(src, e, eval_yaml[r.setting])]
+        else:
+            evals = [e for e in grid.evals if not _eval_done(d, e, eval_yaml[r.setting])]
         retrain = done and bool(evals) and not any(d.glob("checkpoints/ckpt-*/model"))
         if retrain:  # old evaluations belong to the lost weights: redo them all on the retrained ones
             evals, drift = list(grid.evals), ()

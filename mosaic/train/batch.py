@@ -100,7 +100,7 @@ def advantage_batch(trajs: Sequence[Trajectory], gains=None, *, count_kinds: Seq
         if turn_gains is not None:
             turns["turn_gains"] = torch.as_tensor(turn_gains, dtype=torch.float32)
         if context_budget is not None:
-            budgets = {"main": context_budget} if isinstance(context_budget, int) else dict(context_budget)
+            budgets = dict(context_budget) if isinstance(context_budget, Mapping) else {"main": context_budget}
             kinds = fb.kinds[layout.session]
             over = np.zeros(len(layout.session), dtype=bool)
             for kind, cap in budgets.items():

@@ -35,7 +35,7 @@ gains exist only when the trained estimator scored them.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from mosaic.trace.graph import Trajectory
 from mosaic.trace.rows import TurnLayout, turn_layout
@@ -55,7 +55,7 @@ _MIN_PREFIX = 32
 
 
 def all_estimator_advantages(trajs: Sequence[Trajectory], params: EstimatorParams, *, gains=None, turn_gains=None,
-                             layout: TurnLayout | None = None, context_budget: int | dict[str, int] | None = None,
+                             layout: TurnLayout | None = None, context_budget: int | Mapping[str, int] | None = None,
                              count_kinds: Sequence[str] | None = None, downstream=None,
                              ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:  # fmt: skip
     """Every registered estimator on one batch: ``({name: (S,) or (U,) advantages}, {name: why not})``.

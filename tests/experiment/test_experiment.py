@@ -261,6 +261,8 @@ def test_a_run_without_weights_is_reused_when_it_has_every_evaluation_this_grid_
             (d / "evals" / f"{e.name}.json").write_text(json.dumps({"key": e.key(), "eval_config": ours}))
             (d / "evals" / f"{e.name}.jsonl").write_text("")
     second = parse_grid({**QUICK_GRID, "reuse": [str(first)]})
+    planned = {u.run.key: u for u in plan(second, tmp_path / "second") if u.run}
+    assert planned[full.key].reuse_from is not None and planned[full.key].evals == []  # a plan says the copy's
     print_plan(second, plan(second, tmp_path / "second"), tmp_path / "second", 1)
     assert "1 run(s) to train here finished in" in capsys.readouterr().out  # the partial one only
     by_key = {u.run.key: u for u in plan(second, tmp_path / "second", rename=True) if u.run}
@@ -273,6 +275,10 @@ def test_a_run_without_weights_is_reused_when_it_has_every_evaluation_this_grid_
     e = g.evals[-1]
     (run_dir(first, full) / "evals" / f"{e.name}.json").write_text(json.dumps({"key": e.key(), "eval_config": theirs}))
     again = {u.run.key: u for u in plan(second, tmp_path / "third") if u.run}
+    assert again[full.key].reuse_from is None and again[full.key].train
+    # and one that recorded no config (made before evaluations recorded theirs) is not taken on trust either
+    (run_dir(first, full) / "evals" / f"{e.name}.json").write_text(json.dumps({"key": e.key()}))
+    again = {u.run.key: u for u in plan(second, tmp_path / "fourth") if u.run}
     assert again[full.key].reuse_from is None and again[full.key].train
 
 
