@@ -164,16 +164,25 @@ def _evaluated(d: Path, grid: Grid, eval_yaml: str) -> bool:
     return all(_kept(d, e, eval_yaml) for e in grid.evals)
 
 
+def _finished_as(d: Path, text: str) -> bool:
+    """Run dir ``d`` finished training the config ``text`` (its saved config, no drift)."""
+    saved = d / "config.yaml"
+    return (d / DONE).exists() and saved.exists() and not _drift(saved.read_text(), text)
+
+
+def _has_weights(d: Path) -> bool:
+    """Run dir ``d`` still holds a checkpoint's model (checkpoints are not committed)."""
+    return any(d.glob("checkpoints/ckpt-*/model"))
+
+
 def reusable(grid: Grid, r: RunSpec, text: str, eval_yaml: str | None = None) -> Path | None:
     """A finished run of ``r``'s config (same key, no drift) in a ``reuse`` work dir that has its weights (a
     final checkpoint) or, without them (checkpoints are not committed), every evaluation this grid asks for,
     run under ``eval_yaml``: nothing is left to do with the weights, so its results are reused as they are."""
     for w in grid.reuse:
         for cand in sorted((w / "runs").glob(f"*-{r.key[:8]}")):
-            saved = cand / "config.yaml"
-            if (cand / DONE).exists() and saved.exists() and not _drift(saved.read_text(), text) and (
-                    any((cand / "checkpoints").glob("ckpt-*/model"))
-                    or (eval_yaml is not None and _evaluated(cand, grid, eval_yaml))):  # fmt: skip
+            if _finished_as(cand, text) and (
+                    _has_weights(cand) or (eval_yaml is not None and _evaluated(cand, grid, eval_yaml))):
                 return cand
     return None
 
@@ -181,9 +190,7 @@ def reusable(grid: Grid, r: RunSpec, text: str, eval_yaml: str | None = None) ->
 def _bare(c: Path, grid: Grid, u: Unit) -> bool:
     """Run dir ``c`` of another grid finished ``u``'s config (no drift) but is not reusable: its weights are
     gone and some evaluation this grid asks for is missing there."""
-    saved = c / "config.yaml"
-    return (c / DONE).exists() and saved.exists() and not _drift(saved.read_text(), u.config_yaml) \
-        and not any((c / "checkpoints").glob("ckpt-*/model")) and not _evaluated(c, grid, u.eval_config_yaml)
+    return _finished_as(c, u.config_yaml) and not _has_weights(c) and not _evaluated(c, grid, u.eval_config_yaml)
 
 
 def reuse_notes(grid: Grid, units: list[Unit]) -> list[str]:
@@ -230,7 +237,7 @@ def plan(grid: Grid, work: Path, *, rename: bool = False, arms: Sequence[str] | 
             evals = [e for e in grid.evals if not _kept(src, e, eval_yaml[r.setting])]
         else:
             evals = [e for e in grid.evals if not _eval_done(d, e, eval_yaml[r.setting])]
-        retrain = done and bool(evals) and not any(d.glob("checkpoints/ckpt-*/model"))
+        retrain = done and bool(evals) and not _has_weights(d)
         if retrain:  # old evaluations belong to the lost weights: redo them all on the retrained ones
             evals, drift = list(grid.evals), ()
         units.append(Unit(r.name, d, (not done and src is None) or retrain, evals, text, eval_yaml[r.setting], r,
