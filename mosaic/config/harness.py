@@ -92,15 +92,15 @@ class HarnessConfig:
     resume_template: str = DEFAULT_RESUME_TEMPLATE
     """A post-compaction main session's user message; ``{question}`` and ``{summary}``."""
     reset_k: int = 4
-    """``mode=reset``: tool calls (actions) per session, HMA's cap; the session then ends and the next starts
-    from a fresh context (``reset_cap``)."""
+    """``mode=reset``: tool calls (actions) per session, HMA's cap, at least 2; the session then ends and the
+    next starts from a fresh context (``reset_cap``)."""
     reset_context_budget: int = 1024
     """``mode=reset``: a reset session's context budget (0 = ``context_budget``). Its prompt carries three
     tools and the notes, and a session needs room for a few searches and notes before its context
     resets; at the cpu preset's 512 tokens the scripted expert cannot note what a search found."""
     workspace_chars: int = 600
-    """``mode=reset``: the notes workspace's size budget in characters; a note that would exceed it is
-    refused with an error the model reads (``workspace_full``, counted)."""
+    """``mode=reset``: the notes workspace's size budget in characters, at least 32; a note that would exceed
+    it is refused with an error the model reads (``workspace_full``, counted)."""
     reset_template: str = DEFAULT_RESET_TEMPLATE
     """A reset session's user message; ``{question}``, ``{notes}`` (the rendered workspace) and ``{k}``."""
     reset_roles: tuple[str, ...] = ()
@@ -140,7 +140,8 @@ class HarnessConfig:
             need(self.max_sessions >= 3, "max_sessions", "compaction needs room for main → compaction → main")
         need(isinstance(self.reset_k, int) and self.reset_k >= 2, "reset_k",
              "must be an int >= 2 (a session needs room to find something and note it)")
-        need(isinstance(self.workspace_chars, int) and self.workspace_chars >= 1, "workspace_chars", "must be an int >= 1")
+        need(isinstance(self.workspace_chars, int) and self.workspace_chars >= 32, "workspace_chars",
+             "must be an int >= 32 (room for one short note; a smaller workspace refuses every note)")
         need("{question}" in self.reset_template and "{notes}" in self.reset_template,
              "reset_template", "must contain {question} and {notes}")
         need(len(self.reset_roles) in (0, 2) and all(isinstance(r, str) and r.strip() for r in self.reset_roles),
@@ -167,6 +168,17 @@ class HarnessConfig:
     @property
     def resets(self) -> bool:
         return self.mode == "reset"
+
+    def idle_reset_note(self, ref: "HarnessConfig") -> str | None:
+        """A note naming the reset-only settings changed from ``ref`` (the preset's) when the harness does not
+        reset, where they run and do nothing (``reset_roles`` and ``partner`` are refused there instead)."""
+        idle = [f"harness.{k}" for k in ("reset_k", "reset_context_budget", "workspace_chars", "reset_template")
+                if getattr(self, k) != getattr(ref, k)]
+        if self.resets or not idle:
+            return None
+        one = len(idle) == 1
+        return (f"{', '.join(idle)} only act{'s' if one else ''} under harness.mode=reset; with "
+                f"harness.mode={self.mode} {'it changes' if one else 'they change'} nothing")
 
     def tools(self, depth: int = 0) -> tuple[str, ...]:
         if self.resets:

@@ -120,14 +120,9 @@ def train_notes(cfg) -> list[str]:
     from mosaic.core.estimators import ESTIMATORS
 
     notes = []
-    if not cfg.harness.resets:  # reset_roles and partner are refused there; these run, and do nothing
-        ref = load_config(cfg.preset).harness
-        idle = [f"harness.{k}" for k in ("reset_k", "reset_context_budget", "workspace_chars", "reset_template")
-                if getattr(cfg.harness, k) != getattr(ref, k)]
-        if idle:
-            one = len(idle) == 1
-            notes.append(f"{', '.join(idle)} only act{'s' if one else ''} under harness.mode=reset; with "
-                         f"harness.mode={cfg.harness.mode} {'it changes' if one else 'they change'} nothing")
+    idle = cfg.harness.idle_reset_note(load_config(cfg.preset).harness)
+    if idle:
+        notes.append(idle)
     base = cfg.model.base or f"{cfg.model.embedded_preset}-base"
     if cfg.harness.resets and cfg.model.source == "base" and base == "tiny-base":
         notes.append("harness.mode=reset with model.base=tiny-base: that base never saw context resets (about 2 % "

@@ -54,6 +54,11 @@ _MIN_PREFIX = 32
 """A prompt's shared prefix shorter than this is stored in full (a fork's prompt shares a few template tokens)."""
 
 
+
+def _as_list(v):
+    return list(v) if isinstance(v, (list, tuple)) else v
+
+
 def all_estimator_advantages(trajs: Sequence[Trajectory], params: EstimatorParams, *, gains=None, turn_gains=None,
                              layout: TurnLayout | None = None, context_budget: int | Mapping[str, int] | None = None,
                              count_kinds: Sequence[str] | None = None, downstream=None,
@@ -178,8 +183,8 @@ def _session_record(t: Trajectory, s, flat: int, u_off: list[int], adv: dict, le
     elif s.edge == "forks" and sb is not None and sb.session == s.parent and sb.upto is not None:
         rec["fork_at"] = sb.upto  # (records without forked_at: the merge-mode state before is the same point)
     if "notes_before" in s.meta or "notes_after" in s.meta:  # a reset session's workspace (mode=reset)
-        rec["notes"] = {"before": list(s.meta.get("notes_before", [])),
-                        "after": list(s.meta.get("notes_after", []))}
+        rec["notes"] = {"before": _as_list(s.meta.get("notes_before", [])),  # (a hand-edited non-list is
+                        "after": _as_list(s.meta.get("notes_after", []))}  # kept as is: the viewer names it)
     if type(s.meta.get("role")) is int:  # one of two alternating roles (harness.reset_roles), who played it
         rec["role"] = {"index": s.meta["role"], "text": str(s.meta.get("role_text", "")),
                        "partner": s.meta.get("partner")}  # fmt: skip

@@ -23,7 +23,8 @@ def register(sub) -> None:
     p.add_argument("-o", "--out", metavar="HTML",
                    help="output page (default: <run dir>/view.html, or the file's name with .html)")
     p.add_argument("--tokenizer", metavar="DIR",
-                   help="model/tokenizer directory to print token ids with (default: vocab.json beside the data)")
+                   help="model/tokenizer directory to print token ids with (default: vocab.json beside the data; a "
+                        "`mosaic rollout` file has one when it was written with --save-tokenizer DIR: pass that DIR)")
     p.add_argument("--max-trajectories", type=int, metavar="N", help="keep only the last N trajectories")
     p.set_defaults(func=_run)
 

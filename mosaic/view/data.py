@@ -24,6 +24,7 @@ import base64
 import json
 import math
 import sys
+import warnings
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -39,7 +40,8 @@ def _jsonl(path: Path) -> Iterable[tuple[int, dict]]:
     own readers do (said on stderr); a line that is not a JSON object anywhere else, or bytes that are not
     UTF-8, is a :class:`ViewError` naming the line."""
     try:
-        lines = path.read_bytes().split(b"\n")
+        data = path.read_bytes()
+        lines = data.split(b"\n")
     except IsADirectoryError:
         raise ViewError(f"{path}: is a directory, not a JSONL file") from None
     last = max((i for i, ln in enumerate(lines) if ln.strip()), default=-1)
@@ -52,7 +54,8 @@ def _jsonl(path: Path) -> Iterable[tuple[int, dict]]:
         except UnicodeDecodeError:
             raise ViewError(f"{path}:{n}: not UTF-8 text (expected a JSONL file of samples or trajectories)") from None
         except (json.JSONDecodeError, RecursionError):
-            if i == last and not raw.endswith(b"}"):  # a line cut by a kill: skipped like the trainer's readers do
+            if i == last and not data.rstrip(b" \t\r").endswith(b"\n"):  # cut by a kill (no newline after it):
+                # skipped, as the trainer's readers do; a whole line that is not JSON is an error below
                 print(f"mosaic view: {path}:{n}: the last line is cut ({len(raw)} bytes, a writer killed mid-line?); "
                       f"skipped", file=sys.stderr)
                 continue
@@ -99,6 +102,11 @@ def _check_session(s, k: int) -> None:
     if r is not None and not (isinstance(r, dict) and type(r.get("index")) is int and isinstance(r.get("text", ""), str)
                               and (r.get("partner") is None or isinstance(r.get("partner"), str))):  # fmt: skip
         raise ViewError(f"sessions[{k}].role: must be {{index: int, text: str, partner: str or null}}, got {r!r}")
+    n = s.get("notes")
+    texts = (lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v))  # noqa: E731
+    if n is not None and not (isinstance(n, dict) and texts(n.get("before", [])) and texts(n.get("after", []))):
+        raise ViewError(f"sessions[{k}].notes: must be {{before: [text], after: [text]}} (a reset session's notes), "
+                        f"got {str(n)[:80]}")
     if s.get("downstream") is not None and not _numbers([s["downstream"]]):
         raise ViewError(f"sessions[{k}].downstream: must be a number or null")
     if s.get("downstream_how") is not None and s["downstream_how"] not in DOWNSTREAM_HOW:
@@ -206,19 +214,27 @@ def _pieces_from(vocab: Path | None, tokenizer: str | None) -> list[str]:
 def _rollout_samples(path: Path) -> list[dict]:
     """A trajectory file as sample records: advantages from the graph, one batch, default knobs."""
     from mosaic.core.estimators import EstimatorParams
-    from mosaic.trace import load_trajectories
+    from mosaic.trace import TornLineWarning, load_trajectories
     from mosaic.train.samples import all_estimator_advantages, sample_records
 
-    trajs = load_trajectories(path)
+    with warnings.catch_warnings(record=True) as caught:  # a torn last line: one line on stderr, as for samples
+        warnings.simplefilter("always", TornLineWarning)
+        trajs = load_trajectories(path)
+    for w in caught:
+        print(f"mosaic view: {w.message}", file=sys.stderr)
     if not trajs:
         raise ViewError(f"{path}: no trajectories")
     advs, why = all_estimator_advantages(trajs, EstimatorParams())
     if "fold" in why:
         why["fold"] = "needs the context budget (not recorded in a rollouts file)"
     recs = sample_records(trajs, range(len(trajs)), step=0, estimator=None, advantages=advs, unavailable=why)
-    for r in recs:
+    for i, r in enumerate(recs):
         for s in r["sessions"]:
             s["gain"] = None
+        try:
+            check_sample(r)
+        except ViewError as exc:
+            raise ViewError(f"{path}: trajectory {i + 1} ({trajs[i].id}): {exc}") from None
     return recs
 
 

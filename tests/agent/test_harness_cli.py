@@ -88,6 +88,19 @@ def test_rollout_a_reset_budget_that_cannot_hold_a_session_is_a_config_error(tmp
     assert "config error: config key 'harness.max_new_tokens': must be < reset_context_budget" in capsys.readouterr().err
 
 
+def test_rollout_notes_reset_only_settings_under_another_mode(tmp_path, capsys):
+    """As mosaic train does: harness.reset_k under compaction runs and changes nothing, so it is said."""
+    out = tmp_path / "x.jsonl"
+    assert main(["rollout", "--policy", "expert", "--preset", "cpu", "--n-tasks", "2", "--out", str(out),
+                 "--no-progress", "harness.reset_k=3", "harness.workspace_chars=400"]) == 0
+    err = capsys.readouterr().err
+    assert ("mosaic rollout: note: harness.reset_k, harness.workspace_chars only act under harness.mode=reset; "
+            "with harness.mode=compaction they change nothing") in err
+    assert main(["rollout", "--policy", "expert", "--preset", "cpu", "--mode", "reset", "--n-tasks", "2",
+                 "--out", str(out), "--no-progress", "harness.reset_k=3"]) == 0
+    assert "only act" not in capsys.readouterr().err
+
+
 @pytest.mark.slow  # builds, saves and loads a model: ~20 s alone, minutes on a loaded machine
 def test_rollout_local_model(tmp_path):
     embedded = pytest.importorskip("mosaic.agent.models.embedded")

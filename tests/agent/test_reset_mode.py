@@ -127,6 +127,8 @@ def test_the_workspace_round_trips_through_jsonl_and_parquet(chat, tmp_path):
 def test_config_checks():
     with pytest.raises(ValueError, match="reset_k"):
         HarnessConfig(mode="reset", reset_k=1)
+    with pytest.raises(ValueError, match="workspace_chars.*refuses every note"):  # (1 char: every note refused)
+        HarnessConfig(mode="reset", workspace_chars=31)
     with pytest.raises(ValueError, match="reset_template"):
         HarnessConfig(mode="reset", reset_template="no placeholders")
     with pytest.raises(ValueError, match="must be < reset_context_budget"):

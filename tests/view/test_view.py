@@ -126,7 +126,8 @@ def test_a_tokenizer_prints_the_ids_when_no_vocab_is_beside_the_file(tmp_path):
     (b"[1, 2]\n42\n", "a JSON list, not an object"),
     (b"hello world\nnot json\n", "g.x:1: not a JSON line"),
     (b'{"schema": "mosaic.sample"}\n{"broken\n{"schema": "mosaic.sample"}\n', "g.x:2: not a JSON line"),
-], ids=["binary", "not-objects", "text", "corrupt-middle-line"])
+    (b"garbage\n", "g.x:1: not a JSON line"),  # a whole line (newline after it): not a cut one
+], ids=["binary", "not-objects", "text", "corrupt-middle-line", "one-whole-non-json-line"])
 def test_a_file_that_is_not_samples_is_one_line_naming_it(tmp_path, capsys, content, said):
     f = tmp_path / "g.x"
     f.write_bytes(content)
@@ -284,3 +285,34 @@ def test_a_malformed_role_is_named(role):
     check_sample({"sessions": [{**ok, "role": {"index": 0, "text": "searcher", "partner": None}}]})
     with pytest.raises(ViewError, match=r"sessions\[0\]\.role"):
         check_sample({"sessions": [{**ok, "role": role}]})
+
+
+def test_a_rollouts_file_with_a_cut_last_line_is_one_line_on_stderr(tmp_path, capsys):
+    """As for samples.jsonl: a word on stderr, not a Python warning with its source line."""
+    import warnings
+
+    path = tmp_path / "rollouts.jsonl"
+    write_jsonl(path, _trajs())
+    (tmp_path / "vocab.json").write_text(json.dumps({"pieces": _pieces()}))
+    path.write_text(path.read_text() + '{"schema": "mosaic.traj')
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert len(load_view(path)["samples"]) == 3
+    err = capsys.readouterr().err
+    assert err.startswith("mosaic view: ") and "torn last line" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("notes", ["oops", {"before": "oops"}, {"after": [1]}])
+def test_malformed_reset_notes_are_named_not_shown_as_letters(tmp_path, notes):
+    from mosaic.view.data import check_sample
+
+    ok = {"kind": "reset", "parent": None, "prompt": [1], "completion": [2], "mask": [0, 1]}
+    check_sample({"sessions": [{**ok, "notes": {"before": ["a fact"], "after": []}}]})
+    with pytest.raises(ViewError, match=r"sessions\[0\]\.notes"):
+        check_sample({"sessions": [{**ok, "notes": notes}]})
+    trajs = _trajs()  # a hand-edited rollouts file: notes_before a string (was shown as ["o","o","p","s"])
+    trajs[0].sessions[0].meta["notes_before"] = "oops"
+    write_jsonl(tmp_path / "r.jsonl", trajs)
+    (tmp_path / "vocab.json").write_text(json.dumps({"pieces": _pieces()}))
+    with pytest.raises(ViewError, match=r"trajectory 1 \(a\): sessions\[0\]\.notes"):
+        load_view(tmp_path / "r.jsonl")
