@@ -54,7 +54,6 @@ _MIN_PREFIX = 32
 """A prompt's shared prefix shorter than this is stored in full (a fork's prompt shares a few template tokens)."""
 
 
-
 def _as_list(v):
     return list(v) if isinstance(v, (list, tuple)) else v
 

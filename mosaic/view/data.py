@@ -80,6 +80,10 @@ def _numbers(v) -> bool:
     return isinstance(v, list) and all(num(x) for x in v)
 
 
+def _texts(v) -> bool:
+    return isinstance(v, list) and all(isinstance(x, str) for x in v)
+
+
 def _check_session(s, k: int) -> None:
     """The fields the page computes with (the others are only shown, escaped)."""
     if not isinstance(s, dict):
@@ -103,8 +107,7 @@ def _check_session(s, k: int) -> None:
                               and (r.get("partner") is None or isinstance(r.get("partner"), str))):  # fmt: skip
         raise ViewError(f"sessions[{k}].role: must be {{index: int, text: str, partner: str or null}}, got {r!r}")
     n = s.get("notes")
-    texts = (lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v))  # noqa: E731
-    if n is not None and not (isinstance(n, dict) and texts(n.get("before", [])) and texts(n.get("after", []))):
+    if n is not None and not (isinstance(n, dict) and _texts(n.get("before", [])) and _texts(n.get("after", []))):
         raise ViewError(f"sessions[{k}].notes: must be {{before: [text], after: [text]}} (a reset session's notes), "
                         f"got {str(n)[:80]}")
     if s.get("downstream") is not None and not _numbers([s["downstream"]]):
