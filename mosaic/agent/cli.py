@@ -236,12 +236,6 @@ def _shared(args: argparse.Namespace):
     return shared
 
 
-def _preset_harness(shared) -> HarnessConfig:
-    from mosaic.config.loader import load_config
-
-    return load_config(shared.preset).harness
-
-
 def _split(args: argparse.Namespace, shared, cfg):
     """The split to roll out: deep search's (its world cached under ``data.cache_dir``) or the service
     family's episodes (``data.family=service``); one line for what cannot run."""
@@ -264,6 +258,11 @@ def _run(args: argparse.Namespace) -> int:
     shared = _shared(args)  # first: --help-config / --print-config need nothing else
     _check_args(args)
     cfg, noise = _configs(args, shared.harness)
+    from mosaic.config.loader import load_config  # (lazy, as before: rollout's --help stays light)
+
+    idle = cfg.idle_reset_note(load_config(shared.preset).harness)
+    if idle:  # said before any work, as mosaic train says it
+        print(f"mosaic rollout: note: {idle}", file=sys.stderr)
     seed = shared.train.seed
     temperature = shared.rollout.temperature if args.temperature is None else args.temperature
     top_p = shared.rollout.top_p if args.top_p is None else args.top_p
@@ -300,9 +299,6 @@ def _run(args: argparse.Namespace) -> int:
     elif cfg.partner == "frozen":
         partner = policy
     harness = Harness(policy, chat, make_env(split), cfg, partner=partner)
-    idle = cfg.idle_reset_note(_preset_harness(shared))
-    if idle:  # as mosaic train says it
-        print(f"mosaic rollout: note: {idle}", file=sys.stderr)
     out = Path(args.out)
     if out.is_file() and out.stat().st_size:  # a second run appended to the first: duplicate trajectory ids
         print(f"mosaic rollout: --out {out} exists; overwriting it", file=sys.stderr)
